@@ -1,0 +1,38 @@
+# kestrel-runtime developer targets. `make help` lists them.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: help run test test-fast lint typecheck check clean
+
+help: ## list targets
+	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP) ## create .venv and install kestrel with its dev tools
+
+run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the demo workload
+	$(BIN)/kestrel-runtime demo
+
+test: $(STAMP) ## the whole test suite (starts its own PostgreSQL)
+	$(BIN)/pytest -q
+
+test-fast: $(STAMP) ## unit tests only, no database
+	$(BIN)/pytest -q tests/unit
+
+lint: $(STAMP) ## ruff
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(STAMP) ## mypy --strict on src
+	$(BIN)/mypy
+
+check: lint typecheck test-fast ## lint + typecheck + unit tests
+
+clean: ## remove the virtualenv and the embedded database
+	rm -rf $(VENV) .kestrel

@@ -1,0 +1,24 @@
+-- name: submit
+SELECT __schema__.submit(%(workflow)s, %(args)s::jsonb, %(queue)s, %(priority)s,
+                         %(idempotency_key)s, %(id)s);
+
+-- name: get_execution
+-- One execution wherever it lives: the hot queue while live, history once finished.
+SELECT id, workflow, queue, priority, status, args, NULL::jsonb AS result, NULL::jsonb AS error,
+       attempts, lease_epoch, created_at, started_at, NULL::timestamptz AS finished_at
+  FROM __schema__.workflow_executions WHERE id = %(id)s
+UNION ALL
+SELECT id, workflow, queue, priority, status, args, result, error,
+       attempts, lease_epoch, created_at, started_at, finished_at
+  FROM __schema__.workflow_history WHERE id = %(id)s;
+
+-- name: list_steps
+SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
+  FROM __schema__.operation_outputs
+ WHERE execution_id = %(id)s
+ ORDER BY step_id;
+
+-- name: count_by_status
+SELECT status, count(*) FROM __schema__.workflow_executions GROUP BY status
+UNION ALL
+SELECT status, count(*) FROM __schema__.workflow_history GROUP BY status;

@@ -1,0 +1,85 @@
+-- Hot-path statements on workflow_executions. Each is one round trip; every write a worker
+-- makes carries the lease epoch it claimed with and matches zero rows once superseded.
+
+-- name: claim_batch
+-- Claim up to %(limit)s due executions: lock candidates with SKIP LOCKED in a CTE (not
+-- `IN (SELECT … LIMIT)`, which the planner may re-evaluate and over-claim), flip them to
+-- running, bump the epoch, and return each with its recorded checkpoints so a replay needs
+-- no second round trip.
+WITH candidate AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE status = 'queued'
+       AND queue = ANY(%(queues)s::text[])
+     ORDER BY priority DESC, created_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'running',
+           lease_epoch = e.lease_epoch + 1,
+           lease_owner = %(owner)s,
+           lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
+           attempts = e.attempts + 1,
+           started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+           updated_at = __schema__.kestrel_now()
+      FROM candidate
+     WHERE e.id = candidate.id
+ RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.created_at
+)
+SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
+       (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
+                         ORDER BY o.step_id)
+          FROM __schema__.operation_outputs AS o
+         WHERE o.execution_id = c.id) AS steps
+  FROM claimed AS c;
+
+-- name: heartbeat
+-- Extend every lease this process holds in one statement. Ids missing from the result were
+-- lost (expired and swept, or re-claimed under a newer epoch): the worker drops them.
+UPDATE __schema__.workflow_executions AS e
+   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
+  FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[]) AS held(id, epoch)
+ WHERE e.id = held.id
+   AND e.lease_epoch = held.epoch
+   AND e.status = 'running'
+RETURNING e.id;
+
+-- name: complete_batch
+-- Finish many executions at once: delete the hot rows still owned under the given epoch and
+-- append them to history in the same statement, so each execution is always in exactly one
+-- place. Returns the ids that were finished; the others were fenced.
+WITH finished(id, epoch, status, result, error) AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(statuses)s::text[],
+                         %(results)s::jsonb[], %(errors)s::jsonb[])
+), removed AS (
+    DELETE FROM __schema__.workflow_executions AS e
+     USING finished AS f
+     WHERE e.id = f.id
+       AND e.lease_epoch = f.epoch
+       AND e.status = 'running'
+ RETURNING e.*, f.status AS final_status, f.result AS final_result, f.error AS final_error
+)
+INSERT INTO __schema__.workflow_history
+       (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+        lease_epoch, attempts, created_at, started_at, finished_at)
+SELECT id, workflow, queue, priority, final_status, args, final_result, final_error,
+       idempotency_key, lease_epoch, attempts, created_at, started_at, __schema__.kestrel_now()
+  FROM removed
+RETURNING id;
+
+-- name: release_batch
+-- Give executions back to the queue without waiting for their leases to expire (drain on
+-- shutdown). The claim already counted as an attempt, so undo that count: a clean release
+-- must not push a healthy execution toward quarantine.
+UPDATE __schema__.workflow_executions AS e
+   SET status = 'queued',
+       lease_owner = NULL,
+       lease_expires_at = NULL,
+       attempts = greatest(e.attempts - 1, 0),
+       updated_at = __schema__.kestrel_now()
+  FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[]) AS held(id, epoch)
+ WHERE e.id = held.id
+   AND e.lease_epoch = held.epoch
+   AND e.status = 'running'
+RETURNING e.id;

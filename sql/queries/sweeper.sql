@@ -1,0 +1,46 @@
+-- name: reenqueue_expired
+-- Recover executions whose lease expired (the worker died, froze or lost the database).
+-- FOR UPDATE re-checks the predicate on the newest row version, so a row its owner just
+-- heartbeated, completed or that another worker re-claimed is left alone (River #1302).
+-- An execution claimed max_attempts times without finishing is quarantined: moved to history
+-- with the reason, never claimed again. Bounded by %(limit)s; callers loop while full.
+WITH expired AS (
+    SELECT id, attempts
+      FROM __schema__.workflow_executions
+     WHERE status = 'running'
+       AND lease_expires_at < __schema__.kestrel_now()
+     ORDER BY lease_expires_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), requeued AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'queued',
+           lease_owner = NULL,
+           lease_expires_at = NULL,
+           updated_at = __schema__.kestrel_now()
+      FROM expired AS x
+     WHERE e.id = x.id AND x.attempts < %(max_attempts)s
+ RETURNING e.id
+), poisoned AS (
+    DELETE FROM __schema__.workflow_executions AS e
+     USING expired AS x
+     WHERE e.id = x.id AND x.attempts >= %(max_attempts)s
+ RETURNING e.*
+), quarantined AS (
+    INSERT INTO __schema__.workflow_history
+           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+            lease_epoch, attempts, created_at, started_at, finished_at)
+    SELECT id, workflow, queue, priority, 'quarantined', args, NULL,
+           jsonb_build_object(
+               'type', 'Quarantined',
+               'message', format('claimed %%s times without finishing (max_attempts = %%s): '
+                                 'the execution keeps losing its worker',
+                                 attempts, %(max_attempts)s)),
+           idempotency_key, lease_epoch, attempts, created_at, started_at,
+           __schema__.kestrel_now()
+      FROM poisoned
+    RETURNING id
+)
+SELECT (SELECT count(*) FROM requeued) AS requeued,
+       (SELECT count(*) FROM quarantined) AS quarantined,
+       (SELECT count(*) FROM expired) AS examined;

@@ -1,0 +1,78 @@
+"""JSON encoding of arguments, step outputs and results.
+
+Values are stored as ``jsonb``. A value is accepted only if it survives the trip: orjson
+rejects sets, arbitrary objects, lone surrogates, integers beyond 64 bits and nesting deeper
+than its limit; this module also rejects what orjson would silently change (``NaN`` and
+``±Infinity`` become ``null``) and what ``jsonb`` refuses (``\\u0000`` in a string), and
+anything over the size cap. The check happens before anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import orjson
+
+from kestrel.errors import PayloadTooLarge, SerializationError
+
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
+"""Largest encoded argument list, step output or result accepted (16 MiB)."""
+
+_NUL = b"\\u0000"
+# Refuse instead of silently converting: a datetime or dataclass would come back as a string
+# or a dict, so a replay would not return what the live run was given.
+_STRICT = (
+    orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
+
+def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> str:
+    """Return *value* as JSON text ready for a ``jsonb`` parameter.
+
+    *what* names the value in errors ("arguments of workflow 'x'", "output of step 'y'").
+
+    Raises:
+        SerializationError: the value would not read back unchanged.
+        PayloadTooLarge: the encoding is longer than *max_bytes*.
+    """
+    try:
+        data = orjson.dumps(value, option=_STRICT)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        raise SerializationError(f"{what} is not JSON-serializable: {exc}") from None
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(
+            f"{what} is {len(data)} bytes encoded, over the cap of {max_bytes} bytes"
+        )
+    if _NUL in data:
+        raise SerializationError(
+            f"{what} contains a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
+        )
+    # orjson writes NaN and ±Infinity as null: a value that changes on the way in must be
+    # refused, not stored. Only floats can do that, so only look when a null was written.
+    if b"null" in data:
+        bad = _find_non_finite(value)
+        if bad is not None:
+            raise SerializationError(f"{what} contains {bad}, which JSON cannot represent")
+    return data.decode()
+
+
+def decode(data: str | bytes) -> Any:
+    """Parse JSON text read from the database."""
+    return orjson.loads(data)
+
+
+def _find_non_finite(value: Any) -> str | None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return repr(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return None

@@ -1,0 +1,221 @@
+"""Runtime settings: one table of knobs read from flags, environment and a config file.
+
+Precedence, highest first: command-line flag, ``KESTREL_<NAME>`` environment variable, key in
+the TOML config file (``--config`` / ``KESTREL_CONFIG``), built-in default. Every knob is
+validated before anything starts; an invalid one raises :class:`ConfigError` naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from kestrel.errors import ConfigError
+
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+
+
+def _queues(text: str) -> tuple[str, ...]:
+    return tuple(q.strip() for q in text.split(",") if q.strip())
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if text.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Knob:
+    """One setting: its flag, environment variable and config-file key derive from *name*."""
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    metavar: str = ""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "KESTREL_" + self.name.upper()
+
+
+KNOBS: tuple[Knob, ...] = (
+    Knob("dsn", str, "PostgreSQL connection string. Without one (and without PG* variables) "
+         "an embedded PostgreSQL is started in --data-dir.", "DSN"),
+    Knob("schema", str, "Schema holding every kestrel table and function.", "NAME"),
+    Knob("app", str, "Comma-separated modules to import; they register the workflows.",
+         "MODULES"),
+    Knob("procs", int, "Worker processes forked by the supervisor.", "N"),
+    Knob("concurrency", int, "Executions each worker process runs at once.", "N"),
+    Knob("batch_size", int, "Most executions one claim statement takes.", "N"),
+    Knob("lease", float, "Lease length in seconds: a silent worker's executions are "
+         "recovered this long after its last heartbeat.", "SECONDS"),
+    Knob("heartbeat", float, "Seconds between heartbeats; must be under --lease.", "SECONDS"),
+    Knob("poll_interval", float, "Seconds between claim polls when idle (jittered ±20%%); "
+         "LISTEN/NOTIFY usually wakes workers sooner.", "SECONDS"),
+    Knob("sweep_interval", float, "Seconds between sweeps for expired leases.", "SECONDS"),
+    Knob("queues", _queues, "Comma-separated queues this runtime claims from.", "Q1,Q2"),
+    Knob("max_attempts", int, "Claims an execution may use without finishing before it is "
+         "quarantined (its worker keeps dying).", "N"),
+    Knob("drain_timeout", float, "On SIGTERM, seconds to let running executions finish "
+         "before releasing their leases.", "SECONDS"),
+    Knob("max_payload_bytes", int, "Largest encoded argument list, step output or result.",
+         "BYTES"),
+    Knob("listen", _bool, "Use LISTEN/NOTIFY for wake-ups (polling always runs too).",
+         "BOOL"),
+    Knob("metrics_host", str, "Address of the /metrics endpoint.", "HOST"),
+    Knob("metrics_port", int, "Port of the /metrics endpoint; 0 disables it.", "PORT"),
+    Knob("data_dir", str, "Directory of the embedded PostgreSQL used when no DSN is set.",
+         "PATH"),
+    Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
+    Knob("log_format", str, "text or json.", "FORMAT"),
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Validated runtime settings. Build with :func:`load` or directly in code and tests."""
+
+    dsn: str | None = None
+    schema: str = "kestrel"
+    app: str = ""
+    procs: int = 1
+    concurrency: int = 64
+    batch_size: int = 32
+    lease: float = 30.0
+    heartbeat: float = 10.0
+    poll_interval: float = 1.0
+    sweep_interval: float = 5.0
+    queues: tuple[str, ...] = ("default",)
+    max_attempts: int = 5
+    drain_timeout: float = 30.0
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    listen: bool = True
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 0
+    data_dir: str = ".kestrel/pgdata"
+    log_level: str = "info"
+    log_format: str = "text"
+    worker_id: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not SCHEMA_NAME.fullmatch(self.schema):
+            _bad("schema", self.schema, "must match [a-z_][a-z0-9_]{0,62}")
+        for name in ("procs", "concurrency", "batch_size", "max_attempts"):
+            if getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "must be at least 1")
+        for name in ("lease", "heartbeat", "poll_interval", "sweep_interval"):
+            if not getattr(self, name) > 0:
+                _bad(name, getattr(self, name), "must be greater than 0")
+        if self.heartbeat >= self.lease:
+            _bad("heartbeat", self.heartbeat,
+                 f"must be shorter than --lease ({self.lease}), or leases expire between "
+                 "heartbeats")
+        if self.drain_timeout < 0:
+            _bad("drain_timeout", self.drain_timeout, "must not be negative")
+        if not self.queues:
+            _bad("queues", "", "must name at least one queue")
+        for q in self.queues:
+            if not QUEUE_NAME.fullmatch(q):
+                _bad("queues", q, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+        if self.max_payload_bytes < 1024:
+            _bad("max_payload_bytes", self.max_payload_bytes, "must be at least 1024")
+        if not 0 <= self.metrics_port <= 65535:
+            _bad("metrics_port", self.metrics_port, "must be 0-65535")
+        if self.log_level not in {"debug", "info", "warning", "error"}:
+            _bad("log_level", self.log_level, "must be debug, info, warning or error")
+        if self.log_format not in {"text", "json"}:
+            _bad("log_format", self.log_format, "must be text or json")
+
+    def replace(self, **changes: Any) -> Config:
+        """Return a copy with *changes* applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _bad(name: str, value: object, why: str) -> None:
+    knob = next((k for k in KNOBS if k.name == name), None)
+    where = f"{knob.flag} / {knob.env}" if knob else name
+    raise ConfigError(f"invalid setting {where}={value!r}: {why}")
+
+
+def load(
+    flags: Mapping[str, Any],
+    *,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> Config:
+    """Merge flags, environment and config file into a validated :class:`Config`.
+
+    *flags* maps knob names to values already parsed (``None`` = not given).
+
+    Raises:
+        ConfigError: a value does not parse or is out of range; the message names it.
+    """
+    env = os.environ if environ is None else environ
+    path = config_file or env.get("KESTREL_CONFIG")
+    from_file = _read_file(path) if path else {}
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        if flags.get(knob.name) is not None:
+            values[knob.name] = flags[knob.name]
+        elif knob.env in env:
+            values[knob.name] = _parse(knob, env[knob.env], f"environment {knob.env}")
+        elif knob.name in from_file:
+            raw = from_file[knob.name]
+            values[knob.name] = (
+                _parse(knob, str(raw), f"{path}: {knob.name}") if isinstance(raw, str) else raw
+            )
+    if "queues" in values and isinstance(values["queues"], list):
+        values["queues"] = tuple(values["queues"])
+    return Config(**values)
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    section = data.get("kestrel", data)
+    known = {k.name for k in KNOBS}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return dict(section)
+
+
+def _parse(knob: Knob, text: str, source: str) -> Any:
+    try:
+        return knob.parse(text)
+    except ValueError as exc:
+        raise ConfigError(f"invalid setting {source}={text!r}: {exc}") from None
+
+
+def mask_dsn(dsn: str) -> str:
+    """Return *dsn* with any password replaced by ``***`` (URL and key=value forms)."""
+    if "://" in dsn:
+        parts = urlsplit(dsn)
+        if parts.password is not None:
+            host = parts.hostname or ""
+            if parts.port:
+                host += f":{parts.port}"
+            netloc = f"{parts.username or ''}:***@{host}"
+            dsn = urlunsplit(parts._replace(netloc=netloc))
+        return re.sub(r"(password=)[^&]*", r"\1***", dsn)
+    return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn)

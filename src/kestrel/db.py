@@ -1,0 +1,267 @@
+"""The only module that executes runtime SQL: one function per named statement.
+
+Every function is one statement and one round trip on a connection in autocommit mode, so
+each write is its own short transaction and no user code ever runs inside one. Writes from
+workers carry the lease epoch; the statements match zero rows for a superseded epoch and the
+caller learns it from what comes back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg.types.json import set_json_loads
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel.errors import ConfigError, IdempotencyConflict, KestrelError
+from kestrel.sql import Queries
+from kestrel.types import (
+    Claimed,
+    Execution,
+    Finish,
+    RecordedStep,
+    Status,
+    StepRow,
+    StepSaved,
+    StepWrite,
+    SweepResult,
+)
+
+AnyConn = psycopg.AsyncConnection[Any]
+
+
+def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
+    """Decode jsonb with orjson on *conn* (outputs round-trip through one codec)."""
+    set_json_loads(orjson.loads, conn)
+
+
+async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+    configure_connection(conn)
+
+
+def make_pool(dsn: str, *, max_size: int, name: str) -> AsyncConnectionPool[Any]:
+    """Create (not open) this process's pool. Call only after fork: pools don't survive it."""
+    return AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True},
+        configure=_configure,
+        name=name,
+        open=False,
+        # A broken connection found at checkout is replaced rather than handed out.
+        check=AsyncConnectionPool.check_connection,
+        reconnect_timeout=0,  # keep retrying forever: workers pause, they don't die
+    )
+
+
+def _recorded(steps: list[list[Any]] | None) -> dict[int, RecordedStep]:
+    if not steps:
+        return {}
+    return {s[0]: RecordedStep(s[1], s[2], s[3]) for s in steps}
+
+
+async def claim_batch(
+    conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int, lease_s: float
+) -> list[Claimed]:
+    """Claim up to *limit* queued executions with their recorded checkpoints."""
+    cur = await conn.execute(
+        q.claim_batch,
+        {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s},
+    )
+    return [
+        Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]))
+        for row in await cur.fetchall()
+    ]
+
+
+async def heartbeat(
+    conn: AnyConn, q: Queries, *, held: Sequence[tuple[uuid.UUID, int]], lease_s: float
+) -> set[uuid.UUID]:
+    """Extend the leases in *held*; return the ids still owned."""
+    cur = await conn.execute(
+        q.heartbeat,
+        {"ids": [h[0] for h in held], "epochs": [h[1] for h in held], "lease_s": lease_s},
+    )
+    return {row[0] for row in await cur.fetchall()}
+
+
+async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
+    """Checkpoint *writes* in one statement; results are in the order of *writes*."""
+    cur = await conn.execute(
+        q.save_steps_batch,
+        {
+            "ids": [w.execution_id for w in writes],
+            "epochs": [w.epoch for w in writes],
+            "step_ids": [w.step_id for w in writes],
+            "names": [w.name for w in writes],
+            "outputs": [w.output for w in writes],
+            "errors": [w.error for w in writes],
+            "attempts": [w.attempt for w in writes],
+            "started": [w.started_at for w in writes],
+        },
+    )
+    by_key = {(r[0], r[1]): r for r in await cur.fetchall()}
+    saved = []
+    for w in writes:
+        r = by_key[(w.execution_id, w.step_id)]
+        owned, inserted = bool(r[2]), bool(r[3])
+        if r[4] is not None:
+            recorded: RecordedStep | None = RecordedStep(r[4], r[5], r[6])
+        else:
+            recorded = None
+        saved.append(StepSaved(owned=owned, inserted=inserted, recorded=recorded))
+    return saved
+
+
+async def load_step(
+    conn: AnyConn, q: Queries, *, execution_id: uuid.UUID, step_id: int
+) -> RecordedStep | None:
+    cur = await conn.execute(q.load_step, {"execution_id": execution_id, "step_id": step_id})
+    row = await cur.fetchone()
+    return RecordedStep(row[0], row[1], row[2]) if row else None
+
+
+async def complete_batch(
+    conn: AnyConn, q: Queries, finishes: Sequence[Finish]
+) -> set[uuid.UUID]:
+    """Finish executions and move them to history; return the ids that were still owned."""
+    cur = await conn.execute(
+        q.complete_batch,
+        {
+            "ids": [f.execution_id for f in finishes],
+            "epochs": [f.epoch for f in finishes],
+            "statuses": [f.status.value for f in finishes],
+            "results": [f.result for f in finishes],
+            "errors": [f.error for f in finishes],
+        },
+    )
+    return {row[0] for row in await cur.fetchall()}
+
+
+async def release_batch(
+    conn: AnyConn, q: Queries, *, held: Sequence[tuple[uuid.UUID, int]]
+) -> set[uuid.UUID]:
+    """Put still-owned executions back in the queue at once (drain)."""
+    cur = await conn.execute(
+        q.release_batch, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held]}
+    )
+    return {row[0] for row in await cur.fetchall()}
+
+
+async def reenqueue_expired(
+    conn: AnyConn, q: Queries, *, limit: int, max_attempts: int
+) -> SweepResult:
+    cur = await conn.execute(
+        q.reenqueue_expired, {"limit": limit, "max_attempts": max_attempts}
+    )
+    row = await cur.fetchone()
+    assert row is not None
+    return SweepResult(requeued=row[0], quarantined=row[1], examined=row[2])
+
+
+async def listen(conn: AnyConn, q: Queries) -> None:
+    await conn.execute(q.listen)
+
+
+# -- client statements: async and sync twins -------------------------------------------------
+
+
+def _submit_params(
+    workflow: str, args: str, queue: str, priority: int, key: str | None, id: uuid.UUID | None
+) -> dict[str, Any]:
+    return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
+            "idempotency_key": key, "id": id}
+
+
+def _submit_error(exc: psycopg.Error, key: str | None) -> KestrelError | None:
+    if exc.sqlstate == "KS001":
+        return IdempotencyConflict(str(exc.diag.message_primary), key=key or "")
+    if exc.sqlstate == "KS002":
+        return ConfigError(str(exc.diag.message_primary))
+    return None
+
+
+async def submit(
+    conn: AnyConn, q: Queries, *, workflow: str, args: str, queue: str, priority: int,
+    idempotency_key: str | None, id: uuid.UUID | None = None,
+) -> uuid.UUID:
+    """Enqueue through the SQL function ``submit``; runs in *conn*'s current transaction."""
+    try:
+        cur = await conn.execute(
+            q.submit, _submit_params(workflow, args, queue, priority, idempotency_key, id)
+        )
+    except psycopg.Error as exc:
+        mapped = _submit_error(exc, idempotency_key)
+        if mapped is None:
+            raise
+        raise mapped from None
+    row = await cur.fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def submit_sync(
+    conn: psycopg.Connection[Any], q: Queries, *, workflow: str, args: str, queue: str,
+    priority: int, idempotency_key: str | None, id: uuid.UUID | None = None,
+) -> uuid.UUID:
+    try:
+        cur = conn.execute(
+            q.submit, _submit_params(workflow, args, queue, priority, idempotency_key, id)
+        )
+    except psycopg.Error as exc:
+        mapped = _submit_error(exc, idempotency_key)
+        if mapped is None:
+            raise
+        raise mapped from None
+    row = cur.fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def _execution(row: Sequence[Any]) -> Execution:
+    return Execution(
+        id=row[0], workflow=row[1], queue=row[2], priority=row[3], status=Status(row[4]),
+        args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
+        created_at=row[10], started_at=row[11], finished_at=row[12],
+    )
+
+
+def _step_row(row: Sequence[Any]) -> StepRow:
+    return StepRow(
+        step_id=row[0], name=row[1], output=row[2], error=row[3], attempt=row[4],
+        lease_epoch=row[5], started_at=row[6], finished_at=row[7],
+    )
+
+
+async def get_execution(conn: AnyConn, q: Queries, *, id: uuid.UUID) -> Execution | None:
+    cur = await conn.execute(q.get_execution, {"id": id})
+    row = await cur.fetchone()
+    return _execution(row) if row else None
+
+
+def get_execution_sync(
+    conn: psycopg.Connection[Any], q: Queries, *, id: uuid.UUID
+) -> Execution | None:
+    row = conn.execute(q.get_execution, {"id": id}).fetchone()
+    return _execution(row) if row else None
+
+
+async def list_steps(conn: AnyConn, q: Queries, *, id: uuid.UUID) -> list[StepRow]:
+    cur = await conn.execute(q.list_steps, {"id": id})
+    return [_step_row(r) for r in await cur.fetchall()]
+
+
+def list_steps_sync(conn: psycopg.Connection[Any], q: Queries, *, id: uuid.UUID) -> list[StepRow]:
+    return [_step_row(r) for r in conn.execute(q.list_steps, {"id": id}).fetchall()]
+
+
+def count_by_status_sync(conn: psycopg.Connection[Any], q: Queries) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for status, n in conn.execute(q.count_by_status).fetchall():
+        counts[status] = counts.get(status, 0) + n
+    return counts

@@ -1,0 +1,75 @@
+"""The exceptions kestrel raises. Every one derives from :class:`KestrelError`."""
+
+from __future__ import annotations
+
+
+class KestrelError(Exception):
+    """Base class of every error kestrel raises on purpose."""
+
+
+class ConfigError(KestrelError, ValueError):
+    """A setting is invalid; the message names the setting."""
+
+
+class SerializationError(KestrelError, TypeError):
+    """A value cannot be stored as JSON and read back unchanged."""
+
+
+class PayloadTooLarge(SerializationError):
+    """An encoded value is larger than the configured cap (``max_payload_bytes``)."""
+
+
+class IdempotencyConflict(KestrelError):
+    """An idempotency key is already used by an execution with other arguments."""
+
+    def __init__(self, message: str, *, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class UnknownWorkflow(KestrelError, LookupError):
+    """No workflow of that name is registered in this process."""
+
+
+class ExecutionNotFound(KestrelError, LookupError):
+    """No execution has that id."""
+
+
+class MigrationError(KestrelError):
+    """The schema cannot be brought to the version this code needs."""
+
+
+class LeaseLost(KestrelError):
+    """This worker no longer owns the execution: its lease expired or a newer claim fenced it.
+
+    The worker drops the execution without writing anything more; the owner of the newer
+    epoch finishes it.
+    """
+
+
+class NonDeterminismError(KestrelError):
+    """A replay called a different step at a position that already has a checkpoint.
+
+    The execution fails with this reason even if workflow code catches the exception: going
+    on would pair checkpoints with the wrong steps.
+    """
+
+
+class StepFailed(KestrelError):
+    """A step exhausted its retries; its error is checkpointed and replays raise it again."""
+
+    def __init__(self, step_name: str, error_type: str, message: str) -> None:
+        super().__init__(f"step {step_name!r} failed: {error_type}: {message}")
+        self.step_name = step_name
+        self.error_type = error_type
+        self.error_message = message
+
+
+class WorkflowFailed(KestrelError):
+    """The awaited execution ended failed, cancelled or quarantined."""
+
+    def __init__(self, execution_id: object, status: str, error: object) -> None:
+        super().__init__(f"execution {execution_id} ended {status}: {error}")
+        self.execution_id = execution_id
+        self.status = status
+        self.error = error

@@ -1,0 +1,97 @@
+"""Load the SQL in ``sql/`` once, with the schema name filled in.
+
+Statements live in ``sql/queries/*.sql`` under ``-- name: <name>`` headers; migrations in
+``sql/migrations/NNNN_<name>.sql``. ``__schema__`` becomes the quoted schema identifier and
+``__schema_name__`` the bare name (for NOTIFY channels). The schema name is validated by
+:class:`kestrel.config.Config` against ``[a-z_][a-z0-9_]{0,62}`` before it gets here, so the
+substitution cannot inject anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from kestrel.config import SCHEMA_NAME
+from kestrel.errors import ConfigError
+
+
+def sql_dir() -> Path:
+    """Return the directory holding ``queries/`` and ``migrations/``."""
+    packaged = Path(__file__).parent / "sql"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[2] / "sql"
+
+
+@dataclass(frozen=True, slots=True)
+class Queries:
+    """Every named statement, ready to execute for one schema."""
+
+    claim_batch: str
+    heartbeat: str
+    complete_batch: str
+    release_batch: str
+    save_steps_batch: str
+    load_step: str
+    reenqueue_expired: str
+    submit: str
+    get_execution: str
+    list_steps: str
+    count_by_status: str
+    listen: str
+
+
+_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def parse_named(text: str) -> dict[str, str]:
+    """Split a file into ``{name: statement}`` at its ``-- name:`` headers."""
+    parts = _HEADER.split(text)
+    return {name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def render(text: str, schema: str) -> str:
+    """Fill the schema placeholders into *text*."""
+    if not SCHEMA_NAME.fullmatch(schema):
+        raise ConfigError(f"invalid schema name {schema!r}")
+    return text.replace("__schema_name__", schema).replace("__schema__", f'"{schema}"')
+
+
+def named_statements() -> dict[str, str]:
+    """Return every ``-- name:`` statement of ``sql/queries`` (placeholders unfilled)."""
+    found: dict[str, str] = {}
+    for path in sorted((sql_dir() / "queries").glob("*.sql")):
+        for name, body in parse_named(path.read_text()).items():
+            if name in found:
+                raise RuntimeError(f"query {name!r} is defined twice (again in {path.name})")
+            found[name] = body
+    return found
+
+
+@functools.cache
+def queries(schema: str) -> Queries:
+    """Return the statements for *schema*, loaded and rendered once per process."""
+    statements = named_statements()
+    return Queries(**{f.name: render(statements[f.name], schema) for f in fields(Queries)})
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    version: int
+    name: str
+    text: str
+
+
+def migrations(schema: str) -> list[Migration]:
+    """Return the migrations in order, rendered for *schema*."""
+    found = []
+    for path in sorted((sql_dir() / "migrations").glob("[0-9][0-9][0-9][0-9]_*.sql")):
+        version = int(path.name[:4])
+        found.append(Migration(version, path.stem[5:], render(path.read_text(), schema)))
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise RuntimeError(f"migrations must be numbered 1..n without gaps, found {versions}")
+    return found

@@ -1,0 +1,120 @@
+"""Frozen rows and results shared by the runtime's modules."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+class Status(enum.StrEnum):
+    """Where an execution is in its life. The first three are live, the rest terminal."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING = "waiting"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    QUARANTINED = "quarantined"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (Status.QUEUED, Status.RUNNING, Status.WAITING)
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedStep:
+    """A checkpoint as a replay sees it."""
+
+    name: str
+    output: Any
+    error: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """An execution this process now owns under *epoch*."""
+
+    id: uuid.UUID
+    workflow: str
+    args: list[Any]
+    epoch: int
+    attempt: int
+    steps: dict[int, RecordedStep]
+
+
+@dataclass(frozen=True, slots=True)
+class StepWrite:
+    """One checkpoint waiting for the process's next group commit."""
+
+    execution_id: uuid.UUID
+    epoch: int
+    step_id: int
+    name: str
+    output: str | None
+    error: str | None
+    attempt: int
+    started_at: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class StepSaved:
+    """What the database holds for a step after a write: ours, or the first one committed."""
+
+    owned: bool
+    inserted: bool
+    recorded: RecordedStep | None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A terminal transition waiting for the next group commit."""
+
+    execution_id: uuid.UUID
+    epoch: int
+    status: Status
+    result: str | None
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class SweepResult:
+    requeued: int
+    quarantined: int
+    examined: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Execution:
+    """An execution as the client and the CLI show it (hot queue or history)."""
+
+    id: uuid.UUID
+    workflow: str
+    queue: str
+    priority: int
+    status: Status
+    args: list[Any]
+    result: Any
+    error: dict[str, Any] | None
+    attempts: int
+    lease_epoch: int
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRow:
+    """A checkpoint as ``show`` lists it."""
+
+    step_id: int
+    name: str
+    output: Any
+    error: dict[str, Any] | None
+    attempt: int
+    lease_epoch: int
+    started_at: datetime
+    finished_at: datetime

@@ -1,0 +1,453 @@
+"""One worker process: claim executions, run them, group-commit their writes.
+
+Shape (DESIGN §3): a claim loop takes up to ``min(free slots, batch_size)`` executions per
+statement and runs each as an asyncio task. Their checkpoints and completions do not go to
+the database one by one: each goes into a :class:`Batcher`, which sends everything that is
+ready as one statement and one commit, while the workflows that wrote them wait for that
+commit. One heartbeat statement extends every lease the process holds. Side tasks: the
+heartbeat, a LISTEN connection for wake-ups (polling runs regardless), and the sweeper.
+
+Leases. A claim or heartbeat sent at monotonic time ``t`` makes the lease good until
+``t + lease`` on the database clock, which has started counting no earlier than ``t``. So
+until ``t + lease`` by this process's monotonic clock the lease is surely still ours;
+past that the execution may belong to someone else and no new step starts ("trusted until").
+Whatever a stale worker still sends is fenced by the epoch in the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import psycopg
+from psycopg_pool import PoolTimeout
+
+from kestrel import codec, db
+from kestrel.config import Config
+from kestrel.errors import LeaseLost, UnknownWorkflow
+from kestrel.sql import queries
+from kestrel.types import Claimed, Finish, Status, StepSaved, StepWrite
+from kestrel.workflow import Context, WorkflowFn, describe_error
+
+log = logging.getLogger("kestrel.worker")
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+# Errors that mean "the database is unreachable right now": wait and retry, never crash.
+TRANSIENT = (psycopg.OperationalError, psycopg.errors.AdminShutdown, OSError)
+
+
+class Backoff:
+    """Exponential backoff with full jitter, reset on success."""
+
+    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
+        self.base, self.cap, self.failures = base, cap, 0
+
+    def next_delay(self) -> float:
+        self.failures += 1
+        return random.uniform(0, min(self.cap, self.base * 2 ** self.failures))
+
+    def reset(self) -> None:
+        self.failures = 0
+
+
+class Batcher(Generic[In, Out]):
+    """Group commit: callers submit one item each; one flush sends all that are waiting.
+
+    While a flush is in flight new items queue up, so the batch size follows the load with
+    no timer and no added latency when idle. A transient database error retries the same
+    batch (the statements are idempotent: ON CONFLICT / epoch-guarded); callers keep waiting.
+    """
+
+    def __init__(
+        self, name: str, flush: Callable[[list[In]], Awaitable[list[Out]]], *, max_batch: int
+    ) -> None:
+        self.name = name
+        self._flush = flush
+        self._max_batch = max_batch
+        self._pending: list[tuple[In, asyncio.Future[Out]]] = []
+        self._wake = asyncio.Event()
+        self.flushes = 0
+        self.items = 0
+
+    async def submit(self, item: In) -> Out:
+        fut: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, fut))
+        self._wake.set()
+        return await fut
+
+    async def run(self) -> None:
+        backoff = Backoff()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                live = [(item, fut) for item, fut in batch if not fut.done()]
+                if not live:
+                    continue
+                while True:
+                    try:
+                        results = await self._flush([item for item, _ in live])
+                    except TRANSIENT as exc:
+                        delay = backoff.next_delay()
+                        log.warning("%s flush failed (%s); retrying in %.2fs", self.name,
+                                    type(exc).__name__, delay)
+                        await asyncio.sleep(delay)
+                        continue
+                    backoff.reset()
+                    break
+                self.flushes += 1
+                self.items += len(live)
+                for (_, fut), result in zip(live, results, strict=True):
+                    if not fut.done():
+                        fut.set_result(result)
+
+
+@dataclass(eq=False)
+class _Held:
+    claimed: Claimed
+    trusted_until: float
+    task: asyncio.Task[None] | None = None
+    lost: bool = False
+
+
+@dataclass
+class WorkerStats:
+    claimed: int = 0
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    fenced: int = 0
+    released: int = 0
+    claims: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Claim and run executions until :meth:`stop`; then drain."""
+
+    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str) -> None:
+        self.cfg = cfg
+        self.dsn = dsn
+        self.id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._workflows = workflows
+        self._q = queries(cfg.schema)
+        self._held: dict[uuid.UUID, _Held] = {}
+        self._stopping = asyncio.Event()
+        self._work = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._drain_timeout = cfg.drain_timeout
+        self._pool = db.make_pool(dsn, max_size=6, name=f"kestrel-{self.id}")
+        self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
+        self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
+            "checkpoint", self._flush_checkpoints, max_batch=1000)
+        self._completions: Batcher[Finish, bool] = Batcher(
+            "completion", self._flush_completions, max_batch=1000)
+        self.stats = WorkerStats()
+
+    # -- the Writer protocol used by Context ------------------------------------------------
+
+    async def save_step(self, write: StepWrite) -> StepSaved:
+        return await self._checkpoints.submit(write)
+
+    def trusted(self, execution_id: uuid.UUID) -> bool:
+        held = self._held.get(execution_id)
+        return held is not None and not held.lost and time.monotonic() < held.trusted_until
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def stop(self, *, drain_timeout: float | None = None) -> None:
+        """Stop claiming; running executions get *drain_timeout* seconds, then are released."""
+        if drain_timeout is not None:
+            self._drain_timeout = drain_timeout
+        self._stopping.set()
+        self._work.set()
+        self._slot_freed.set()
+
+    async def run(self) -> None:
+        """Run until :meth:`stop` is called, then drain and return."""
+        await self._pool.open(wait=False)
+        side = [
+            asyncio.create_task(self._checkpoints.run(), name="checkpoint-writer"),
+            asyncio.create_task(self._completions.run(), name="completion-writer"),
+            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
+            asyncio.create_task(self._sweep_loop(), name="sweeper"),
+        ]
+        if self.cfg.listen:
+            side.append(asyncio.create_task(self._listen_loop(), name="listener"))
+        log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s",
+                 self.id, self.cfg.concurrency, self.cfg.batch_size, ",".join(self.cfg.queues),
+                 "LISTEN/NOTIFY + polling" if self.cfg.listen else "polling only")
+        claim = asyncio.create_task(self._claim_loop(), name="claim")
+        try:
+            # Crash-only: if a side task dies, the worker dies, and the supervisor restarts it.
+            done, _ = await asyncio.wait([claim, *side], return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                if t is not claim and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            await claim
+            await self._drain()
+        finally:
+            for t in side:
+                t.cancel()
+            await asyncio.gather(*side, return_exceptions=True)
+            claim.cancel()
+            await self._pool.close()
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            log.info("worker %s stopped: %s", self.id, self.stats)
+
+    async def _drain(self) -> None:
+        tasks = [h.task for h in self._held.values() if h.task is not None]
+        if tasks:
+            log.info("draining %d running executions for up to %.1fs", len(tasks),
+                     self._drain_timeout)
+            if self._drain_timeout > 0:
+                await asyncio.wait(tasks, timeout=self._drain_timeout)
+        remaining = list(self._held.values())
+        if not remaining:
+            return
+        for h in remaining:
+            if h.task is not None:
+                h.task.cancel()
+        await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
+        held = [(h.claimed.id, h.claimed.epoch) for h in remaining if not h.lost]
+        if held:
+            try:
+                async with self._pool.connection(timeout=5) as conn:
+                    released = await db.release_batch(conn, self._q, held=held)
+            except Exception as exc:  # the leases will expire and the sweeper recovers them
+                log.warning("could not release %d executions (%s); they will be recovered "
+                            "when their leases expire", len(held), exc)
+            else:
+                self.stats.released += len(released)
+                log.info("released %d executions back to the queue", len(released))
+        self._held.clear()
+
+    # -- claiming -----------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            free = self.cfg.concurrency - len(self._held)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            limit = min(free, self.cfg.batch_size)
+            sent = time.monotonic()
+            try:
+                async with self._pool.connection() as conn:
+                    claimed = await db.claim_batch(
+                        conn, self._q, owner=self.id, queues=self.cfg.queues, limit=limit,
+                        lease_s=self.cfg.lease)
+            except TRANSIENT as exc:
+                delay = backoff.next_delay()
+                log.warning("claim failed (%s); retrying in %.2fs", type(exc).__name__, delay)
+                await self._sleep_unless_stopping(delay)
+                continue
+            backoff.reset()
+            self.stats.claims += 1
+            self.stats.claimed += len(claimed)
+            for c in claimed:
+                held = _Held(c, trusted_until=sent + self.cfg.lease)
+                self._held[c.id] = held
+                held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
+            if len(claimed) < limit:
+                await self._wait_for_work()
+
+    async def _wait_for_work(self) -> None:
+        self._work.clear()
+        timeout = self.cfg.poll_interval * random.uniform(0.8, 1.2)
+        try:
+            await asyncio.wait_for(self._work.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _sleep_unless_stopping(self, delay: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        except TimeoutError:
+            pass
+
+    # -- running one execution ----------------------------------------------------------------
+
+    async def _execute(self, held: _Held) -> None:
+        c = held.claimed
+        ctx = Context(c, c.workflow, self, self._executor, self.cfg.max_payload_bytes)
+        try:
+            finish = await self._run_workflow(ctx)
+            if finish is None:
+                return
+            if await self._completions.submit(finish):
+                if finish.status is Status.COMPLETED:
+                    self.stats.completed += 1
+                else:
+                    self.stats.failed += 1
+            else:
+                self.stats.fenced += 1
+                log.info("completion of %s was fenced: a newer claim owns it", c.id)
+        except asyncio.CancelledError:
+            if held.lost or self._stopping.is_set():
+                return  # lost: the new owner finishes it; stopping: _drain releases it
+            raise
+        finally:
+            # Identity check: after a lost lease this worker may hold a newer claim of the
+            # same execution under the same id.
+            if self._held.get(c.id) is held:
+                del self._held[c.id]
+            self._slot_freed.set()
+
+    async def _run_workflow(self, ctx: Context) -> Finish | None:
+        c = ctx.claimed
+        fn = self._workflows.get(c.workflow)
+        try:
+            if fn is None:
+                raise UnknownWorkflow(
+                    f"workflow {c.workflow!r} is not registered in worker {self.id} "
+                    f"(registered: {', '.join(sorted(self._workflows)) or 'none'})")
+            value = await fn(ctx, *c.args)
+            if ctx.nondeterminism is not None:
+                raise ctx.nondeterminism
+            result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
+                                  max_bytes=self.cfg.max_payload_bytes)
+            return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+        except LeaseLost as exc:
+            self.stats.lost += 1
+            log.info("dropping %s: %s", c.id, exc)
+            return None
+        except Exception as exc:
+            error = ctx.nondeterminism or exc
+            log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow,
+                     type(error).__name__, error)
+            return Finish(c.id, c.epoch, Status.FAILED, None,
+                          codec.encode(describe_error(error), what="workflow error"))
+
+    # -- group-commit flushes -----------------------------------------------------------------
+
+    async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
+        async with self._pool.connection() as conn:
+            saved = await db.save_steps(conn, self._q, writes)
+            # A conflicting row committed after our snapshot is invisible to the statement
+            # (only possible across epochs, which are fenced anyway): read it back.
+            for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
+                if s.owned and s.recorded is None:
+                    rec = await db.load_step(conn, self._q, execution_id=w.execution_id,
+                                             step_id=w.step_id)
+                    saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
+        return saved
+
+    async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
+        async with self._pool.connection() as conn:
+            done = await db.complete_batch(conn, self._q, finishes)
+        return [f.execution_id in done for f in finishes]
+
+    # -- side tasks ---------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat)
+            await self.heartbeat_once()
+
+    async def heartbeat_once(self) -> None:
+        """Extend every held lease; cancel the executions whose lease is gone."""
+        snapshot = [h for h in self._held.values() if not h.lost]
+        if not snapshot:
+            return
+        sent = time.monotonic()
+        try:
+            async with self._pool.connection(timeout=self.cfg.heartbeat) as conn:
+                owned = await db.heartbeat(
+                    conn, self._q, held=[(h.claimed.id, h.claimed.epoch) for h in snapshot],
+                    lease_s=self.cfg.lease)
+        except (*TRANSIENT, PoolTimeout) as exc:
+            log.warning("heartbeat failed (%s); leases are trusted until they run out",
+                        type(exc).__name__)
+            return
+        for h in snapshot:
+            if h.claimed.id in owned:
+                h.trusted_until = sent + self.cfg.lease
+            elif self._held.get(h.claimed.id) is h:
+                h.lost = True
+                self.stats.lost += 1
+                log.warning("lease on %s was lost (expired or re-claimed); abandoning it",
+                            h.claimed.id)
+                if h.task is not None:
+                    h.task.cancel()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.sweep_interval * random.uniform(0.5, 1.0))
+            try:
+                await self.sweep_once()
+            except TRANSIENT as exc:
+                log.warning("sweep failed (%s)", type(exc).__name__)
+
+    async def sweep_once(self) -> tuple[int, int]:
+        """Re-enqueue expired leases in bounded passes; return (requeued, quarantined)."""
+        requeued = quarantined = 0
+        limit = 500
+        while True:
+            async with self._pool.connection() as conn:
+                r = await db.reenqueue_expired(conn, self._q, limit=limit,
+                                               max_attempts=self.cfg.max_attempts)
+            requeued += r.requeued
+            quarantined += r.quarantined
+            if r.examined < limit:
+                break
+        if requeued:
+            log.info("sweeper re-enqueued %d executions with expired leases", requeued)
+            self._work.set()
+        if quarantined:
+            log.warning("sweeper quarantined %d executions that exhausted max_attempts=%d",
+                        quarantined, self.cfg.max_attempts)
+        return requeued, quarantined
+
+    async def _listen_loop(self) -> None:
+        backoff = Backoff(base=0.2, cap=10.0)
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                async with conn:
+                    await db.listen(conn, self._q)
+                    backoff.reset()
+                    self._work.set()  # anything submitted while we were not listening
+                    async for _ in conn.notifies():
+                        self._work.set()
+            except TRANSIENT as exc:
+                delay = backoff.next_delay()
+                log.warning("LISTEN connection lost (%s); polling until it is back in %.1fs",
+                            type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+
+
+def run_worker(cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
+               install_signals: bool = True) -> WorkerStats:
+    """Run a worker on a fresh uvloop event loop until SIGTERM/SIGINT; return its stats."""
+    import signal
+
+    import uvloop
+
+    async def main() -> WorkerStats:
+        worker = Worker(cfg, workflows, dsn=dsn)
+        if install_signals:
+            loop = asyncio.get_running_loop()
+            loop.add_signal_handler(signal.SIGTERM, worker.stop)
+            loop.add_signal_handler(signal.SIGINT, worker.stop)
+            # The supervisor died (PR_SET_PDEATHSIG or the ppid poll): release and exit now.
+            loop.add_signal_handler(signal.SIGUSR1, lambda: worker.stop(drain_timeout=0))
+        await worker.run()
+        return worker.stats
+
+    return uvloop.run(main())
