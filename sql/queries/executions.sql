@@ -6,14 +6,33 @@
 -- `IN (SELECT … LIMIT)`, which the planner may re-evaluate and over-claim), flip them to
 -- running, bump the epoch, and return each with its recorded checkpoints so a replay needs
 -- no second round trip.
-WITH candidate AS (
+--
+-- Suspects: an execution already claimed %(suspect_after)s times without finishing may be
+-- what keeps killing its workers (os._exit, a segfault, OOM). A process takes at most one
+-- suspect at a time (%(take_suspect)s is false while it holds one), so a poison execution
+-- can never again take healthy co-located executions down with it, and those never reach
+-- max_attempts on its account.
+WITH suspect AS (
     SELECT id
       FROM __schema__.workflow_executions
      WHERE status = 'queued'
        AND queue = ANY(%(queues)s::text[])
+       AND attempts >= %(suspect_after)s
+       AND %(take_suspect)s
+     ORDER BY priority DESC, created_at
+     LIMIT 1
+       FOR UPDATE SKIP LOCKED
+), healthy AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE status = 'queued'
+       AND queue = ANY(%(queues)s::text[])
+       AND attempts < %(suspect_after)s
      ORDER BY priority DESC, created_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
+), candidate AS (
+    (SELECT id FROM suspect) UNION ALL (SELECT id FROM healthy) LIMIT %(limit)s
 ), claimed AS (
     UPDATE __schema__.workflow_executions AS e
        SET status = 'running',

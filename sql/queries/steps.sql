@@ -23,12 +23,16 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, star
       FROM input AS i
       JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
         ON CONFLICT (execution_id, step_id) DO NOTHING
-    RETURNING execution_id, step_id
+    RETURNING execution_id, step_id, step_name, output, error
 )
+-- The stored value comes back either way: our row as jsonb normalized it (so the live run
+-- returns exactly what a replay will), or the row that was recorded first.
 SELECT i.execution_id, i.step_id,
        (o.id IS NOT NULL) AS owned,
        (ins.step_id IS NOT NULL) AS inserted,
-       prior.step_name, prior.output, prior.error
+       coalesce(ins.step_name, prior.step_name),
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END
   FROM input AS i
   LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
   LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id

@@ -10,6 +10,7 @@ anything over the size cap. The check happens before anything is written.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import orjson
@@ -19,7 +20,9 @@ from kestrel.errors import PayloadTooLarge, SerializationError
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 """Largest encoded argument list, step output or result accepted (16 MiB)."""
 
-_NUL = b"\\u0000"
+# orjson writes U+0000 as \u0000; a literal backslash before "u0000" is written as \\u0000.
+# A NUL is an escape preceded by an even number (zero included) of backslashes.
+_NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")
 # Refuse instead of silently converting: a datetime or dataclass would come back as a string
 # or a dict, so a replay would not return what the live run was given.
 _STRICT = (
@@ -46,7 +49,7 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
         raise PayloadTooLarge(
             f"{what} is {len(data)} bytes encoded, over the cap of {max_bytes} bytes"
         )
-    if _NUL in data:
+    if b"u0000" in data and _NUL.search(data):
         raise SerializationError(
             f"{what} contains a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
         )
@@ -57,6 +60,16 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
         if bad is not None:
             raise SerializationError(f"{what} contains {bad}, which JSON cannot represent")
     return data.decode()
+
+
+def printable(text: str, limit: int = 65536) -> str:
+    """Return *text* made storable (no NUL, no lone surrogates) and at most *limit* chars.
+
+    For error messages and tracebacks, which must always be recordable.
+    """
+    text = text.replace("\x00", "\\x00")
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def decode(data: str | bytes) -> Any:

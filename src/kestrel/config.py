@@ -177,11 +177,12 @@ def load(
             values[knob.name] = _parse(knob, env[knob.env], f"environment {knob.env}")
         elif knob.name in from_file:
             raw = from_file[knob.name]
-            values[knob.name] = (
-                _parse(knob, str(raw), f"{path}: {knob.name}") if isinstance(raw, str) else raw
-            )
-    if "queues" in values and isinstance(values["queues"], list):
-        values["queues"] = tuple(values["queues"])
+            if isinstance(raw, list):  # queues = ["a", "b"]
+                raw = ",".join(map(str, raw))
+            if isinstance(raw, dict):
+                raise ConfigError(f"config file {path}: {knob.name} must be a value, not a table")
+            text = str(raw).lower() if isinstance(raw, bool) else str(raw)
+            values[knob.name] = _parse(knob, text, f"{path}: {knob.name}")
     return Config(**values)
 
 
@@ -212,9 +213,7 @@ def mask_dsn(dsn: str) -> str:
     if "://" in dsn:
         parts = urlsplit(dsn)
         if parts.password is not None:
-            host = parts.hostname or ""
-            if parts.port:
-                host += f":{parts.port}"
+            host = parts.netloc.rsplit("@", 1)[1]
             netloc = f"{parts.username or ''}:***@{host}"
             dsn = urlunsplit(parts._replace(netloc=netloc))
         return re.sub(r"(password=)[^&]*", r"\1***", dsn)

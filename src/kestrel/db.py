@@ -65,13 +65,23 @@ def _recorded(steps: list[list[Any]] | None) -> dict[int, RecordedStep]:
     return {s[0]: RecordedStep(s[1], s[2], s[3]) for s in steps}
 
 
+SUSPECT_AFTER = 2
+"""Claims without finishing after which an execution is a suspect (see claim_batch)."""
+
+
 async def claim_batch(
-    conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int, lease_s: float
+    conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int,
+    lease_s: float, take_suspect: bool = True,
 ) -> list[Claimed]:
-    """Claim up to *limit* queued executions with their recorded checkpoints."""
+    """Claim up to *limit* queued executions with their recorded checkpoints.
+
+    At most one of them is a suspect (claimed :data:`SUSPECT_AFTER` times before), and none
+    when *take_suspect* is false.
+    """
     cur = await conn.execute(
         q.claim_batch,
-        {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s},
+        {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
+         "suspect_after": SUSPECT_AFTER, "take_suspect": take_suspect},
     )
     return [
         Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]))

@@ -106,6 +106,17 @@ class Batcher(Generic[In, Out]):
                                     type(exc).__name__, delay)
                         await asyncio.sleep(delay)
                         continue
+                    except BaseException as exc:
+                        # Not transient: tell every waiter, then die (crash-only; the
+                        # supervisor restarts the process and leases recover the work).
+                        for _, fut in live:
+                            if fut.done():
+                                continue
+                            if isinstance(exc, asyncio.CancelledError):
+                                fut.cancel()
+                            else:
+                                fut.set_exception(exc)
+                        raise
                     backoff.reset()
                     break
                 self.flushes += 1
@@ -251,7 +262,7 @@ class Worker:
                 async with self._pool.connection() as conn:
                     claimed = await db.claim_batch(
                         conn, self._q, owner=self.id, queues=self.cfg.queues, limit=limit,
-                        lease_s=self.cfg.lease)
+                        lease_s=self.cfg.lease, take_suspect=not self._holds_suspect())
             except TRANSIENT as exc:
                 delay = backoff.next_delay()
                 log.warning("claim failed (%s); retrying in %.2fs", type(exc).__name__, delay)
@@ -266,6 +277,10 @@ class Worker:
                 held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
             if len(claimed) < limit:
                 await self._wait_for_work()
+
+    def _holds_suspect(self) -> bool:
+        # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.
+        return any(h.claimed.attempt > db.SUSPECT_AFTER for h in self._held.values())
 
     async def _wait_for_work(self) -> None:
         self._work.clear()

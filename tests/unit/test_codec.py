@@ -1,0 +1,112 @@
+"""kestrel.codec: values are stored only if they read back unchanged."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import pytest
+
+from kestrel import codec
+from kestrel.errors import PayloadTooLarge, SerializationError
+
+WHAT = "output of step 'canary-step'"
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        -(2**63),
+        2**63 - 1,
+        1.5,
+        "",
+        "héllo ✓ 🐦",
+        [],
+        {},
+        [1, "two", None, 3.25, {"nested": [True, False]}],
+        {"a": {"b": {"c": [1, 2, 3]}}, "s": "x"},
+    ],
+)
+def test_round_trip(value: object) -> None:
+    text = codec.encode(value, what=WHAT)
+    assert isinstance(text, str)
+    assert codec.decode(text) == value
+    assert codec.decode(text.encode()) == value
+
+
+def test_tuple_reads_back_as_list() -> None:
+    assert codec.decode(codec.encode((1, 2), what=WHAT)) == [1, 2]
+
+
+def _deep_list(depth: int) -> list[object]:
+    value: list[object] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {1, 2},
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        {"a": {"b": float("nan")}},
+        [1, [2, float("inf")]],
+        {"k": [float("-inf")]},
+        "before\u0000after",
+        {"key": ["x\u0000"]},
+        "escaped backslash then NUL \\\u0000",
+        object(),
+        datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC),
+        Point(1, 2),
+        "\ud800",
+        2**64 + 1,
+        _deep_list(10_000),
+    ],
+    ids=[
+        "set", "nan", "inf", "-inf", "nan-in-dict", "inf-in-list", "-inf-in-dict-list",
+        "nul", "nested-nul", "backslash-nul", "object", "datetime", "dataclass",
+        "lone-surrogate", "big-int", "deep-nesting",
+    ],
+)
+def test_rejects_values_that_would_not_read_back(value: object) -> None:
+    with pytest.raises(SerializationError) as info:
+        codec.encode(value, what=WHAT)
+    assert not isinstance(info.value, PayloadTooLarge)
+    assert WHAT in str(info.value)
+
+
+def test_payload_over_cap_is_rejected() -> None:
+    value = "x" * 100  # encodes to 102 bytes with the quotes
+    with pytest.raises(PayloadTooLarge) as info:
+        codec.encode(value, what=WHAT, max_bytes=101)
+    assert WHAT in str(info.value)
+    assert "101" in str(info.value)
+    assert isinstance(info.value, SerializationError)
+
+
+def test_payload_at_and_just_below_cap_is_accepted() -> None:
+    value = "x" * 100
+    assert codec.encode(value, what=WHAT, max_bytes=102) == f'"{value}"'
+    assert codec.encode(value, what=WHAT, max_bytes=103) == f'"{value}"'
+
+
+def test_text_null_without_nan_is_accepted() -> None:
+    value = {"note": "null", "none": None, "list": ["nullable", 1.0]}
+    assert codec.decode(codec.encode(value, what=WHAT)) == value
+
+
+@pytest.mark.parametrize("value", ["C:\\u0000dir", "\\\\u0000", {"regex": "\\\\\\u0000x"}])
+def test_literal_backslash_u0000_text_is_not_a_nul(value: object) -> None:
+    assert codec.decode(codec.encode(value, what=WHAT)) == value

@@ -1,0 +1,61 @@
+"""kestrel.sql: the named statements, schema rendering and migrations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kestrel import sql
+from kestrel.errors import ConfigError
+
+
+def test_queries_fields_match_named_statements() -> None:
+    fields = {f.name for f in dataclasses.fields(sql.Queries)}
+    named = set(sql.named_statements())
+    assert fields - named == set(), "Queries fields without a -- name: statement"
+    assert named - fields == set(), "-- name: statements that are not Queries fields"
+
+
+def test_named_statements_are_not_empty() -> None:
+    for name, body in sql.named_statements().items():
+        assert body.strip(), name
+
+
+def test_render_quotes_schema() -> None:
+    text = 'SELECT * FROM __schema__.t; LISTEN "kestrel.__schema_name__";'
+    assert sql.render(text, "my_schema") == (
+        'SELECT * FROM "my_schema".t; LISTEN "kestrel.my_schema";'
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "Public", "1abc", 'x"; DROP TABLE t; --', "a-b", "a.b", "x" * 64]
+)
+def test_render_rejects_invalid_schema(bad: str) -> None:
+    with pytest.raises(ConfigError):
+        sql.render("SELECT 1 FROM __schema__.t", bad)
+
+
+def test_queries_are_rendered_for_schema() -> None:
+    q = sql.queries("unit_schema")
+    for f in dataclasses.fields(q):
+        text = getattr(q, f.name)
+        assert "__schema" not in text, f.name
+    assert '"unit_schema".' in q.claim_batch
+    assert "kestrel.unit_schema" in q.listen
+
+
+def test_migrations_numbered_and_rendered() -> None:
+    found = sql.migrations("unit_schema")
+    assert found, "no migrations found"
+    assert [m.version for m in found] == list(range(1, len(found) + 1))
+    for m in found:
+        assert m.name
+        assert "__schema" not in m.text
+        assert '"unit_schema".' in m.text
+
+
+def test_migrations_reject_invalid_schema() -> None:
+    with pytest.raises(ConfigError):
+        sql.migrations("Bad-Schema")
