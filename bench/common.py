@@ -1,0 +1,126 @@
+"""Shared pieces of the benchmarks: the database, snapshots of its counters, percentiles."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import psycopg
+from psycopg import sql as pgsql
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def database(dsn: str | None, data_dir: str) -> tuple[str, Any]:
+    """Return a DSN: the given one, or an embedded server with room for the floor's
+    connections (max_connections 400) and the default, durable synchronous_commit=on."""
+    if dsn:
+        return dsn, None
+    from kestrel import embedded
+
+    dsn, server = embedded.start(data_dir)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        current = conn.execute("SHOW max_connections").fetchone()
+        if current and int(current[0]) < 400:
+            conn.execute("ALTER SYSTEM SET max_connections = 400")
+            conn.execute("ALTER SYSTEM SET shared_buffers = '512MB'")
+            server.cleanup()
+            dsn, server = embedded.start(data_dir)
+    return dsn, server
+
+
+def fresh_schema(dsn: str, name: str) -> None:
+    from kestrel.migrate import migrate
+
+    drop_schema(dsn, name)
+    migrate(dsn, name)
+
+
+def drop_schema(dsn: str, name: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(name)))
+
+
+@dataclass(frozen=True)
+class DbCounters:
+    commits: int
+    wal_bytes: int
+    pg_cpu_s: float
+
+    @staticmethod
+    def read(conn: psycopg.Connection[Any]) -> DbCounters:
+        # The stats collector publishes at most every PGSTAT_MIN_INTERVAL; clear the
+        # snapshot so this read sees the newest numbers.
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT xact_commit, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint "
+            "FROM pg_stat_database WHERE datname = current_database()").fetchone()
+        assert row is not None
+        return DbCounters(int(row[0]), int(row[1]), postgres_cpu_seconds())
+
+
+def postgres_cpu_seconds() -> float:
+    total = 0.0
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        if p.info["name"] in ("postgres", "postmaster") and p.info["cpu_times"]:
+            t = p.info["cpu_times"]
+            total += t.user + t.system
+    return total
+
+
+class TreeCpu:
+    """CPU seconds of a process and its children, sampled while they live."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, float] = {}
+
+    def sample(self) -> None:
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            self.seen[p.pid] = t.user + t.system
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seen.values())
+
+
+def machine() -> str:
+    mem = psutil.virtual_memory().total / 2**30
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = cpu
+    return f"{os.cpu_count()} cores ({model}), {mem:.0f} GiB, {platform.system()}"
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def progress(done: int, total: int, started: float, label: str) -> None:
+    width = 30
+    frac = done / total if total else 1.0
+    bar = "█" * int(frac * width) + "·" * (width - int(frac * width))
+    rate = done / max(time.monotonic() - started, 1e-9)
+    print(f"\r  {label:<10} {bar} {done:>7}/{total} {rate:8.0f}/s", end="", flush=True)

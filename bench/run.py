@@ -1,0 +1,298 @@
+"""Drive real ``kestrel-runtime`` processes against a real PostgreSQL and report.
+
+    python -m bench.run --workflows 5000 --procs 2 --concurrency 64
+    python -m bench.run --sweep batch_size=1,8,32,128 --sweep procs=1,2,4 --plot
+    python -m bench.run --rate 500 --workflows 10000        # latency at a target rate
+
+Each run reports workflows/s and steps/s (first start to last finish, database clock);
+submit→start and submit→finish latency p50/p95/p99; CPU seconds per workflow for the workers
+and for PostgreSQL; commits and WAL bytes per workflow (pg_stat_database, pg_current_wal_lsn;
+the workflows' submissions excluded); the hot tables' size and dead tuples at the end; and
+the floor (bench/floor.py) measured in the same invocation, with kestrel's ratio to it.
+Results go to bench/results/<stamp>.json (and .png with --plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+
+from bench import floor
+from bench.common import (
+    ROOT,
+    DbCounters,
+    TreeCpu,
+    database,
+    drop_schema,
+    fresh_schema,
+    git_rev,
+    machine,
+    progress,
+)
+
+SWEEPABLE = {"batch_size": int, "procs": int, "concurrency": int, "lease": float,
+             "heartbeat": float, "steps": int}
+
+
+def _s(text: str, schema: str) -> pgsql.Composed:
+    return pgsql.SQL(text).format(s=pgsql.Identifier(schema))  # type: ignore[arg-type]
+
+
+def _submit_up_front(dsn: str, schema: str, n: int, args: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(_s("SELECT {s}.submit('bench', %s::jsonb) FROM generate_series(1, %s)",
+                        schema), [args, n])
+
+
+def _submit_at_rate(dsn: str, schema: str, n: int, args: str, rate: float,
+                    stop: threading.Event) -> None:
+    """Submit *n* executions at *rate* per second, in one statement per 10 ms tick."""
+    stmt = _s("SELECT {s}.submit('bench', %s::jsonb) FROM generate_series(1, %s)", schema)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        started, sent = time.monotonic(), 0
+        while sent < n and not stop.is_set():
+            due = min(n, int((time.monotonic() - started) * rate) + 1)
+            if due > sent:
+                conn.execute(stmt, [args, due - sent])
+                sent = due
+            time.sleep(0.01)
+
+
+def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
+    schema = "bench_kestrel"
+    fresh_schema(dsn, schema)
+    n, steps = p["workflows"], p["steps"]
+    args = json.dumps([steps, p["kind"], p["work"]])
+    with psycopg.connect(dsn, autocommit=True) as mon:
+        stop = threading.Event()
+        submitter = None
+        if p["rate"]:
+            submitter = threading.Thread(target=_submit_at_rate,
+                                         args=(dsn, schema, n, args, p["rate"], stop))
+        else:
+            _submit_up_front(dsn, schema, n, args)
+        before = DbCounters.read(mon)
+        polls = 0
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", dsn,
+               "--schema", schema, "--procs", str(p["procs"]),
+               "--concurrency", str(p["concurrency"]), "--batch-size", str(p["batch_size"]),
+               "--lease", str(p["lease"]), "--heartbeat", str(p["heartbeat"]),
+               "--log-level", "warning"]
+        runtime = subprocess.Popen(cmd, env=env, cwd=ROOT)
+        cpu = TreeCpu(runtime.pid)
+        if submitter:
+            submitter.start()
+        started = time.monotonic()
+        count = _s("SELECT count(*) FROM {s}.workflow_history", schema)
+        try:
+            while True:
+                time.sleep(0.25)
+                cpu.sample()
+                done = (mon.execute(count).fetchone() or [0])[0]
+                polls += 1
+                if not quiet:
+                    progress(done, n, started, "kestrel")
+                if done >= n:
+                    break
+                if runtime.poll() is not None:
+                    raise RuntimeError(f"kestrel-runtime exited with {runtime.returncode}")
+                if time.monotonic() - started > p["timeout"]:
+                    raise RuntimeError(f"only {done}/{n} finished in {p['timeout']}s")
+            after = DbCounters.read(mon)
+        finally:
+            stop.set()
+            cpu.sample()
+            runtime.send_signal(signal.SIGTERM)
+            runtime.wait(timeout=60)
+            if submitter:
+                submitter.join()
+        if not quiet:
+            print()
+        stats = mon.execute(_s("""
+            SELECT count(*) FILTER (WHERE status = 'completed'),
+                   extract(epoch FROM max(finished_at) - min(started_at)),
+                   percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
+                       (ORDER BY extract(epoch FROM started_at - created_at)),
+                   percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
+                       (ORDER BY extract(epoch FROM finished_at - created_at))
+              FROM {s}.workflow_history""", schema)).fetchone()
+        assert stats is not None
+        tables = mon.execute(_s("""
+            SELECT relname, pg_total_relation_size(relid), n_live_tup, n_dead_tup
+              FROM pg_stat_user_tables WHERE schemaname = %s
+               AND relname IN ('workflow_executions', 'operation_outputs')""", schema),
+            [schema]).fetchall()
+    completed, span = int(stats[0]), float(stats[1])
+    if completed != n:
+        raise RuntimeError(f"{completed}/{n} completed")
+    # The progress polls are read-only commits of this harness, not of kestrel.
+    commits = after.commits - before.commits - polls - 1
+    result = {
+        "params": p,
+        "workflows_per_s": n / span,
+        "steps_per_s": n * steps / span,
+        "seconds": span,
+        "submit_to_start_ms": dict(zip(("p50", "p95", "p99"),
+                                       (round(x * 1000, 1) for x in stats[2]), strict=True)),
+        "submit_to_finish_ms": dict(zip(("p50", "p95", "p99"),
+                                        (round(x * 1000, 1) for x in stats[3]), strict=True)),
+        "worker_cpu_s_per_workflow": cpu.seconds / n,
+        "postgres_cpu_s_per_workflow": (after.pg_cpu_s - before.pg_cpu_s) / n,
+        "commits_per_workflow": commits / n,
+        "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes) / n,
+        "hot_tables": {r[0]: {"bytes": r[1], "live": r[2], "dead": r[3]} for r in tables},
+    }
+    drop_schema(dsn, schema)
+    return result
+
+
+def run_floor(dsn: str, p: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
+    if not quiet:
+        print(f"  floor      {p['procs']} procs × {p['concurrency']} loops …", flush=True)
+    return floor.run(dsn, "bench_floor", n=p["workflows"], steps=p["steps"], procs=p["procs"],
+                     concurrency=p["concurrency"])
+
+
+def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
+    axes: list[tuple[str, list[Any]]] = []
+    for item in items:
+        key, _, values = item.partition("=")
+        if key not in SWEEPABLE or not values:
+            raise SystemExit(f"--sweep {item!r}: expected KEY=V1,V2 with KEY one of "
+                             f"{', '.join(SWEEPABLE)}")
+        axes.append((key, [SWEEPABLE[key](v) for v in values.split(",")]))
+    return [dict(zip([a[0] for a in axes], combo, strict=True))
+            for combo in itertools.product(*(a[1] for a in axes))]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'procs':>5} {'conc':>5} {'batch':>5} {'lease':>5} {'wf/s':>8} {'steps/s':>8} "
+            f"{'floor':>7} {'ratio':>6} {'start p50/p99 ms':>17} {'finish p50/p99 ms':>18} "
+            f"{'commits/wf':>10} {'WAL B/wf':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        p = r["params"]
+        s, f = r["submit_to_start_ms"], r["submit_to_finish_ms"]
+        floor_s = f"{r['floor_workflows_per_s']:7.0f}" if "floor_workflows_per_s" in r else "      -"
+        ratio = f"{r['ratio_to_floor']:5.2f}×" if "ratio_to_floor" in r else "     -"
+        lines.append(
+            f"{p['procs']:>5} {p['concurrency']:>5} {p['batch_size']:>5} {p['lease']:>5g} "
+            f"{r['workflows_per_s']:8.0f} {r['steps_per_s']:8.0f} {floor_s} {ratio} "
+            f"{s['p50']:>8.0f}/{s['p99']:<8.0f} {f['p50']:>9.0f}/{f['p99']:<8.0f} "
+            f"{r['commits_per_workflow']:10.2f} {r['wal_bytes_per_workflow']:9.0f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], keys: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key = keys[0] if keys else "batch_size"
+    others = [k for k in keys if k != x_key]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r["params"][k] for k in others), []).append(r)
+    for label, rs in groups.items():
+        rs.sort(key=lambda r: r["params"][x_key])
+        xs = [r["params"][x_key] for r in rs]
+        name = ", ".join(f"{k}={v}" for k, v in zip(others, label, strict=True)) or "kestrel"
+        ax1.plot(xs, [r["workflows_per_s"] for r in rs], marker="o", label=name)
+        ax2.plot(xs, [r["submit_to_finish_ms"]["p99"] for r in rs], marker="o", label=name)
+        if "floor_workflows_per_s" in rs[0]:
+            ax1.plot(xs, [r["floor_workflows_per_s"] for r in rs], linestyle="--",
+                     color="grey", label=f"floor ({name})")
+    for ax, title in ((ax1, "throughput (workflows/s)"), (ax2, "submit→finish p99 (ms)")):
+        ax.set_xlabel(x_key)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if x_key in ("batch_size", "concurrency"):
+            ax.set_xscale("log", base=2)
+    ax1.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dsn", help="PostgreSQL to use (default: embedded, in --data-dir)")
+    ap.add_argument("--data-dir", default=str(ROOT / ".kestrel" / "bench-pgdata"))
+    ap.add_argument("--workflows", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--kind", choices=["noop", "sleep", "cpu"], default="noop")
+    ap.add_argument("--work", type=float, default=0.0,
+                    help="seconds per sleep step, or hash rounds per cpu step")
+    ap.add_argument("--procs", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--lease", type=float, default=30.0)
+    ap.add_argument("--heartbeat", type=float, default=10.0)
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="submit at this many workflows/s while running (default: all first)")
+    ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                    help=f"vary KEY over values (repeatable): {', '.join(SWEEPABLE)}")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floor comparison")
+    ap.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--label", default="run")
+    ns = ap.parse_args(argv)
+
+    dsn, server = database(ns.dsn, ns.data_dir)
+    base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
+                                        "concurrency", "batch_size", "lease", "heartbeat",
+                                        "rate", "timeout")}
+    points = parse_sweep(ns.sweep) or [{}]
+    keys = list(points[0])
+    print(f"kestrel bench on {machine()}, commit {git_rev()}")
+    rows: list[dict[str, Any]] = []
+    floors: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+    for point in points:
+        p = {**base, **point}
+        print(f"- {json.dumps(point) if point else 'run'}")
+        r = run_kestrel(dsn, p)
+        if not ns.no_floor:
+            key = (p["procs"], p["concurrency"], p["workflows"], p["steps"])
+            if key not in floors:
+                floors[key] = run_floor(dsn, p)
+            r["floor_workflows_per_s"] = floors[key]["workflows_per_s"]
+            r["ratio_to_floor"] = r["workflows_per_s"] / r["floor_workflows_per_s"]
+        rows.append(r)
+    print()
+    print(table(rows))
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"{ns.label}-{stamp}.json"
+    path.write_text(json.dumps({"machine": machine(), "commit": git_rev(), "date": stamp,
+                                "command": " ".join(["python -m bench.run", *(argv or
+                                                     sys.argv[1:])]),
+                                "results": rows}, indent=2))
+    print(f"\nwrote {path}")
+    if ns.plot:
+        png = path.with_suffix(".png")
+        plot(rows, keys, png)
+        print(f"wrote {png}")
+    del server
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
