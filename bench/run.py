@@ -187,7 +187,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         p = r["params"]
         s, f = r["submit_to_start_ms"], r["submit_to_finish_ms"]
-        floor_s = f"{r['floor_workflows_per_s']:7.0f}" if "floor_workflows_per_s" in r else "      -"
+        floor_s = (f"{r['floor_workflows_per_s']:7.0f}" if "floor_workflows_per_s" in r
+                   else "      -")
         ratio = f"{r['ratio_to_floor']:5.2f}×" if "ratio_to_floor" in r else "     -"
         lines.append(
             f"{p['procs']:>5} {p['concurrency']:>5} {p['batch_size']:>5} {p['lease']:>5g} "

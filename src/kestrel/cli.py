@@ -6,10 +6,10 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import sys
 import uuid
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from kestrel import log as kestrel_log
@@ -212,7 +212,7 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
     return 0
 
 
-def _ms(delta: Any) -> float:
+def _ms(delta: timedelta) -> float:
     return round(delta.total_seconds() * 1000, 1)
 
 
@@ -250,4 +250,4 @@ COMMANDS = {
 }
 
 if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main(os.sys.argv[1:]))
+    raise SystemExit(main())

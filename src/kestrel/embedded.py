@@ -34,9 +34,9 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
     os.environ.setdefault("XDG_RUNTIME_DIR", str(path.parent))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import pgserver
+        from pgserver import get_server  # type: ignore[attr-defined]
 
-        server = pgserver.get_server(path, cleanup_mode="stop")
+        server = get_server(path, cleanup_mode="stop")
     dsn = str(server.get_uri())
     log.info("embedded PostgreSQL running in %s (%s)", path, dsn)
     return dsn, server

@@ -63,7 +63,9 @@ def migrate(dsn: str, schema: str) -> list[int]:
 
 def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
     """Return the newest applied migration of *schema*, 0 when none."""
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", [f'"{schema}".schema_migrations']).fetchone()
+    row = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL", [f'"{schema}".schema_migrations']
+    ).fetchone()
     if not row or not row[0]:
         return 0
     got = conn.execute(
@@ -71,4 +73,4 @@ def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -
             pgsql.Identifier(schema)
         )
     ).fetchone()
-    return int(got[0]) if got else 0
+    return int(str(got[0])) if got else 0

@@ -50,7 +50,8 @@ _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 def parse_named(text: str) -> dict[str, str]:
     """Split a file into ``{name: statement}`` at its ``-- name:`` headers."""
     parts = _HEADER.split(text)
-    return {name: body.strip().rstrip(";") for name, body in zip(parts[1::2], parts[2::2])}
+    pairs = zip(parts[1::2], parts[2::2], strict=True)
+    return {name: body.strip().rstrip(";") for name, body in pairs}
 
 
 def render(text: str, schema: str) -> str:

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 
 from kestrel import codec
 from kestrel.errors import (
@@ -42,16 +42,22 @@ WorkflowFn = Callable[..., Awaitable[Any]]
 _registry: dict[str, WorkflowFn] = {}
 
 
-def workflow(
-    fn: WorkflowFn | None = None, *, name: str | None = None
-) -> Any:
+W = TypeVar("W", bound=WorkflowFn)
+
+
+@overload
+def workflow(fn: W, /) -> W: ...
+@overload
+def workflow(*, name: str | None = None) -> Callable[[W], W]: ...
+def workflow(fn: W | None = None, *, name: str | None = None) -> W | Callable[[W], W]:
     """Register an ``async def f(ctx, *args)`` as a workflow, under *name* or its own name.
 
     Usable bare (``@workflow``) or with arguments (``@workflow(name="incident")``).
     """
 
-    def register(f: WorkflowFn) -> WorkflowFn:
-        if not inspect.iscoroutinefunction(f):
+    def register(f: W) -> W:
+        is_async: bool = inspect.iscoroutinefunction(f)
+        if not is_async:
             raise TypeError(f"workflow {f.__qualname__} must be an async def")
         wf_name = name or f.__name__
         existing = _registry.get(wf_name)
@@ -99,7 +105,7 @@ class RetryPolicy:
             raise ValueError("retry delays must not be negative")
 
     def delay(self, attempt: int) -> float:
-        cap = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+        cap = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         return cap * random.uniform(0.5, 1.0)
 
 
@@ -109,6 +115,17 @@ class StepSpec:
     retry: RetryPolicy
 
 
+@overload
+def step(fn: Callable[P, T], /) -> Callable[P, T]: ...
+@overload
+def step(
+    *,
+    name: str | None = None,
+    retries: int = 0,
+    base_delay: float = 0.5,
+    max_delay: float = 30.0,
+    retry_on: tuple[type[BaseException], ...] = (Exception,),
+) -> Callable[[Callable[P, T]], Callable[P, T]]: ...
 def step(
     fn: Callable[P, T] | None = None,
     *,
@@ -117,7 +134,7 @@ def step(
     base_delay: float = 0.5,
     max_delay: float = 30.0,
     retry_on: tuple[type[BaseException], ...] = (Exception,),
-) -> Any:
+) -> Callable[P, T] | Callable[[Callable[P, T]], Callable[P, T]]:
     """Mark a function (``async def`` or plain ``def``) as a step with a retry policy.
 
     ``retries`` is the number of extra attempts after the first. Plain functions run in a
@@ -207,7 +224,11 @@ class Context:
         """How many times this execution has been claimed, this claim included."""
         return self.claimed.attempt
 
-    async def step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    @overload
+    async def step(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T: ...
+    @overload
+    async def step(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T: ...
+    async def step(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Return the recorded output of the next step, or run *fn* once and record it.
 
         Raises:
@@ -220,7 +241,7 @@ class Context:
         self._next_step += 1
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
-            return self._replay(step_id, spec.name, recorded)  # type: ignore[no-any-return]
+            return self._replay(step_id, spec.name, recorded)
         if not self.writer.trusted(self.execution_id):
             raise LeaseLost(f"lease of {self.execution_id} may have expired; not starting a step")
         started = datetime.now(UTC)
@@ -257,7 +278,7 @@ class Context:
         if not saved.owned:
             raise LeaseLost(f"execution {self.execution_id} was claimed by a newer epoch")
         assert saved.recorded is not None
-        return self._replay(step_id, spec.name, saved.recorded)  # type: ignore[no-any-return]
+        return self._replay(step_id, spec.name, saved.recorded)
 
     def _replay(self, step_id: int, name: str, recorded: RecordedStep) -> Any:
         if recorded.name != name:
