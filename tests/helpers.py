@@ -72,7 +72,8 @@ def runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | None = N
            "--procs", str(procs), *FAST, *(args or [])]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out)
+    proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out,
+                            start_new_session=True)
     try:
         yield proc
     finally:

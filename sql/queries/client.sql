@@ -1,6 +1,27 @@
 -- name: submit
 SELECT __schema__.submit(%(workflow)s, %(args)s::jsonb, %(queue)s, %(priority)s,
-                         %(idempotency_key)s, %(id)s);
+                         %(idempotency_key)s, %(id)s, %(parent)s, %(timeout_s)s);
+
+-- name: signal
+SELECT __schema__.signal(%(id)s, %(name)s, %(payload)s::jsonb, %(idempotency_key)s);
+
+-- name: cancel
+SELECT __schema__.cancel(%(id)s);
+
+-- name: retry
+SELECT __schema__.retry(%(id)s);
+
+-- name: fork
+SELECT __schema__.fork(%(id)s, %(from_step)s);
+
+-- name: get_event
+SELECT value FROM __schema__.events WHERE execution_id = %(id)s AND key = %(key)s;
+
+-- name: listen_done
+LISTEN "kestrel.__schema_name__.done";
+
+-- name: listen_events
+LISTEN "kestrel.__schema_name__.events";
 
 -- name: get_execution
 -- One execution wherever it lives: the hot queue while live, history once finished.

@@ -5,7 +5,8 @@
 -- Claim up to %(limit)s due executions: lock candidates with SKIP LOCKED in a CTE (not
 -- `IN (SELECT … LIMIT)`, which the planner may re-evaluate and over-claim), flip them to
 -- running, bump the epoch, and return each with its recorded checkpoints so a replay needs
--- no second round trip.
+-- no second round trip. Due means queued, or waiting with wake_at passed (a sleep ended, a
+-- signal arrived, a wait timed out).
 --
 -- Suspects: an execution already claimed %(suspect_after)s times without finishing may be
 -- what keeps killing its workers (os._exit, a segfault, OOM). A process takes at most one
@@ -22,6 +23,15 @@ WITH suspect AS (
      ORDER BY priority DESC, created_at
      LIMIT 1
        FOR UPDATE SKIP LOCKED
+), woken AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE status = 'waiting'
+       AND wake_at <= __schema__.kestrel_now()
+       AND queue = ANY(%(queues)s::text[])
+     ORDER BY wake_at
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
 ), healthy AS (
     SELECT id
       FROM __schema__.workflow_executions
@@ -32,7 +42,10 @@ WITH suspect AS (
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), candidate AS (
-    (SELECT id FROM suspect) UNION ALL (SELECT id FROM healthy) LIMIT %(limit)s
+    (SELECT id FROM suspect)
+    UNION ALL (SELECT id FROM woken)
+    UNION ALL (SELECT id FROM healthy)
+    LIMIT %(limit)s
 ), claimed AS (
     UPDATE __schema__.workflow_executions AS e
        SET status = 'running',
@@ -40,17 +53,21 @@ WITH suspect AS (
            lease_owner = %(owner)s,
            lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
            attempts = e.attempts + 1,
+           wake_at = NULL,
            started_at = coalesce(e.started_at, __schema__.kestrel_now()),
            updated_at = __schema__.kestrel_now()
       FROM candidate
      WHERE e.id = candidate.id
- RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.created_at
+ RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
+           e.signal_seq, e.deadline, e.cancel_requested
 )
 SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
        (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
                          ORDER BY o.step_id)
           FROM __schema__.operation_outputs AS o
-         WHERE o.execution_id = c.id) AS steps
+         WHERE o.execution_id = c.id) AS steps,
+       c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
+       __schema__.kestrel_now() AS db_now
   FROM claimed AS c;
 
 -- name: heartbeat
@@ -62,12 +79,13 @@ UPDATE __schema__.workflow_executions AS e
  WHERE e.id = held.id
    AND e.lease_epoch = held.epoch
    AND e.status = 'running'
-RETURNING e.id;
+RETURNING e.id, e.cancel_requested;
 
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and
 -- append them to history in the same statement, so each execution is always in exactly one
--- place. Returns the ids that were finished; the others were fenced.
+-- place. A finished child signals its parent. Returns the ids that were finished; the others
+-- were fenced.
 WITH finished(id, epoch, status, result, error) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(statuses)s::text[],
                          %(results)s::jsonb[], %(errors)s::jsonb[])
@@ -78,14 +96,25 @@ WITH finished(id, epoch, status, result, error) AS (
        AND e.lease_epoch = f.epoch
        AND e.status = 'running'
  RETURNING e.*, f.status AS final_status, f.result AS final_result, f.error AS final_error
+), moved AS (
+    INSERT INTO __schema__.workflow_history
+           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+    SELECT id, workflow, queue, priority, final_status, args, final_result, final_error,
+           idempotency_key, lease_epoch, attempts, created_at, started_at,
+           __schema__.kestrel_now(), parent_id, deadline
+      FROM removed
+    RETURNING id
+), told AS (
+    SELECT __schema__.child_finished(parent_id, id, final_status, final_result, final_error)
+      FROM removed
+     WHERE parent_id IS NOT NULL
 )
-INSERT INTO __schema__.workflow_history
-       (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-        lease_epoch, attempts, created_at, started_at, finished_at)
-SELECT id, workflow, queue, priority, final_status, args, final_result, final_error,
-       idempotency_key, lease_epoch, attempts, created_at, started_at, __schema__.kestrel_now()
-  FROM removed
-RETURNING id;
+-- Identical notifications in one transaction collapse into one: a waiting result() wakes
+-- once per batch, not once per execution.
+SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
+  FROM moved AS m
+ WHERE (SELECT count(*) FROM told) >= 0;
 
 -- name: release_batch
 -- Give executions back to the queue without waiting for their leases to expire (drain on
@@ -102,3 +131,32 @@ UPDATE __schema__.workflow_executions AS e
    AND e.lease_epoch = held.epoch
    AND e.status = 'running'
 RETURNING e.id;
+
+-- name: park
+-- Park a running execution at a wait: no lease, no slot, one row. It is claimed again at
+-- wake_at, or earlier by a signal for what it waits for. A re-park of the same wait keeps
+-- the original deadline. For a signal wait %(seen_seq)s is the signal_seq read when the
+-- worker found no signal; if a signal arrived since, nothing is parked and the worker looks
+-- again. attempts restarts at 0: a clean park is progress, not a lost worker.
+UPDATE __schema__.workflow_executions AS e
+   SET status = 'waiting',
+       lease_owner = NULL,
+       lease_expires_at = NULL,
+       attempts = 0,
+       waiting_for = %(waiting_for)s,
+       wait_deadline = CASE
+           WHEN e.wait_step IS NOT DISTINCT FROM %(step_id)s AND e.wait_deadline IS NOT NULL
+           THEN e.wait_deadline
+           ELSE __schema__.kestrel_now() + make_interval(secs => %(seconds)s) END,
+       wake_at = CASE
+           WHEN e.wait_step IS NOT DISTINCT FROM %(step_id)s AND e.wait_deadline IS NOT NULL
+           THEN e.wait_deadline
+           ELSE __schema__.kestrel_now() + make_interval(secs => %(seconds)s) END,
+       wait_step = %(step_id)s,
+       updated_at = __schema__.kestrel_now()
+ WHERE e.id = %(id)s
+   AND e.lease_epoch = %(epoch)s
+   AND e.status = 'running'
+   AND NOT e.cancel_requested
+   AND (%(seen_seq)s::bigint IS NULL OR e.signal_seq = %(seen_seq)s::bigint)
+RETURNING e.wait_deadline;

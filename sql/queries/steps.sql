@@ -10,7 +10,7 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, star
                          %(names)s::text[], %(outputs)s::jsonb[], %(errors)s::jsonb[],
                          %(attempts)s::integer[], %(started)s::timestamptz[])
 ), owned AS (
-    SELECT e.id, e.lease_epoch
+    SELECT e.id, e.lease_epoch, e.cancel_requested
       FROM __schema__.workflow_executions AS e
       JOIN input AS i ON i.execution_id = e.id AND i.epoch = e.lease_epoch
      WHERE e.status = 'running'
@@ -22,6 +22,8 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, star
            i.started_at
       FROM input AS i
       JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+     -- A cancelled execution records nothing more: it stops at this step boundary.
+     WHERE NOT o.cancel_requested
         ON CONFLICT (execution_id, step_id) DO NOTHING
     RETURNING execution_id, step_id, step_name, output, error
 )
@@ -32,7 +34,8 @@ SELECT i.execution_id, i.step_id,
        (ins.step_id IS NOT NULL) AS inserted,
        coalesce(ins.step_name, prior.step_name),
        CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
-       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       coalesce(o.cancel_requested, false) AS cancelled
   FROM input AS i
   LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
   LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
@@ -45,3 +48,58 @@ SELECT i.execution_id, i.step_id,
 SELECT step_name, output, error
   FROM __schema__.operation_outputs
  WHERE execution_id = %(execution_id)s AND step_id = %(step_id)s;
+
+-- name: consume_signal
+-- Take the oldest pending signal %(name)s for an execution this worker still owns and record
+-- it as the checkpoint of the wait at %(step_id)s, in one statement: the signal is consumed
+-- exactly when the checkpoint is written. Returns ownership, the cancel flag, the recorded
+-- output (NULL when no signal is pending) and signal_seq for a following park.
+WITH owned AS (
+    SELECT e.id, e.signal_seq, e.cancel_requested
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = %(id)s AND e.lease_epoch = %(epoch)s AND e.status = 'running'
+       FOR SHARE OF e
+), pending AS (
+    SELECT s.id, s.payload
+      FROM __schema__.signals AS s, owned
+     WHERE s.execution_id = %(id)s AND s.name = %(name)s AND s.consumed_step IS NULL
+       AND NOT owned.cancel_requested
+     ORDER BY s.id
+     LIMIT 1
+       FOR UPDATE OF s SKIP LOCKED
+), used AS (
+    UPDATE __schema__.signals AS s
+       SET consumed_step = %(step_id)s, consumed_at = __schema__.kestrel_now()
+      FROM pending
+     WHERE s.id = pending.id
+ RETURNING s.payload
+), recorded AS (
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, attempt, lease_epoch, started_at)
+    SELECT %(id)s, %(step_id)s, %(step_name)s,
+           jsonb_build_object('received', true, 'payload', used.payload), 1, %(epoch)s,
+           __schema__.kestrel_now()
+      FROM used
+        ON CONFLICT (execution_id, step_id) DO NOTHING
+    RETURNING output
+)
+SELECT (SELECT count(*) FROM owned) > 0,
+       coalesce((SELECT cancel_requested FROM owned), false),
+       (SELECT output FROM recorded),
+       (SELECT signal_seq FROM owned);
+
+-- name: set_event
+-- Publish an event value for callers following the execution (idempotent upsert; the step
+-- that wraps it is checkpointed, so a replay does not publish an older value again).
+WITH owned AS (
+    SELECT e.id FROM __schema__.workflow_executions AS e
+     WHERE e.id = %(id)s AND e.lease_epoch = %(epoch)s AND e.status = 'running'
+       FOR SHARE OF e
+), put AS (
+    INSERT INTO __schema__.events (execution_id, key, value)
+    SELECT %(id)s, %(key)s, %(value)s::jsonb FROM owned
+        ON CONFLICT (execution_id, key)
+        DO UPDATE SET value = excluded.value, updated_at = __schema__.kestrel_now()
+    RETURNING 1
+)
+SELECT count(*) > 0, pg_notify('kestrel.__schema_name__.events', %(id)s::text) FROM put;

@@ -29,7 +29,7 @@ WITH expired AS (
 ), quarantined AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-            lease_epoch, attempts, created_at, started_at, finished_at)
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
     SELECT id, workflow, queue, priority, 'quarantined', args, NULL,
            jsonb_build_object(
                'type', 'Quarantined',
@@ -37,10 +37,46 @@ WITH expired AS (
                                  'the execution keeps losing its worker',
                                  attempts, %(max_attempts)s)),
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now()
+           __schema__.kestrel_now(), parent_id, deadline
       FROM poisoned
-    RETURNING id
+    RETURNING id, parent_id, error
+), told AS (
+    SELECT __schema__.child_finished(parent_id, id, 'quarantined', NULL, error)
+      FROM quarantined WHERE parent_id IS NOT NULL
 )
 SELECT (SELECT count(*) FROM requeued) AS requeued,
        (SELECT count(*) FROM quarantined) AS quarantined,
-       (SELECT count(*) FROM expired) AS examined;
+       (SELECT count(*) FROM expired) AS examined,
+       (SELECT count(*) FROM told) AS told;
+
+-- name: expire_deadlines
+-- Fail queued and waiting executions whose workflow deadline passed (running ones are
+-- stopped by their worker, which knows the deadline from the claim). Bounded.
+WITH late AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE deadline < __schema__.kestrel_now()
+       AND status IN ('queued', 'waiting')
+     ORDER BY deadline
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), removed AS (
+    DELETE FROM __schema__.workflow_executions AS e
+     USING late WHERE e.id = late.id
+ RETURNING e.*
+), moved AS (
+    INSERT INTO __schema__.workflow_history
+           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+    SELECT id, workflow, queue, priority, 'failed', args, NULL,
+           jsonb_build_object('type', 'kestrel.errors.DeadlineExceeded',
+                              'message', format('workflow deadline %%s passed', deadline)),
+           idempotency_key, lease_epoch, attempts, created_at, started_at,
+           __schema__.kestrel_now(), parent_id, deadline
+      FROM removed
+    RETURNING id, parent_id, error
+), told AS (
+    SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)
+      FROM moved WHERE parent_id IS NOT NULL
+)
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told);

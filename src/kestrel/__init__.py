@@ -3,9 +3,13 @@
 from kestrel.client import Client, Handle, SyncClient, SyncHandle
 from kestrel.config import Config
 from kestrel.errors import (
+    Cancelled,
+    ChildFailed,
     ConfigError,
+    DeadlineExceeded,
     ExecutionNotFound,
     IdempotencyConflict,
+    InvalidState,
     KestrelError,
     LeaseLost,
     MigrationError,
@@ -17,17 +21,31 @@ from kestrel.errors import (
     WorkflowFailed,
 )
 from kestrel.types import Execution, Status, StepRow
-from kestrel.workflow import Context, RetryPolicy, StepInfo, current_step, step, workflow
+from kestrel.workflow import (
+    ChildHandle,
+    Context,
+    RetryPolicy,
+    Signal,
+    StepInfo,
+    current_step,
+    step,
+    workflow,
+)
 
 __all__ = [
+    "Cancelled",
+    "ChildFailed",
+    "ChildHandle",
     "Client",
     "Config",
     "ConfigError",
     "Context",
+    "DeadlineExceeded",
     "Execution",
     "ExecutionNotFound",
     "Handle",
     "IdempotencyConflict",
+    "InvalidState",
     "KestrelError",
     "LeaseLost",
     "MigrationError",
@@ -35,6 +53,7 @@ __all__ = [
     "PayloadTooLarge",
     "RetryPolicy",
     "SerializationError",
+    "Signal",
     "Status",
     "StepFailed",
     "StepInfo",

@@ -1,13 +1,14 @@
-"""Submit executions and wait for their results: :class:`Client` (async), :class:`SyncClient`.
+"""Submit executions and talk to them: :class:`Client` (async) and :class:`SyncClient`.
 
 ``submit`` calls the SQL function ``<schema>.submit`` in one statement. Pass ``conn=`` to run
 it inside your own psycopg transaction: the execution then commits or rolls back with your
-data. Without ``conn`` it commits before ``submit`` returns.
+data. Without ``conn`` it commits before ``submit`` returns. ``signal``, ``cancel``,
+``retry`` and ``fork`` call the SQL functions of the same names, so SQL, the CLI and Python
+behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling fallback.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,22 +24,49 @@ from kestrel.sql import queries
 from kestrel.types import Execution, Status, StepRow
 from kestrel.workflow import WorkflowFn, workflow_name
 
-
-def _prepare(
-    wf: WorkflowFn | str, args: tuple[Any, ...], queue: str, max_bytes: int
-) -> tuple[str, str]:
-    name = workflow_name(wf)
-    if not name or len(name) > 1024:
-        raise ConfigError("workflow name must be 1-1024 characters")
-    if not QUEUE_NAME.fullmatch(queue):
-        raise ConfigError(f"invalid queue name {queue!r}: 1-128 of A-Z a-z 0-9 _ . : -")
-    return name, codec.encode(list(args), what=f"arguments of workflow {name!r}",
-                              max_bytes=max_bytes)
+POLL_CAP_S = 1.0
+"""Longest gap between checks while waiting, in case a notification is lost."""
 
 
-def _check_schema(schema: str) -> None:
-    if not SCHEMA_NAME.fullmatch(schema):
-        raise ConfigError(f"invalid schema name {schema!r}")
+def _ident(execution_id: uuid.UUID | str) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(execution_id))
+    except ValueError:
+        raise ConfigError(f"{execution_id!r} is not an execution id (a UUID)") from None
+
+
+class _Base:
+    def __init__(self, dsn: str, *, schema: str = "kestrel",
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        if not SCHEMA_NAME.fullmatch(schema):
+            raise ConfigError(f"invalid schema name {schema!r}")
+        self.dsn = dsn
+        self.schema = schema
+        self._q = queries(schema)
+        self._max_bytes = max_payload_bytes
+
+    def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
+                       priority: int, key: str | None, timeout: float | None
+                       ) -> dict[str, Any]:
+        name = workflow_name(wf)
+        if not name or len(name) > 1024:
+            raise ConfigError("workflow name must be 1-1024 characters")
+        if not QUEUE_NAME.fullmatch(queue):
+            raise ConfigError(f"invalid queue name {queue!r}: 1-128 of A-Z a-z 0-9 _ . : -")
+        if timeout is not None and not timeout > 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
+        encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
+                               max_bytes=self._max_bytes)
+        return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
+                                idempotency_key=key, timeout_s=timeout)
+
+    def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
+                       key: str | None) -> dict[str, Any]:
+        if not name:
+            raise ConfigError("signal name must not be empty")
+        return {"id": _ident(execution_id), "name": name, "idempotency_key": key,
+                "payload": codec.encode(payload, what=f"payload of signal {name!r}",
+                                        max_bytes=self._max_bytes)}
 
 
 def _outcome(ex: Execution) -> Any:
@@ -47,42 +75,71 @@ def _outcome(ex: Execution) -> Any:
     raise WorkflowFailed(ex.id, ex.status.value, (ex.error or {}).get("message", ex.error))
 
 
-class Client:
-    """Async client. Opens one connection per call unless given one; cheap to create."""
+def _remaining(deadline: float | None) -> float:
+    if deadline is None:
+        return POLL_CAP_S
+    return max(0.0, min(POLL_CAP_S, deadline - time.monotonic()))
 
-    def __init__(self, dsn: str, *, schema: str = "kestrel",
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        _check_schema(schema)
-        self.dsn = dsn
-        self.schema = schema
-        self._q = queries(schema)
-        self._max_bytes = max_payload_bytes
+
+class Client(_Base):
+    """Async client. Opens one connection per call unless given one; cheap to create."""
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
         db.configure_connection(conn)
         return conn
 
+    async def _call(self, query: str, params: dict[str, Any], key: str | None = None,
+                    conn: psycopg.AsyncConnection[Any] | None = None) -> Any:
+        if conn is not None:
+            return await db.call(conn, query, params, key=key)
+        async with await self._connect() as own:
+            return await db.call(own, query, params, key=key)
+
     async def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
-        idempotency_key: str | None = None, conn: psycopg.AsyncConnection[Any] | None = None,
+        idempotency_key: str | None = None, timeout: float | None = None,
+        conn: psycopg.AsyncConnection[Any] | None = None,
     ) -> Handle:
         """Enqueue *wf* with *args*; return its handle once the row is committed (or, with
-        *conn*, written in that connection's transaction).
+        *conn*, written in that connection's transaction). *timeout* (seconds) is a deadline
+        after which the execution ends failed.
 
         Raises:
             SerializationError: an argument cannot round-trip through JSON (nothing written).
             IdempotencyConflict: *idempotency_key* belongs to an execution with other args.
         """
-        name, encoded = _prepare(wf, args, queue, self._max_bytes)
-        if conn is not None:
-            eid = await db.submit(conn, self._q, workflow=name, args=encoded, queue=queue,
-                                  priority=priority, idempotency_key=idempotency_key)
-        else:
-            async with await self._connect() as own:
-                eid = await db.submit(own, self._q, workflow=name, args=encoded, queue=queue,
-                                      priority=priority, idempotency_key=idempotency_key)
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
+        eid = await self._call(self._q.submit, params, idempotency_key, conn)
         return Handle(self, eid)
+
+    async def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
+                     idempotency_key: str | None = None) -> bool:
+        """Send signal *name*; False if *idempotency_key* was used already (counted once).
+
+        Raises:
+            ExecutionNotFound: no such execution.
+            InvalidState: it has already finished.
+        """
+        params = self._signal_params(execution_id, name, payload, idempotency_key)
+        return bool(await self._call(self._q.signal, params))
+
+    async def cancel(self, execution_id: uuid.UUID | str) -> str:
+        """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
+        stops at its next step boundary) or the terminal status it already had."""
+        return str(await self._call(self._q.cancel, {"id": _ident(execution_id)}))
+
+    async def retry(self, execution_id: uuid.UUID | str) -> Handle:
+        """Re-run a failed, cancelled or quarantined execution from its last checkpoint."""
+        eid = _ident(execution_id)
+        await self._call(self._q.retry, {"id": eid})
+        return Handle(self, eid)
+
+    async def fork(self, execution_id: uuid.UUID | str, from_step: int) -> Handle:
+        """Start a new execution that reuses the first *from_step* checkpoints."""
+        new = await self._call(self._q.fork, {"id": _ident(execution_id),
+                                              "from_step": from_step})
+        return Handle(self, new)
 
     async def get(self, execution_id: uuid.UUID | str) -> Execution:
         """Return the execution, live or finished.
@@ -90,7 +147,7 @@ class Client:
         Raises:
             ExecutionNotFound: no execution has that id.
         """
-        eid = uuid.UUID(str(execution_id))
+        eid = _ident(execution_id)
         async with await self._connect() as conn:
             ex = await db.get_execution(conn, self._q, id=eid)
         if ex is None:
@@ -99,7 +156,7 @@ class Client:
 
     async def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         async with await self._connect() as conn:
-            return await db.list_steps(conn, self._q, id=uuid.UUID(str(execution_id)))
+            return await db.list_steps(conn, self._q, id=_ident(execution_id))
 
     async def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
@@ -108,10 +165,10 @@ class Client:
             WorkflowFailed: it ended failed, cancelled or quarantined.
             TimeoutError: it did not finish within *timeout* seconds.
         """
+        eid = _ident(execution_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.02
         async with await self._connect() as conn:
-            eid = uuid.UUID(str(execution_id))
+            await conn.execute(self._q.listen_done)
             while True:
                 ex = await db.get_execution(conn, self._q, id=eid)
                 if ex is None:
@@ -120,9 +177,33 @@ class Client:
                     return _outcome(ex)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"execution {eid} is still {ex.status} after {timeout}s")
-                wait = delay if deadline is None else min(delay, deadline - time.monotonic())
-                await asyncio.sleep(max(wait, 0))
-                delay = min(delay * 1.5, 1.0)
+                await _wait_notify(conn, _remaining(deadline))
+
+    async def get_event(self, execution_id: uuid.UUID | str, key: str,
+                        timeout: float | None = None) -> Any:
+        """Return the latest value of event *key*, waiting up to *timeout* for one.
+
+        Raises:
+            TimeoutError: no value was published in time.
+        """
+        eid = _ident(execution_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        async with await self._connect() as conn:
+            await conn.execute(self._q.listen_events)
+            while True:
+                found, value = await db.get_event(conn, self._q, id=eid, key=key)
+                if found:
+                    return value
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no event {key!r} on {eid} after {timeout}s")
+                await _wait_notify(conn, _remaining(deadline))
+
+
+async def _wait_notify(conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
+    """Return at the next notification on *conn* or after *timeout* seconds."""
+    gen = conn.notifies(timeout=timeout, stop_after=1)
+    async for _ in gen:
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,39 +220,53 @@ class Handle:
         return await self.client.get(self.id)
 
 
-class SyncClient:
+class SyncClient(_Base):
     """Blocking twin of :class:`Client` for scripts, web handlers and the CLI."""
-
-    def __init__(self, dsn: str, *, schema: str = "kestrel",
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
-        _check_schema(schema)
-        self.dsn = dsn
-        self.schema = schema
-        self._q = queries(schema)
-        self._max_bytes = max_payload_bytes
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self.dsn, autocommit=True)
         db.configure_connection(conn)
         return conn
 
+    def _call(self, query: str, params: dict[str, Any], key: str | None = None,
+              conn: psycopg.Connection[Any] | None = None) -> Any:
+        if conn is not None:
+            return db.call_sync(conn, query, params, key=key)
+        with self._connect() as own:
+            return db.call_sync(own, query, params, key=key)
+
     def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
-        idempotency_key: str | None = None, conn: psycopg.Connection[Any] | None = None,
+        idempotency_key: str | None = None, timeout: float | None = None,
+        conn: psycopg.Connection[Any] | None = None,
     ) -> SyncHandle:
         """See :meth:`Client.submit`."""
-        name, encoded = _prepare(wf, args, queue, self._max_bytes)
-        if conn is not None:
-            eid = db.submit_sync(conn, self._q, workflow=name, args=encoded, queue=queue,
-                                 priority=priority, idempotency_key=idempotency_key)
-        else:
-            with self._connect() as own:
-                eid = db.submit_sync(own, self._q, workflow=name, args=encoded, queue=queue,
-                                     priority=priority, idempotency_key=idempotency_key)
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
+        return SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
+
+    def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
+               idempotency_key: str | None = None) -> bool:
+        """See :meth:`Client.signal`."""
+        params = self._signal_params(execution_id, name, payload, idempotency_key)
+        return bool(self._call(self._q.signal, params))
+
+    def cancel(self, execution_id: uuid.UUID | str) -> str:
+        """See :meth:`Client.cancel`."""
+        return str(self._call(self._q.cancel, {"id": _ident(execution_id)}))
+
+    def retry(self, execution_id: uuid.UUID | str) -> SyncHandle:
+        """See :meth:`Client.retry`."""
+        eid = _ident(execution_id)
+        self._call(self._q.retry, {"id": eid})
         return SyncHandle(self, eid)
 
+    def fork(self, execution_id: uuid.UUID | str, from_step: int) -> SyncHandle:
+        """See :meth:`Client.fork`."""
+        return SyncHandle(self, self._call(self._q.fork, {"id": _ident(execution_id),
+                                                          "from_step": from_step}))
+
     def get(self, execution_id: uuid.UUID | str) -> Execution:
-        eid = uuid.UUID(str(execution_id))
+        eid = _ident(execution_id)
         with self._connect() as conn:
             ex = db.get_execution_sync(conn, self._q, id=eid)
         if ex is None:
@@ -180,7 +275,7 @@ class SyncClient:
 
     def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         with self._connect() as conn:
-            return db.list_steps_sync(conn, self._q, id=uuid.UUID(str(execution_id)))
+            return db.list_steps_sync(conn, self._q, id=_ident(execution_id))
 
     def counts(self) -> dict[str, int]:
         with self._connect() as conn:
@@ -188,10 +283,10 @@ class SyncClient:
 
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """See :meth:`Client.result`."""
+        eid = _ident(execution_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.02
-        eid = uuid.UUID(str(execution_id))
         with self._connect() as conn:
+            conn.execute(self._q.listen_done)
             while True:
                 ex = db.get_execution_sync(conn, self._q, id=eid)
                 if ex is None:
@@ -200,9 +295,24 @@ class SyncClient:
                     return _outcome(ex)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"execution {eid} is still {ex.status} after {timeout}s")
-                wait = delay if deadline is None else min(delay, deadline - time.monotonic())
-                time.sleep(max(wait, 0))
-                delay = min(delay * 1.5, 1.0)
+                for _ in conn.notifies(timeout=_remaining(deadline), stop_after=1):
+                    pass
+
+    def get_event(self, execution_id: uuid.UUID | str, key: str,
+                  timeout: float | None = None) -> Any:
+        """See :meth:`Client.get_event`."""
+        eid = _ident(execution_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._connect() as conn:
+            conn.execute(self._q.listen_events)
+            while True:
+                row = conn.execute(self._q.get_event, {"id": eid, "key": key}).fetchone()
+                if row is not None:
+                    return row[0]
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"no event {key!r} on {eid} after {timeout}s")
+                for _ in conn.notifies(timeout=_remaining(deadline), stop_after=1):
+                    pass
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,13 +17,20 @@ import psycopg
 from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel.errors import ConfigError, IdempotencyConflict, KestrelError
+from kestrel.errors import (
+    ConfigError,
+    ExecutionNotFound,
+    IdempotencyConflict,
+    InvalidState,
+    KestrelError,
+)
 from kestrel.sql import Queries
 from kestrel.types import (
     Claimed,
     Execution,
     Finish,
     RecordedStep,
+    SignalTaken,
     Status,
     StepRow,
     StepSaved,
@@ -84,20 +91,21 @@ async def claim_batch(
          "suspect_after": SUSPECT_AFTER, "take_suspect": take_suspect},
     )
     return [
-        Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]))
+        Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]), row[6], row[7],
+                row[8], row[9], row[10], row[11])
         for row in await cur.fetchall()
     ]
 
 
 async def heartbeat(
     conn: AnyConn, q: Queries, *, held: Sequence[tuple[uuid.UUID, int]], lease_s: float
-) -> set[uuid.UUID]:
-    """Extend the leases in *held*; return the ids still owned."""
+) -> dict[uuid.UUID, bool]:
+    """Extend the leases in *held*; return the ids still owned, each with its cancel flag."""
     cur = await conn.execute(
         q.heartbeat,
         {"ids": [h[0] for h in held], "epochs": [h[1] for h in held], "lease_s": lease_s},
     )
-    return {row[0] for row in await cur.fetchall()}
+    return {row[0]: bool(row[1]) for row in await cur.fetchall()}
 
 
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
@@ -124,8 +132,48 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
             recorded: RecordedStep | None = RecordedStep(r[4], r[5], r[6])
         else:
             recorded = None
-        saved.append(StepSaved(owned=owned, inserted=inserted, recorded=recorded))
+        saved.append(StepSaved(owned=owned, inserted=inserted, recorded=recorded,
+                               cancelled=bool(r[7])))
     return saved
+
+
+async def park(
+    conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
+    seconds: float | None, seen_seq: int | None,
+) -> bool:
+    """Park the execution at a wait; False if it is no longer ours, was cancelled, or (for a
+    signal wait) a signal arrived since *seen_seq* was read."""
+    cur = await conn.execute(q.park, {"id": id, "epoch": epoch, "step_id": step_id,
+                                      "waiting_for": waiting_for, "seconds": seconds,
+                                      "seen_seq": seen_seq})
+    return await cur.fetchone() is not None
+
+
+async def consume_signal(
+    conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, name: str,
+    step_name: str,
+) -> SignalTaken:
+    cur = await conn.execute(q.consume_signal, {"id": id, "epoch": epoch, "step_id": step_id,
+                                                "name": name, "step_name": step_name})
+    row = await cur.fetchone()
+    assert row is not None
+    return SignalTaken(owned=bool(row[0]), cancelled=bool(row[1]), output=row[2],
+                       signal_seq=int(row[3] or 0))
+
+
+async def set_event(
+    conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, key: str, value: str
+) -> bool:
+    cur = await conn.execute(q.set_event, {"id": id, "epoch": epoch, "key": key,
+                                           "value": value})
+    row = await cur.fetchone()
+    return bool(row and row[0])
+
+
+async def expire_deadlines(conn: AnyConn, q: Queries, *, limit: int) -> int:
+    cur = await conn.execute(q.expire_deadlines, {"limit": limit})
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
 
 
 async def load_step(
@@ -181,56 +229,61 @@ async def listen(conn: AnyConn, q: Queries) -> None:
 # -- client statements: async and sync twins -------------------------------------------------
 
 
-def _submit_params(
-    workflow: str, args: str, queue: str, priority: int, key: str | None, id: uuid.UUID | None
-) -> dict[str, Any]:
-    return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
-            "idempotency_key": key, "id": id}
-
-
-def _submit_error(exc: psycopg.Error, key: str | None) -> KestrelError | None:
+def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
+    """Map the SQLSTATEs raised by kestrel's SQL functions to typed errors."""
+    message = str(exc.diag.message_primary)
     if exc.sqlstate == "KS001":
-        return IdempotencyConflict(str(exc.diag.message_primary), key=key or "")
+        return IdempotencyConflict(message, key=key or "")
     if exc.sqlstate == "KS002":
-        return ConfigError(str(exc.diag.message_primary))
+        return ConfigError(message)
+    if exc.sqlstate == "KS003":
+        return ExecutionNotFound(message)
+    if exc.sqlstate in ("KS004", "KS005"):
+        return InvalidState(message)
     return None
 
 
-async def submit(
-    conn: AnyConn, q: Queries, *, workflow: str, args: str, queue: str, priority: int,
-    idempotency_key: str | None, id: uuid.UUID | None = None,
-) -> uuid.UUID:
-    """Enqueue through the SQL function ``submit``; runs in *conn*'s current transaction."""
+async def call(conn: AnyConn, query: str, params: dict[str, Any], *,
+               key: str | None = None) -> Any:
+    """Run a one-value statement (kestrel's SQL functions); map their errors to types."""
     try:
-        cur = await conn.execute(
-            q.submit, _submit_params(workflow, args, queue, priority, idempotency_key, id)
-        )
+        cur = await conn.execute(query, params)
     except psycopg.Error as exc:
-        mapped = _submit_error(exc, idempotency_key)
+        mapped = _error(exc, key)
         if mapped is None:
             raise
         raise mapped from None
     row = await cur.fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+    return row[0] if row else None
 
 
-def submit_sync(
-    conn: psycopg.Connection[Any], q: Queries, *, workflow: str, args: str, queue: str,
-    priority: int, idempotency_key: str | None, id: uuid.UUID | None = None,
-) -> uuid.UUID:
+def call_sync(conn: psycopg.Connection[Any], query: str, params: dict[str, Any], *,
+              key: str | None = None) -> Any:
     try:
-        cur = conn.execute(
-            q.submit, _submit_params(workflow, args, queue, priority, idempotency_key, id)
-        )
+        cur = conn.execute(query, params)
     except psycopg.Error as exc:
-        mapped = _submit_error(exc, idempotency_key)
+        mapped = _error(exc, key)
         if mapped is None:
             raise
         raise mapped from None
     row = cur.fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
+    return row[0] if row else None
+
+
+def submit_params(
+    *, workflow: str, args: str, queue: str, priority: int, idempotency_key: str | None,
+    id: uuid.UUID | None = None, parent: uuid.UUID | None = None,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
+            "idempotency_key": idempotency_key, "id": id, "parent": parent,
+            "timeout_s": timeout_s}
+
+
+async def get_event(conn: AnyConn, q: Queries, *, id: uuid.UUID, key: str) -> tuple[bool, Any]:
+    cur = await conn.execute(q.get_event, {"id": id, "key": key})
+    row = await cur.fetchone()
+    return (True, row[0]) if row else (False, None)
 
 
 def _execution(row: Sequence[Any]) -> Execution:

@@ -35,6 +35,19 @@ class ExecutionNotFound(KestrelError, LookupError):
     """No execution has that id."""
 
 
+class InvalidState(KestrelError):
+    """The execution is not in a state that allows the operation (e.g. retry of a live one,
+    a signal to a finished one)."""
+
+
+class DeadlineExceeded(KestrelError):
+    """The workflow ran past the deadline given at submit (``timeout=``)."""
+
+
+class Cancelled(KestrelError):
+    """The execution was cancelled; raised inside the workflow at its next step boundary."""
+
+
 class MigrationError(KestrelError):
     """The schema cannot be brought to the version this code needs."""
 
@@ -73,3 +86,7 @@ class WorkflowFailed(KestrelError):
         self.execution_id = execution_id
         self.status = status
         self.error = error
+
+
+class ChildFailed(WorkflowFailed):
+    """A child execution awaited with ``ctx.child``/``ctx.wait_child`` did not complete."""

@@ -34,14 +34,25 @@ class Queries:
     heartbeat: str
     complete_batch: str
     release_batch: str
+    park: str
     save_steps_batch: str
     load_step: str
+    consume_signal: str
+    set_event: str
     reenqueue_expired: str
+    expire_deadlines: str
     submit: str
+    signal: str
+    cancel: str
+    retry: str
+    fork: str
+    get_event: str
     get_execution: str
     list_steps: str
     count_by_status: str
     listen: str
+    listen_done: str
+    listen_events: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

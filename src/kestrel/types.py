@@ -36,7 +36,11 @@ class RecordedStep:
 
 @dataclass(frozen=True, slots=True)
 class Claimed:
-    """An execution this process now owns under *epoch*."""
+    """An execution this process now owns under *epoch*.
+
+    ``wait_step``/``wait_deadline`` describe the wait it was parked at, if any; ``db_now`` is
+    the database clock at the claim, which decides whether that wait is over.
+    """
 
     id: uuid.UUID
     workflow: str
@@ -44,6 +48,12 @@ class Claimed:
     epoch: int
     attempt: int
     steps: dict[int, RecordedStep]
+    wait_step: int | None = None
+    wait_deadline: datetime | None = None
+    signal_seq: int = 0
+    deadline: datetime | None = None
+    cancel_requested: bool = False
+    db_now: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +77,17 @@ class StepSaved:
     owned: bool
     inserted: bool
     recorded: RecordedStep | None
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SignalTaken:
+    """What looking for a signal found: a recorded output, or the seq to park with."""
+
+    owned: bool
+    cancelled: bool
+    output: Any
+    signal_seq: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,10 +33,10 @@ from psycopg_pool import PoolTimeout
 
 from kestrel import codec, db
 from kestrel.config import Config
-from kestrel.errors import LeaseLost, UnknownWorkflow
+from kestrel.errors import Cancelled, DeadlineExceeded, LeaseLost, UnknownWorkflow
 from kestrel.sql import queries
-from kestrel.types import Claimed, Finish, Status, StepSaved, StepWrite
-from kestrel.workflow import Context, WorkflowFn, describe_error
+from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
+from kestrel.workflow import Context, Park, WorkflowFn, describe_error
 
 log = logging.getLogger("kestrel.worker")
 
@@ -132,6 +132,9 @@ class _Held:
     trusted_until: float
     task: asyncio.Task[None] | None = None
     lost: bool = False
+    cancel_requested: bool = False
+    deadline_hit: bool = False
+    deadline_timer: asyncio.TimerHandle | None = None
 
 
 @dataclass
@@ -141,6 +144,7 @@ class WorkerStats:
     failed: int = 0
     lost: int = 0
     fenced: int = 0
+    parked: int = 0
     released: int = 0
     claims: int = 0
     extra: dict[str, int] = field(default_factory=dict)
@@ -176,6 +180,45 @@ class Worker:
     def trusted(self, execution_id: uuid.UUID) -> bool:
         held = self._held.get(execution_id)
         return held is not None and not held.lost and time.monotonic() < held.trusted_until
+
+    def cancel_requested(self, execution_id: uuid.UUID) -> bool:
+        held = self._held.get(execution_id)
+        return held is not None and held.cancel_requested
+
+    async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
+                   seconds: float | None, seen_seq: int | None) -> bool:
+        async with self._pool.connection() as conn:
+            return await db.park(conn, self._q, id=claimed.id, epoch=claimed.epoch,
+                                 step_id=step_id, waiting_for=waiting_for, seconds=seconds,
+                                 seen_seq=seen_seq)
+
+    async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
+                             step_name: str) -> SignalTaken:
+        async with self._pool.connection() as conn:
+            return await db.consume_signal(conn, self._q, id=claimed.id, epoch=claimed.epoch,
+                                           step_id=step_id, name=name, step_name=step_name)
+
+    async def set_event(self, claimed: Claimed, key: str, value: str) -> bool:
+        async with self._pool.connection() as conn:
+            return await db.set_event(conn, self._q, id=claimed.id, epoch=claimed.epoch,
+                                      key=key, value=value)
+
+    async def submit_child(self, *, workflow: str, args: str, queue: str, priority: int,
+                           key: str, parent: uuid.UUID, timeout_s: float | None) -> uuid.UUID:
+        async with self._pool.connection() as conn:
+            child: uuid.UUID = await db.call(
+                conn, self._q.submit,
+                db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
+                                 idempotency_key=key, parent=parent, timeout_s=timeout_s),
+                key=key)
+        return child
+
+    async def send_signal(self, execution_id: uuid.UUID, name: str, payload: str | None,
+                          key: str) -> bool:
+        async with self._pool.connection() as conn:
+            return bool(await db.call(conn, self._q.signal,
+                                      {"id": execution_id, "name": name, "payload": payload,
+                                       "idempotency_key": key}))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -272,11 +315,21 @@ class Worker:
             self.stats.claims += 1
             self.stats.claimed += len(claimed)
             for c in claimed:
-                held = _Held(c, trusted_until=sent + self.cfg.lease)
+                held = _Held(c, trusted_until=sent + self.cfg.lease,
+                             cancel_requested=c.cancel_requested)
                 self._held[c.id] = held
                 held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
+                if c.deadline is not None and c.db_now is not None:
+                    left = (c.deadline - c.db_now).total_seconds()
+                    held.deadline_timer = asyncio.get_running_loop().call_later(
+                        max(left, 0.0), self._deadline_passed, held)
             if len(claimed) < limit:
                 await self._wait_for_work()
+
+    def _deadline_passed(self, held: _Held) -> None:
+        if held.task is not None and not held.task.done():
+            held.deadline_hit = True
+            held.task.cancel()
 
     def _holds_suspect(self) -> bool:
         # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.
@@ -302,7 +355,13 @@ class Worker:
         c = held.claimed
         ctx = Context(c, c.workflow, self, self._executor, self.cfg.max_payload_bytes)
         try:
-            finish = await self._run_workflow(ctx)
+            try:
+                finish = await self._run_workflow(ctx)
+            except asyncio.CancelledError:
+                if not held.deadline_hit or held.lost or self._stopping.is_set():
+                    raise
+                finish = self._failure(c, DeadlineExceeded(
+                    f"workflow {c.workflow!r} ran past its deadline {c.deadline}"))
             if finish is None:
                 return
             if await self._completions.submit(finish):
@@ -318,15 +377,26 @@ class Worker:
                 return  # lost: the new owner finishes it; stopping: _drain releases it
             raise
         finally:
+            if held.deadline_timer is not None:
+                held.deadline_timer.cancel()
             # Identity check: after a lost lease this worker may hold a newer claim of the
             # same execution under the same id.
             if self._held.get(c.id) is held:
                 del self._held[c.id]
             self._slot_freed.set()
 
+    def _failure(self, c: Claimed, error: BaseException) -> Finish:
+        log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow,
+                 type(error).__name__, error)
+        return Finish(c.id, c.epoch, Status.FAILED, None,
+                      codec.encode(describe_error(error), what="workflow error"))
+
     async def _run_workflow(self, ctx: Context) -> Finish | None:
         c = ctx.claimed
         fn = self._workflows.get(c.workflow)
+        if c.deadline is not None and c.db_now is not None and c.db_now >= c.deadline:
+            return self._failure(c, DeadlineExceeded(
+                f"workflow {c.workflow!r} passed its deadline {c.deadline}"))
         try:
             if fn is None:
                 raise UnknownWorkflow(
@@ -335,19 +405,23 @@ class Worker:
             value = await fn(ctx, *c.args)
             if ctx.nondeterminism is not None:
                 raise ctx.nondeterminism
+            if ctx.cancelled:
+                raise Cancelled(f"execution {c.id} was cancelled")
             result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
                                   max_bytes=self.cfg.max_payload_bytes)
             return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+        except Park:
+            self.stats.parked += 1
+            return None
         except LeaseLost as exc:
             self.stats.lost += 1
             log.info("dropping %s: %s", c.id, exc)
             return None
         except Exception as exc:
-            error = ctx.nondeterminism or exc
-            log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow,
-                     type(error).__name__, error)
-            return Finish(c.id, c.epoch, Status.FAILED, None,
-                          codec.encode(describe_error(error), what="workflow error"))
+            if ctx.nondeterminism is None and (ctx.cancelled or isinstance(exc, Cancelled)):
+                return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
+                    {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
+            return self._failure(c, ctx.nondeterminism or exc)
 
     # -- group-commit flushes -----------------------------------------------------------------
 
@@ -357,7 +431,7 @@ class Worker:
             # A conflicting row committed after our snapshot is invisible to the statement
             # (only possible across epochs, which are fenced anyway): read it back.
             for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
-                if s.owned and s.recorded is None:
+                if s.owned and s.recorded is None and not s.cancelled:
                     rec = await db.load_step(conn, self._q, execution_id=w.execution_id,
                                              step_id=w.step_id)
                     saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
@@ -393,6 +467,7 @@ class Worker:
         for h in snapshot:
             if h.claimed.id in owned:
                 h.trusted_until = sent + self.cfg.lease
+                h.cancel_requested = h.cancel_requested or owned[h.claimed.id]
             elif self._held.get(h.claimed.id) is h:
                 h.lost = True
                 self.stats.lost += 1
@@ -420,6 +495,13 @@ class Worker:
             requeued += r.requeued
             quarantined += r.quarantined
             if r.examined < limit:
+                break
+        while True:
+            async with self._pool.connection() as conn:
+                expired = await db.expire_deadlines(conn, self._q, limit=limit)
+            if expired:
+                log.info("failed %d queued or waiting executions past their deadline", expired)
+            if expired < limit:
                 break
         if requeued:
             log.info("sweeper re-enqueued %d executions with expired leases", requeued)

@@ -21,15 +21,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
+from uuid import UUID
 
 from kestrel import codec
 from kestrel.errors import (
+    Cancelled,
+    ChildFailed,
     LeaseLost,
     NonDeterminismError,
     SerializationError,
     StepFailed,
 )
-from kestrel.types import Claimed, RecordedStep, StepSaved, StepWrite
+from kestrel.types import Claimed, RecordedStep, SignalTaken, StepSaved, StepWrite
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -164,7 +167,7 @@ def _spec(fn: Callable[..., Any]) -> StepSpec:
 class StepInfo:
     """The step a body is running as: use :attr:`idempotency_key` for calls downstream."""
 
-    execution_id: uuid.UUID
+    execution_id: UUID
     step_id: int
     name: str
     attempt: int
@@ -194,18 +197,76 @@ def describe_error(exc: BaseException) -> dict[str, str]:
 
 
 class Writer(Protocol):
-    """What a Context needs from its worker: the group-commit writer and the lease clock."""
+    """What a Context needs from its worker: group commit, the lease clock, the database."""
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Checkpoint *write* in the next group commit; return what is now recorded."""
 
-    def trusted(self, execution_id: uuid.UUID) -> bool:
+    def trusted(self, execution_id: UUID) -> bool:
         """Whether the lease on *execution_id* is surely still ours (worker's monotonic clock)."""
+
+    def cancel_requested(self, execution_id: UUID) -> bool:
+        """Whether a heartbeat has seen a cancel request for *execution_id*."""
+
+    async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
+                   seconds: float | None, seen_seq: int | None) -> bool:
+        """Park the execution at a wait (see db.park)."""
+
+    async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
+                             step_name: str) -> SignalTaken:
+        """Consume a pending signal into the wait's checkpoint (see db.consume_signal)."""
+
+    async def set_event(self, claimed: Claimed, key: str, value: str) -> bool:
+        """Upsert an event value, fenced by the epoch."""
+
+    async def submit_child(self, *, workflow: str, args: str, queue: str, priority: int,
+                           key: str, parent: UUID, timeout_s: float | None) -> UUID:
+        """Submit a child execution under an idempotency key."""
+
+    async def send_signal(self, execution_id: UUID, name: str, payload: str | None,
+                          key: str) -> bool:
+        """Deliver a signal to another execution under an idempotency key."""
+
+
+class Park(BaseException):
+    """Unwinds a workflow that is now parked as a row (a sleep, a signal or child wait).
+
+    A BaseException so that workflow code's ``except Exception`` cannot swallow it.
+    """
+
+
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """What :meth:`Context.wait_for_signal` returns: the payload, or ``timed_out``."""
+
+    name: str
+    payload: Any
+    timed_out: bool
+
+    @property
+    def received(self) -> bool:
+        return not self.timed_out
+
+
+@dataclass(frozen=True, slots=True)
+class ChildHandle:
+    """A child execution started by :meth:`Context.start_child`."""
+
+    id: UUID
+    workflow: str
+
+
+_SLEEP = "kestrel.sleep"
+_SIGNAL = "kestrel.signal:"
 
 
 @dataclass(eq=False)
 class Context:
-    """Handed to every workflow: run steps, read the execution's identity."""
+    """Handed to every workflow: run steps, wait durably, talk to other executions.
+
+    Every method that returns something a replay must see again (step outputs, signals,
+    ``now``/``random``/``uuid``, child ids) is checkpointed at the next step position.
+    """
 
     claimed: Claimed
     workflow: str
@@ -214,15 +275,18 @@ class Context:
     max_payload_bytes: int = codec.DEFAULT_MAX_PAYLOAD_BYTES
     _next_step: int = field(default=0, init=False)
     nondeterminism: NonDeterminismError | None = field(default=None, init=False)
+    cancelled: bool = field(default=False, init=False)
 
     @property
-    def execution_id(self) -> uuid.UUID:
+    def execution_id(self) -> UUID:
         return self.claimed.id
 
     @property
     def attempt(self) -> int:
-        """How many times this execution has been claimed, this claim included."""
+        """How many times this execution has been claimed since it last parked."""
         return self.claimed.attempt
+
+    # -- steps --------------------------------------------------------------------------------
 
     @overload
     async def step(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T: ...
@@ -234,16 +298,18 @@ class Context:
         Raises:
             StepFailed: the step failed (now, or in the run that recorded it).
             NonDeterminismError: a different step was recorded at this position.
+            Cancelled: the execution was cancelled; it stops at this step boundary.
             LeaseLost: this worker no longer owns the execution.
         """
-        spec = _spec(fn)
-        step_id = self._next_step
-        self._next_step += 1
+        return await self._step(_spec(fn), fn, args, kwargs)
+
+    async def _step(self, spec: StepSpec, fn: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        step_id = self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
             return self._replay(step_id, spec.name, recorded)
-        if not self.writer.trusted(self.execution_id):
-            raise LeaseLost(f"lease of {self.execution_id} may have expired; not starting a step")
+        self._check_can_start()
         started = datetime.now(UTC)
         output: str | None = None
         error: str | None = None
@@ -271,14 +337,35 @@ class Context:
                 if not self.writer.trusted(self.execution_id):
                     raise LeaseLost(f"lease of {self.execution_id} expired during a retry") from exc
                 attempt += 1
+        return await self._record(step_id, spec.name, output, error, attempt, started)
+
+    async def _record(self, step_id: int, name: str, output: str | None, error: str | None,
+                      attempt: int, started: datetime) -> Any:
         saved = await self.writer.save_step(
-            StepWrite(self.execution_id, self.claimed.epoch, step_id, spec.name, output, error,
+            StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
                       attempt, started)
         )
+        if saved.cancelled:
+            self._cancel()
         if not saved.owned:
             raise LeaseLost(f"execution {self.execution_id} was claimed by a newer epoch")
         assert saved.recorded is not None
-        return self._replay(step_id, spec.name, saved.recorded)
+        return self._replay(step_id, name, saved.recorded)
+
+    def _take_position(self) -> int:
+        step_id = self._next_step
+        self._next_step += 1
+        return step_id
+
+    def _check_can_start(self) -> None:
+        if self.writer.cancel_requested(self.execution_id):
+            self._cancel()
+        if not self.writer.trusted(self.execution_id):
+            raise LeaseLost(f"lease of {self.execution_id} may have expired; not starting a step")
+
+    def _cancel(self) -> None:
+        self.cancelled = True
+        raise Cancelled(f"execution {self.execution_id} was cancelled")
 
     def _replay(self, step_id: int, name: str, recorded: RecordedStep) -> Any:
         if recorded.name != name:
@@ -306,3 +393,176 @@ class Context:
             return await loop.run_in_executor(self.executor, call)
         finally:
             _current_step.reset(token)
+
+    async def _internal(self, name: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return await self._step(StepSpec(name, RetryPolicy()), fn, args, {})
+
+    # -- durable waits ------------------------------------------------------------------------
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep durably: park the execution as a row until the database clock passes
+        now + *seconds*. Costs no lease, slot or coroutine while it waits; survives restarts;
+        never wakes early."""
+        if seconds < 0:
+            raise ValueError("sleep duration must not be negative")
+        await self._sleep(float(seconds))
+
+    async def sleep_until(self, when: datetime) -> None:
+        """Sleep durably until *when* (timezone-aware), by the database clock."""
+        if when.tzinfo is None:
+            raise ValueError("sleep_until needs a timezone-aware datetime")
+        now = self.claimed.db_now or datetime.now(UTC)
+        # Measured against the claim's database time; the target is then fixed in the row,
+        # so a replay never recomputes it.
+        await self._sleep(max(0.0, (when - now).total_seconds()))
+
+    async def _sleep(self, seconds: float) -> None:
+        step_id = self._take_position()
+        recorded = self.claimed.steps.get(step_id)
+        if recorded is not None:
+            self._replay(step_id, _SLEEP, recorded)
+            return
+        self._check_can_start()
+        c = self.claimed
+        if self._wait_is_over(step_id):
+            await self._record(step_id, _SLEEP, codec.encode({"slept": True}, what="sleep"),
+                               None, 1, datetime.now(UTC))
+            return
+        await self._park(step_id, _SLEEP, seconds, None)
+        raise AssertionError(f"unreachable: {c.id} parked")  # pragma: no cover
+
+    def _wait_is_over(self, step_id: int) -> bool:
+        c = self.claimed
+        return (c.wait_step == step_id and c.wait_deadline is not None
+                and c.db_now is not None and c.db_now >= c.wait_deadline)
+
+    async def _park(self, step_id: int, waiting_for: str, seconds: float | None,
+                    seen_seq: int | None) -> bool:
+        parked = await self.writer.park(self.claimed, step_id=step_id, waiting_for=waiting_for,
+                                        seconds=seconds, seen_seq=seen_seq)
+        if parked:
+            raise Park(waiting_for)
+        return False
+
+    async def wait_for_signal(self, name: str, timeout: float | None = None) -> Signal:
+        """Wait durably for the signal *name*; return it, or a result with ``timed_out``.
+
+        A signal sent before the wait is kept and returned here; each signal is consumed by
+        exactly one wait. *timeout* is in seconds (None: wait for ever).
+        """
+        if timeout is not None and timeout < 0:
+            raise ValueError("timeout must not be negative")
+        step_name = _SIGNAL + name
+        step_id = self._take_position()
+        recorded = self.claimed.steps.get(step_id)
+        if recorded is None:
+            self._check_can_start()
+            while True:
+                taken = await self.writer.consume_signal(self.claimed, step_id=step_id,
+                                                         name=name, step_name=step_name)
+                if taken.cancelled:
+                    self._cancel()
+                if not taken.owned:
+                    raise LeaseLost(f"execution {self.execution_id} is no longer ours")
+                if taken.output is not None:
+                    recorded = RecordedStep(step_name, taken.output, None)
+                    break
+                if self._wait_is_over(step_id):
+                    output = codec.encode({"received": False, "payload": None}, what="signal")
+                    await self._record(step_id, step_name, output, None, 1, datetime.now(UTC))
+                    return Signal(name, None, timed_out=True)
+                # No signal yet: park. If one arrived since we looked, park refuses and we
+                # look again.
+                await self._park(step_id, name, timeout, taken.signal_seq)
+        out = self._replay(step_id, step_name, recorded)
+        return Signal(name, out.get("payload"), timed_out=not out.get("received"))
+
+    async def signal(self, execution_id: UUID | str, name: str, payload: Any = None
+                     ) -> None:
+        """Send signal *name* to another execution, exactly once however often this replays."""
+        encoded = codec.encode(payload, what=f"payload of signal {name!r}",
+                               max_bytes=self.max_payload_bytes)
+        target = UUID(str(execution_id))
+
+        async def send() -> bool:
+            key = current_step().idempotency_key
+            return await self.writer.send_signal(target, name, encoded, key)
+
+        await self._internal(f"kestrel.send_signal:{name}", send)
+
+    # -- events -------------------------------------------------------------------------------
+
+    async def set_event(self, key: str, value: Any) -> None:
+        """Publish *value* under *key* for callers (``Client.get_event``)."""
+        encoded = codec.encode(value, what=f"event {key!r}", max_bytes=self.max_payload_bytes)
+
+        async def put() -> None:
+            if not await self.writer.set_event(self.claimed, key, encoded):
+                raise LeaseLost(f"execution {self.execution_id} is no longer ours")
+
+        await self._internal(f"kestrel.set_event:{key}", put)
+
+    # -- children -----------------------------------------------------------------------------
+
+    async def start_child(self, wf: WorkflowFn | str, *args: Any, queue: str = "default",
+                          priority: int = 0, timeout: float | None = None) -> ChildHandle:
+        """Start a child execution, exactly once however often this workflow replays."""
+        name = workflow_name(wf)
+        encoded = codec.encode(list(args), what=f"arguments of child workflow {name!r}",
+                               max_bytes=self.max_payload_bytes)
+
+        async def start() -> str:
+            key = "kestrel.child:" + current_step().idempotency_key
+            child = await self.writer.submit_child(
+                workflow=name, args=encoded, queue=queue, priority=priority, key=key,
+                parent=self.execution_id, timeout_s=timeout)
+            return str(child)
+
+        child_id = await self._internal(f"kestrel.start_child:{name}", start)
+        return ChildHandle(UUID(child_id), name)
+
+    async def wait_child(self, child: ChildHandle) -> Any:
+        """Wait durably for *child* to finish; return its result.
+
+        Raises:
+            ChildFailed: the child ended failed, cancelled or quarantined.
+        """
+        got = await self.wait_for_signal(f"kestrel.child:{child.id}")
+        outcome = got.payload or {}
+        if outcome.get("status") != "completed":
+            raise ChildFailed(child.id, str(outcome.get("status")), outcome.get("error"))
+        return outcome.get("result")
+
+    async def child(self, wf: WorkflowFn | str, *args: Any, queue: str = "default",
+                    priority: int = 0, timeout: float | None = None) -> Any:
+        """Start a child execution and wait for its result (:meth:`start_child` +
+        :meth:`wait_child`)."""
+        handle = await self.start_child(wf, *args, queue=queue, priority=priority,
+                                        timeout=timeout)
+        return await self.wait_child(handle)
+
+    # -- deterministic helpers ----------------------------------------------------------------
+
+    async def now(self) -> datetime:
+        """The current time, recorded: a replay returns the same instant."""
+
+        async def read() -> str:
+            return datetime.now(UTC).isoformat()
+
+        return datetime.fromisoformat(await self._internal("kestrel.now", read))
+
+    async def random(self) -> float:
+        """A random float in [0, 1), recorded: a replay returns the same number."""
+
+        async def draw() -> float:
+            return random.random()
+
+        return float(await self._internal("kestrel.random", draw))
+
+    async def uuid(self) -> UUID:
+        """A random UUID, recorded: a replay returns the same one."""
+
+        async def make() -> str:
+            return str(uuid.uuid4())
+
+        return UUID(await self._internal("kestrel.uuid", make))

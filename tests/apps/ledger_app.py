@@ -164,3 +164,76 @@ async def float_value() -> Any:
 @kestrel.workflow(name="echo_float")
 async def echo_float(ctx: kestrel.Context) -> Any:
     return {"live": await ctx.step(float_value)}
+
+
+# -- waits, signals, events, children (issue 6) ---------------------------------------------
+
+@kestrel.workflow(name="approval")
+async def approval(ctx: kestrel.Context, n: int) -> dict[str, Any]:
+    pre = await ctx.step(add, n, 0)
+    sig = await ctx.wait_for_signal("approve")
+    post = await ctx.step(add, n, 2)
+    return {"pre": pre, "payload": sig.payload, "post": post}
+
+
+@kestrel.workflow(name="waiter")
+async def waiter(ctx: kestrel.Context) -> Any:
+    sig = await ctx.wait_for_signal("go")
+    return sig.payload
+
+
+@kestrel.workflow(name="wait_with_timeout")
+async def wait_with_timeout(ctx: kestrel.Context, timeout: float) -> dict[str, Any]:
+    sig = await ctx.wait_for_signal("never", timeout=timeout)
+    return {"timed_out": sig.timed_out, "payload": sig.payload}
+
+
+@kestrel.workflow(name="sleeper")
+async def sleeper(ctx: kestrel.Context, n: int, seconds: float) -> int:
+    a = await ctx.step(add, n, 0)
+    await ctx.sleep(seconds)
+    b = await ctx.step(add, n, 1)
+    return a + b
+
+
+@kestrel.workflow(name="progress")
+async def progress(ctx: kestrel.Context) -> str:
+    await ctx.set_event("stage", "analyzing")
+    await ctx.wait_for_signal("go")
+    await ctx.set_event("stage", "fixing")
+    return "done"
+
+
+@kestrel.workflow(name="parent")
+async def parent(ctx: kestrel.Context, n: int) -> int:
+    return int(await ctx.child(three_steps, n))
+
+
+@kestrel.workflow(name="replaying_parent")
+async def replaying_parent(ctx: kestrel.Context, n: int) -> int:
+    """Starts a child, then parks three times: each wake-up replays the start_child call."""
+    handle = await ctx.start_child(three_steps, n)
+    for _ in range(3):
+        await ctx.sleep(0)
+    return int(await ctx.wait_child(handle))
+
+
+@kestrel.workflow(name="parent_of_waiter")
+async def parent_of_waiter(ctx: kestrel.Context) -> Any:
+    return await ctx.child(waiter)
+
+
+seen_values: dict[str, list[list[str]]] = {}
+
+
+@kestrel.workflow(name="deterministic")
+async def deterministic(ctx: kestrel.Context) -> list[str]:
+    values = [(await ctx.now()).isoformat(), repr(await ctx.random()), str(await ctx.uuid())]
+    seen_values.setdefault(str(ctx.execution_id), []).append(values)
+    await ctx.sleep(0)  # park and come back: the second run replays the three helpers
+    return values
+
+
+@kestrel.workflow(name="quick")
+async def quick(ctx: kestrel.Context, n: int) -> int:
+    return int(await ctx.step(add, n, 0))
