@@ -43,3 +43,34 @@ SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, fini
 SELECT status, count(*) FROM __schema__.workflow_executions GROUP BY status
 UNION ALL
 SELECT status, count(*) FROM __schema__.workflow_history GROUP BY status;
+
+-- name: list_executions
+-- Newest first, live and finished alike, with optional filters (NULL = any).
+SELECT id, workflow, queue, status, attempts, created_at, finished_at
+  FROM (SELECT id, workflow, queue, status, attempts, created_at,
+               NULL::timestamptz AS finished_at
+          FROM __schema__.workflow_executions
+        UNION ALL
+        SELECT id, workflow, queue, status, attempts, created_at, finished_at
+          FROM __schema__.workflow_history) AS x
+ WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+   AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+   AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+ ORDER BY created_at DESC
+ LIMIT %(limit)s;
+
+-- name: queue_stats
+-- Live executions by queue and status, with the age of the oldest queued one.
+SELECT queue, status, count(*),
+       extract(epoch FROM __schema__.kestrel_now() - min(created_at))
+  FROM __schema__.workflow_executions
+ GROUP BY queue, status
+ ORDER BY queue, status;
+
+-- name: worker_stats
+-- Running executions by the worker holding their lease.
+SELECT lease_owner, count(*)
+  FROM __schema__.workflow_executions
+ WHERE status = 'running'
+ GROUP BY lease_owner
+ ORDER BY lease_owner;

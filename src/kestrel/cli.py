@@ -1,4 +1,9 @@
-"""``kestrel-runtime``: the runtime (no subcommand) and the operator commands."""
+"""``kestrel-runtime``: the runtime (no subcommand) and the operator commands.
+
+Every operator command prints a readable table, or JSON with ``--json``; bad input (an id
+that is not a UUID, JSON that does not parse, an unknown id) prints one line on stderr and
+exits 1; an invalid setting exits 2.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ import argparse
 import importlib
 import json
 import logging
+import re
 import sys
 import uuid
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kestrel import log as kestrel_log
@@ -21,7 +27,8 @@ log = logging.getLogger("kestrel.cli")
 
 PRECEDENCE = ("Settings come from, highest first: a flag, the KESTREL_<NAME> environment "
               "variable (e.g. KESTREL_BATCH_SIZE), a key in the TOML file named by --config "
-              "or KESTREL_CONFIG (top level or a [kestrel] table), the default.")
+              "or KESTREL_CONFIG (top level or a [kestrel] table), the default. With no DSN "
+              "and no PG* variables, an embedded PostgreSQL runs in --data-dir.")
 
 
 def _common() -> argparse.ArgumentParser:
@@ -41,34 +48,68 @@ def _common() -> argparse.ArgumentParser:
     return p
 
 
+def _json_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
         prog="kestrel-runtime",
         parents=[common],
         description="Durable workflows on PostgreSQL. Without a subcommand, run the "
-                    "supervisor and --procs worker processes.",
+                    "supervisor and --procs worker processes (e.g. kestrel-runtime --procs 16 "
+                    "--app myapp.workflows).",
         epilog=PRECEDENCE,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("run", parents=[common], help="Run the supervisor (the default).")
-    sub.add_parser("migrate", parents=[common], help="Create or upgrade the schema, then exit.")
-    s = sub.add_parser("submit", parents=[common], help="Submit an execution; print its id.")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help, description=help,
+                              epilog=PRECEDENCE)
+
+    add("run", "Run the supervisor and its workers (the default command).")
+    add("migrate", "Create or upgrade the schema, then exit.")
+    s = add("submit", "Submit an execution; print its id.")
     s.add_argument("workflow", help="Registered workflow name.")
     s.add_argument("--args", default="[]", help="JSON array of arguments (default: []).")
     s.add_argument("--queue", default="default")
-    s.add_argument("--priority", type=int, default=0)
-    s.add_argument("--idempotency-key", default=None)
+    s.add_argument("--priority", type=int, default=0, help="Higher runs first.")
+    s.add_argument("--idempotency-key", default=None,
+                   help="Same key and arguments → the same execution.")
+    s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="Deadline after which the execution ends failed.")
     s.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                    help="Wait this long for the result and print it.")
-    show = sub.add_parser("show", parents=[common], help="Show an execution and its steps.")
+    _json_flag(s)
+    ls = add("list", "List executions, newest first.")
+    ls.add_argument("--status", help="queued, running, waiting, completed, failed, "
+                                     "cancelled or quarantined.")
+    ls.add_argument("--workflow", help="Only this workflow.")
+    ls.add_argument("--since", help="Created since: an ISO time or an age like 30m, 6h, 7d.")
+    ls.add_argument("--limit", type=int, default=50)
+    _json_flag(ls)
+    show = add("show", "Show an execution with its steps as a timeline.")
     show.add_argument("id")
-    show.add_argument("--json", action="store_true", help="Print JSON.")
-    stats = sub.add_parser("stats", parents=[common], help="Executions by status.")
-    stats.add_argument("--json", action="store_true", help="Print JSON.")
-    demo = sub.add_parser("demo", parents=[common],
-                          help="Run the incident-response demo end to end and show it.")
-    demo.add_argument("--incidents", type=int, default=20)
+    _json_flag(show)
+    cancel = add("cancel", "Cancel an execution (and its children).")
+    cancel.add_argument("id")
+    _json_flag(cancel)
+    retry = add("retry", "Re-run a failed, cancelled or quarantined execution from its last "
+                         "checkpoint.")
+    retry.add_argument("id")
+    _json_flag(retry)
+    sig = add("signal", "Send a signal to an execution (e.g. an approval).")
+    sig.add_argument("id")
+    sig.add_argument("name")
+    sig.add_argument("--payload", default="null", help="JSON payload (default: null).")
+    sig.add_argument("--idempotency-key", default=None, help="Send at most once per key.")
+    _json_flag(sig)
+    stats = add("stats", "Queue depth by queue and status, oldest queued age, running by "
+                         "worker, totals.")
+    _json_flag(stats)
+    demo = add("demo", "Run the incident-response demo end to end on the embedded database.")
+    demo.add_argument("--incidents", type=int, default=12)
     return parser
 
 
@@ -115,6 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = ns.command or "run"
     try:
         return COMMANDS[command](cfg, ns)
+    except ConfigError as exc:
+        print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
+        return 2 if command == "run" else 1
     except (KestrelError, ValueError) as exc:
         print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
         return 1
@@ -156,20 +200,11 @@ def _client(cfg: Config) -> tuple[Any, Any]:
     return SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes), server
 
 
-def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
+def _json_arg(text: str, flag: str) -> Any:
     try:
-        args = json.loads(ns.args)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"--args is not valid JSON: {exc}") from None
-    if not isinstance(args, list):
-        raise ConfigError("--args must be a JSON array, e.g. '[1, \"two\"]'")
-    client, _server = _client(cfg)
-    handle = client.submit(ns.workflow, *args, queue=ns.queue, priority=ns.priority,
-                           idempotency_key=ns.idempotency_key)
-    print(handle.id)
-    if ns.wait is not None:
-        print(json.dumps(handle.result(timeout=ns.wait)))
-    return 0
+        raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
 
 
 def _parse_id(text: str) -> uuid.UUID:
@@ -179,37 +214,161 @@ def _parse_id(text: str) -> uuid.UUID:
         raise ConfigError(f"{text!r} is not an execution id (a UUID)") from None
 
 
+def _emit(ns: argparse.Namespace, data: Any, table: Callable[[], None]) -> int:
+    if getattr(ns, "json", False):
+        print(json.dumps(data, indent=2, default=_jsonable))
+    else:
+        table()
+    return 0
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"cannot encode {type(value).__name__}")
+
+
+def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
+    args = _json_arg(ns.args, "--args")
+    if not isinstance(args, list):
+        raise ConfigError("--args must be a JSON array, e.g. '[1, \"two\"]'")
+    client, _server = _client(cfg)
+    handle = client.submit(ns.workflow, *args, queue=ns.queue, priority=ns.priority,
+                           idempotency_key=ns.idempotency_key, timeout=ns.timeout)
+    result = handle.result(timeout=ns.wait) if ns.wait is not None else None
+    data: dict[str, Any] = {"id": str(handle.id)}
+    if ns.wait is not None:
+        data["result"] = result
+
+    def table() -> None:
+        print(handle.id)
+        if ns.wait is not None:
+            print(json.dumps(result))
+
+    return _emit(ns, data, table)
+
+
+def _since(text: str | None) -> datetime | None:
+    if text is None:
+        return None
+    m = re.fullmatch(r"(\d+)([smhd])", text.strip())
+    if m:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return datetime.now(UTC) - timedelta(**{unit: int(m.group(1))})
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"--since {text!r}: use an ISO time (2026-11-30T08:00) or an age "
+                          "like 30m, 6h, 7d") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
+    client, _server = _client(cfg)
+    rows = client.list(status=ns.status, workflow=ns.workflow, since=_since(ns.since),
+                       limit=ns.limit)
+    data = [{"id": r.id, "workflow": r.workflow, "queue": r.queue, "status": r.status.value,
+             "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at}
+            for r in rows]
+
+    def table() -> None:
+        print(f"{'id':<36}  {'workflow':<22} {'queue':<10} {'status':<11} {'created':<19} "
+              f"{'took':>9}")
+        for r in rows:
+            took = (f"{_ms(r.finished_at - r.created_at) / 1000:8.2f}s" if r.finished_at
+                    else "")
+            print(f"{r.id!s:<36}  {r.workflow[:22]:<22} {r.queue[:10]:<10} "
+                  f"{r.status.value:<11} {r.created_at:%Y-%m-%d %H:%M:%S} {took:>9}")
+        print(f"({len(rows)} shown)")
+
+    return _emit(ns, data, table)
+
+
 def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
     client, _server = _client(cfg)
     ex = client.get(_parse_id(ns.id))
     steps = client.steps(ex.id)
-    if ns.json:
-        data = {
-            "id": str(ex.id), "workflow": ex.workflow, "status": ex.status.value,
-            "queue": ex.queue, "attempts": ex.attempts, "args": ex.args, "result": ex.result,
-            "error": ex.error, "created_at": ex.created_at.isoformat(),
-            "finished_at": ex.finished_at.isoformat() if ex.finished_at else None,
-            "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
-                       "duration_ms": _ms(s.finished_at - s.started_at), "output": s.output,
-                       "error": s.error} for s in steps],
-        }
-        print(json.dumps(data, indent=2))
-        return 0
-    print(f"execution {ex.id}")
-    print(f"  workflow  {ex.workflow}   queue {ex.queue}   status {ex.status.value}   "
-          f"claims {ex.attempts}")
-    print(f"  args      {json.dumps(ex.args)}")
-    if ex.status.value == "completed":
-        print(f"  result    {_short(ex.result)}")
-    if ex.error:
-        print(f"  error     {ex.error.get('type')}: {ex.error.get('message')}")
-    print(f"  steps ({len(steps)}):")
-    for s in steps:
-        outcome = (f"error {s.error.get('type')}: {s.error.get('message')}" if s.error
-                   else _short(s.output))
-        print(f"    #{s.step_id:<3} {s.name:<32} attempt {s.attempt}  "
-              f"{_ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
-    return 0
+    data = {
+        "id": ex.id, "workflow": ex.workflow, "status": ex.status.value, "queue": ex.queue,
+        "claims": ex.attempts, "args": ex.args, "result": ex.result, "error": ex.error,
+        "created_at": ex.created_at, "started_at": ex.started_at,
+        "finished_at": ex.finished_at,
+        "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
+                   "duration_ms": _ms(s.finished_at - s.started_at), "output": s.output,
+                   "error": s.error} for s in steps],
+    }
+
+    def table() -> None:
+        print(f"execution {ex.id}")
+        print(f"  workflow  {ex.workflow}   queue {ex.queue}   status {ex.status.value}")
+        print(f"  args      {_short(ex.args)}")
+        if ex.status.value == "completed":
+            print(f"  result    {_short(ex.result)}")
+        if ex.error:
+            print(f"  error     {ex.error.get('type')}: {ex.error.get('message')}")
+        print(f"  steps ({len(steps)}):")
+        for s in steps:
+            outcome = (f"error {s.error.get('type')}: {s.error.get('message')}" if s.error
+                       else _short(s.output, 60))
+            at = s.started_at - ex.created_at
+            print(f"    #{s.step_id:<3} +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} "
+                  f"try {s.attempt}  {_ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
+
+    return _emit(ns, data, table)
+
+
+def cmd_cancel(cfg: Config, ns: argparse.Namespace) -> int:
+    client, _server = _client(cfg)
+    eid = _parse_id(ns.id)
+    status = client.cancel(eid)
+    note = {"cancelled": "cancelled", "cancelling": "running: it stops at its next step "
+            "boundary"}.get(status, f"already {status}; nothing to cancel")
+    return _emit(ns, {"id": eid, "status": status}, lambda: print(f"{eid}: {note}"))
+
+
+def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
+    client, _server = _client(cfg)
+    eid = _parse_id(ns.id)
+    client.retry(eid)
+    return _emit(ns, {"id": eid, "status": "queued"},
+                 lambda: print(f"{eid}: queued again; it resumes from its last checkpoint"))
+
+
+def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
+    payload = _json_arg(ns.payload, "--payload")
+    client, _server = _client(cfg)
+    eid = _parse_id(ns.id)
+    sent = client.signal(eid, ns.name, payload, idempotency_key=ns.idempotency_key)
+    msg = (f"{eid}: signal {ns.name!r} delivered" if sent else
+           f"{eid}: signal {ns.name!r} with key {ns.idempotency_key!r} was already delivered")
+    return _emit(ns, {"id": eid, "signal": ns.name, "delivered": sent}, lambda: print(msg))
+
+
+def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
+    client, _server = _client(cfg)
+    st = client.stats()
+    data = {"queues": [{"queue": q.queue, "status": q.status, "count": q.count,
+                        "oldest_queued_age_s": q.oldest_age_s} for q in st.queues],
+            "running_by_worker": st.running_by_worker, "totals": st.totals}
+
+    def table() -> None:
+        print(f"{'queue':<16} {'status':<9} {'count':>8} {'oldest queued':>14}")
+        for q in st.queues:
+            age = f"{q.oldest_age_s:13.1f}s" if q.oldest_age_s is not None else ""
+            print(f"{q.queue[:16]:<16} {q.status:<9} {q.count:>8} {age:>14}")
+        if not st.queues:
+            print("(no live executions)")
+        if st.running_by_worker:
+            print(f"\n{'worker':<30} {'running':>8}")
+            for worker, n in st.running_by_worker.items():
+                print(f"{worker[:30]:<30} {n:>8}")
+        print("\ntotals: " + "  ".join(f"{k} {st.totals.get(k, 0)}" for k in
+                                      ("queued", "running", "waiting", "completed", "failed",
+                                       "cancelled", "quarantined")))
+
+    return _emit(ns, data, table)
 
 
 def _ms(delta: timedelta) -> float:
@@ -221,30 +380,23 @@ def _short(value: Any, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
-    client, _server = _client(cfg)
-    counts = client.counts()
-    if ns.json:
-        print(json.dumps(counts))
-        return 0
-    print(f"{'status':<12} {'executions':>10}")
-    for status in ("queued", "running", "waiting", "completed", "failed", "cancelled",
-                   "quarantined"):
-        print(f"{status:<12} {counts.get(status, 0):>10}")
-    return 0
-
-
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     from kestrel import demo
 
+    if cfg.log_level == "info":  # the demo narrates; keep the runtime's own logs quiet
+        kestrel_log.setup("warning", cfg.log_format)
     return demo.run(cfg, incidents=ns.incidents)
 
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "run": cmd_run,
     "migrate": cmd_migrate,
     "submit": cmd_submit,
+    "list": cmd_list,
     "show": cmd_show,
+    "cancel": cmd_cancel,
+    "retry": cmd_retry,
+    "signal": cmd_signal,
     "stats": cmd_stats,
     "demo": cmd_demo,
 }

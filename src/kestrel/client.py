@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -21,7 +22,7 @@ from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from kestrel.config import QUEUE_NAME, SCHEMA_NAME
 from kestrel.errors import ConfigError, ExecutionNotFound, WorkflowFailed
 from kestrel.sql import queries
-from kestrel.types import Execution, Status, StepRow
+from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
 from kestrel.workflow import WorkflowFn, workflow_name
 
 POLL_CAP_S = 1.0
@@ -280,6 +281,20 @@ class SyncClient(_Base):
     def counts(self) -> dict[str, int]:
         with self._connect() as conn:
             return db.count_by_status_sync(conn, self._q)
+
+    def list(self, *, status: str | None = None, workflow: str | None = None,
+             since: datetime | None = None, limit: int = 50) -> list[ExecutionSummary]:
+        """Executions newest first, live and finished, optionally filtered."""
+        if status is not None and status not in {s.value for s in Status}:
+            raise ConfigError(f"unknown status {status!r}; one of "
+                              f"{', '.join(s.value for s in Status)}")
+        with self._connect() as conn:
+            return db.list_executions_sync(conn, self._q, status=status, workflow=workflow,
+                                           since=since, limit=limit)
+
+    def stats(self) -> Stats:
+        with self._connect() as conn:
+            return db.stats_sync(conn, self._q)
 
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """See :meth:`Client.result`."""

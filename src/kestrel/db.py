@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -28,9 +29,12 @@ from kestrel.sql import Queries
 from kestrel.types import (
     Claimed,
     Execution,
+    ExecutionSummary,
     Finish,
+    QueueStat,
     RecordedStep,
     SignalTaken,
+    Stats,
     Status,
     StepRow,
     StepSaved,
@@ -328,3 +332,22 @@ def count_by_status_sync(conn: psycopg.Connection[Any], q: Queries) -> dict[str,
     for status, n in conn.execute(q.count_by_status).fetchall():
         counts[status] = counts.get(status, 0) + n
     return counts
+
+
+def list_executions_sync(
+    conn: psycopg.Connection[Any], q: Queries, *, status: str | None, workflow: str | None,
+    since: datetime | None, limit: int,
+) -> list[ExecutionSummary]:
+    rows = conn.execute(q.list_executions, {"status": status, "workflow": workflow,
+                                            "since": since, "limit": limit}).fetchall()
+    return [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2], status=Status(r[3]),
+                             attempts=r[4], created_at=r[5], finished_at=r[6]) for r in rows]
+
+
+def stats_sync(conn: psycopg.Connection[Any], q: Queries) -> Stats:
+    queues = [QueueStat(queue=r[0], status=r[1], count=r[2],
+                        oldest_age_s=float(r[3]) if r[1] == "queued" else None)
+              for r in conn.execute(q.queue_stats).fetchall()]
+    workers = {r[0]: r[1] for r in conn.execute(q.worker_stats).fetchall()}
+    return Stats(queues=queues, running_by_worker=workers,
+                 totals=count_by_status_sync(conn, q))

@@ -1,15 +1,16 @@
 """The incident-response demo: ``kestrel-runtime demo`` (and ``make run``).
 
 A failing-workload alert starts ``incident_response``: a (simulated) AI root-cause analysis,
-a generated fix, and a (simulated) GitOps pull request. Every step is checkpointed, so a
-worker killed mid-incident resumes at the next step without redoing the analysis.
+a generated fix, a wait for a human's approval (``wait_for_signal``: the execution is parked
+as a row, holding no worker), and a (simulated) GitOps pull request. Every step is
+checkpointed, so a worker killed mid-incident resumes at the next step without redoing the
+analysis.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import logging
 import os
 import signal
 import subprocess
@@ -19,8 +20,6 @@ from typing import Any
 
 import kestrel
 from kestrel.config import Config
-
-log = logging.getLogger("kestrel.demo")
 
 CAUSES = [
     ("OOMKilled", "memory limit 256Mi is below the p99 working set of 410Mi",
@@ -36,7 +35,7 @@ CAUSES = [
 async def analyze_root_cause(alert: dict[str, Any]) -> dict[str, Any]:
     """Ask the (simulated) model what went wrong; slow and retried, so checkpointed."""
     await asyncio.sleep(0.05)
-    n = int(hashlib.sha256(alert["workload"].encode()).hexdigest(), 16)
+    n = int(hashlib.sha256(alert["workload"].encode()).hexdigest(), 16) // 7
     reason, cause, _ = CAUSES[n % len(CAUSES)]
     return {"reason": reason, "cause": cause, "confidence": round(0.7 + (n % 30) / 100, 2)}
 
@@ -58,51 +57,96 @@ async def open_pull_request(alert: dict[str, Any], fix: dict[str, Any]) -> dict[
     return {"url": f"https://git.example.com/infra/pulls/{number}", "title": fix["patch"]}
 
 
+APPROVAL_TIMEOUT_S = 7 * 24 * 3600
+"""A week: the execution waits as one row, holding no worker, until a human answers."""
+
+
 @kestrel.workflow(name="incident_response")
 async def incident_response(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[str, Any]:
     rca = await ctx.step(analyze_root_cause, alert)
     fix = await ctx.step(generate_fix, alert, rca)
+    await ctx.set_event("stage", "awaiting_approval")
+    decision = await ctx.wait_for_signal("approval", timeout=APPROVAL_TIMEOUT_S)
+    outcome = {"workload": alert["workload"], "cause": rca["reason"], "fix": fix["patch"]}
+    if decision.timed_out:
+        return {**outcome, "outcome": "expired"}
+    answer = decision.payload or {}
+    if not answer.get("approved"):
+        return {**outcome, "outcome": "rejected", "by": answer.get("by")}
     pr = await ctx.step(open_pull_request, alert, fix)
-    return {"workload": alert["workload"], "cause": rca["reason"], "pull_request": pr["url"]}
+    return {**outcome, "outcome": "pr_opened", "by": answer.get("by"),
+            "pull_request": pr["url"]}
 
 
 def run(cfg: Config, *, incidents: int) -> int:
-    """Start the runtime, submit *incidents* alerts, wait for them, show the outcome."""
+    """Start the runtime, raise *incidents* alerts, approve them, show what happened."""
+    import psycopg
+
+    from kestrel.cli import main as cli_main
     from kestrel.cli import resolve_dsn
     from kestrel.client import SyncClient
     from kestrel.migrate import migrate
 
+    incidents = max(incidents, 3)
     dsn, server = resolve_dsn(cfg)
-    print(f"kestrel demo: PostgreSQL at {dsn or '(PG* environment)'} (schema {cfg.schema})")
+    print(f"kestrel demo: PostgreSQL at {dsn or '(PG* environment)'}, schema {cfg.schema}")
     migrate(dsn, cfg.schema)
     procs = max(cfg.procs, 2)
     env = dict(os.environ, KESTREL_DSN=dsn, KESTREL_SCHEMA=cfg.schema,
                KESTREL_APP="kestrel.demo", KESTREL_PROCS=str(procs))
-    print(f"starting kestrel-runtime --procs {procs} --app kestrel.demo")
+    print(f"\n1. starting the runtime: kestrel-runtime --procs {procs} --app kestrel.demo")
     runtime = subprocess.Popen([sys.executable, "-m", "kestrel", "--log-level", "warning"],
                                env=env)
     try:
         client = SyncClient(dsn, schema=cfg.schema)
-        started = time.monotonic()
+        run_id = f"{time.time():.0f}"
+        print(f"2. {incidents} KubePodCrashLooping alerts arrive; each starts "
+              "incident_response (root-cause analysis → fix → human approval → pull request)")
         handles = []
         for i in range(incidents):
-            alert = {"workload": f"payments-api-{i % 7}", "namespace": "prod",
-                     "alert": "KubePodCrashLooping", "n": i}
+            alert = {"workload": f"payments-api-{i}", "namespace": "prod",
+                     "alert": "KubePodCrashLooping"}
             handles.append(client.submit(incident_response, alert,
-                                         idempotency_key=f"demo-alert-{started:.0f}-{i}"))
-        print(f"submitted {incidents} incidents; waiting for them to finish…")
+                                         idempotency_key=f"demo-{run_id}-alert-{i}"))
+        for h in handles:
+            client.get_event(h.id, "stage", timeout=60)
+        waiting = sum(1 for h in handles if client.get(h.id).status.value == "waiting")
+        print(f"3. analysis and fixes done; {waiting} executions now wait for approval as rows "
+              "in PostgreSQL (no worker, no lease held)")
+        print("4. humans answer:")
+        approver, sql_one, rejected = handles[0], handles[1], handles[2]
+        for h in handles:
+            if h in (sql_one, rejected):
+                continue
+            client.signal(h.id, "approval", {"approved": True, "by": "alice (Slack)"})
+        print(f"   - from Python (a Slack button handler): approved {incidents - 2}")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"SELECT \"{cfg.schema}\".signal(%s, 'approval', "
+                         "'{\"approved\": true, \"by\": \"bob (SQL)\"}')", [sql_one.id])
+        print(f"   - from SQL: SELECT {cfg.schema}.signal('{sql_one.id}', 'approval', "
+              "'{\"approved\": true, \"by\": \"bob (SQL)\"}')")
+        base = ["--dsn", dsn, "--schema", cfg.schema, "--log-level", "warning"]
+        print(f"   - from the CLI: kestrel-runtime signal {rejected.id} approval "
+              "--payload '{\"approved\": false, \"by\": \"carol (CLI)\"}'")
+        print("     ", end="", flush=True)
+        cli_main(["signal", str(rejected.id), "approval", "--payload",
+                  '{"approved": false, "by": "carol (CLI)"}', *base])
         results = [h.result(timeout=120) for h in handles]
-        took = time.monotonic() - started
-        print(f"\nall {len(results)} incidents handled in {took:.2f}s\n")
-        for r in results[:3]:
-            print(f"  {r['workload']:<16} {r['cause']:<18} → {r['pull_request']}")
+        print("\n5. outcomes:")
+        for r in results[:4]:
+            where = r.get("pull_request") or r["outcome"]
+            print(f"   {r['workload']:<16} {r['cause']:<18} {r['outcome']:<10} "
+                  f"by {r.get('by')!s:<16} {where}")
+        if len(results) > 4:
+            print(f"   … and {len(results) - 4} more")
         print("\n$ kestrel-runtime stats")
-        from kestrel.cli import main as cli_main
-
-        base = ["--dsn", dsn, "--schema", cfg.schema]
         cli_main(["stats", *base])
-        print(f"\n$ kestrel-runtime show {handles[0].id}")
-        cli_main(["show", handles[0].id.hex, *base])
+        print(f"\n$ kestrel-runtime show {approver.id}")
+        cli_main(["show", str(approver.id), *base])
+        opened = sum(1 for r in results if r["outcome"] == "pr_opened")
+        print(f"\ndemo done: {opened} pull requests opened, "
+              f"{sum(1 for r in results if r['outcome'] == 'rejected')} rejected. "
+              f"Data stays in {cfg.data_dir}; `make clean` removes it.")
         return 0
     finally:
         runtime.send_signal(signal.SIGTERM)

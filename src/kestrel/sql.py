@@ -50,6 +50,9 @@ class Queries:
     get_execution: str
     list_steps: str
     count_by_status: str
+    list_executions: str
+    queue_stats: str
+    worker_stats: str
     listen: str
     listen_done: str
     listen_events: str

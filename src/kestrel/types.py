@@ -139,3 +139,33 @@ class StepRow:
     lease_epoch: int
     started_at: datetime
     finished_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecutionSummary:
+    """One line of ``list``."""
+
+    id: uuid.UUID
+    workflow: str
+    queue: str
+    status: Status
+    attempts: int
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QueueStat:
+    queue: str
+    status: str
+    count: int
+    oldest_age_s: float | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats:
+    """What ``stats`` shows: live work by queue and status, running by worker, totals."""
+
+    queues: list[QueueStat]
+    running_by_worker: dict[str, int]
+    totals: dict[str, int]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from datetime import UTC, datetime
 from pathlib import Path
@@ -183,3 +184,45 @@ def test_sigterm_drains_and_releases_unfinished_work_at_once(
     assert got == [("queued", None, 0)]
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs WHERE "
               "execution_id = %s", [h.id]) == 1  # step 0 stays recorded
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_of_the_supervisor_stops_its_children_and_work_resumes(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema)
+    h = client.submit(app.slow_middle, 9, 3.0)
+    with runtime(pg_dsn, schema, procs=3, log=tmp_path / "rt.log") as proc:
+        children = wait_until(lambda: len(worker_pids(proc.pid)) == 3 and worker_pids(proc.pid),
+                              timeout=20, what="three workers")
+        wait_until(lambda: any(e["kind"] == "start" for e in app.read_ledger(ledger_path)),
+                   timeout=20, what="the slow step")
+        kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait_until(lambda: not any(_alive(p) for p in children), timeout=5,
+                   what="orphaned workers to exit")
+    assert q1(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions") in ("queued",
+                                                                              "running")
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt2.log"):
+        assert h.result(timeout=30) == app.model(9)
+
+
+def test_more_procs_than_cores_completes_5000_workflows(
+    pg_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    assert (os.cpu_count() or 1) < 8
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 5000)
+    with runtime(pg_dsn, schema, procs=8, args=["--concurrency", "32"],
+                 log=tmp_path / "rt.log") as proc:
+        wait_until(lambda: len(worker_pids(proc.pid)) == 8, timeout=30, what="eight workers")
+        wait_until(lambda: finished_count(pg_dsn, schema) == 5000, timeout=300, interval=0.5,
+                   what="5000 executions")
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history WHERE status <> "
+              "'completed' OR result <> to_jsonb((args->>0)::int * 30 + 3)") == 0

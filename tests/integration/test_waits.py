@@ -16,7 +16,6 @@ from tests.apps import ledger_app as app
 from tests.helpers import (
     config,
     finished_count,
-    kill,
     q,
     q1,
     run_worker_until,

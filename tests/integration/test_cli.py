@@ -1,0 +1,150 @@
+"""Every operator command: its output (table and --json) and its error on bad input."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from kestrel.cli import main
+from kestrel.client import SyncClient
+from tests.apps import ledger_app as app
+from tests.helpers import config, finished_count, run_worker_until
+
+MISSING = "00000000-0000-0000-0000-000000000000"
+
+
+@pytest.fixture
+def cli(pg_dsn: str, schema: str, capsys: pytest.CaptureFixture[str]):  # type: ignore[no-untyped-def]
+    def run(*args: str) -> tuple[int, str, str]:
+        code = main([*args, "--dsn", pg_dsn, "--schema", schema, "--log-level", "error"])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_migrate(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = cli("migrate")
+    assert code == 0 and out.strip() == f"schema {schema}: up to date"
+    fresh = schema + "_m"
+    code = main(["migrate", "--dsn", pg_dsn, "--schema", fresh, "--log-level", "error"])
+    assert code == 0
+    code = main(["migrate", "--dsn", pg_dsn, "--schema", "Bad-Name"])
+    assert code == 2
+    import psycopg
+
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP SCHEMA "{fresh}" CASCADE')
+
+
+def test_submit_table_json_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    code, out, _ = cli("submit", "three_steps", "--args", "[1]")
+    assert code == 0 and uuid.UUID(out.strip())
+    code, out, _ = cli("submit", "three_steps", "--args", "[2]", "--idempotency-key", "k",
+                       "--json")
+    first = json.loads(out)["id"]
+    assert code == 0
+    code, out, _ = cli("submit", "three_steps", "--args", "[2]", "--idempotency-key", "k")
+    assert out.strip() == first
+    code, _, err = cli("submit", "three_steps", "--args", "[3]", "--idempotency-key", "k")
+    assert code == 1 and "already used by execution" in err
+    code, _, err = cli("submit", "three_steps", "--args", "[1,")
+    assert code == 1 and "--args is not valid JSON" in err
+    code, _, err = cli("submit", "three_steps", "--args", '{"a": 1}')
+    assert code == 1 and "--args must be a JSON array" in err
+    assert len(SyncClient(pg_dsn, schema=schema).list()) == 2
+
+
+def test_list_filters_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    client = SyncClient(pg_dsn, schema=schema)
+    done = client.submit(app.three_steps, 1)
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
+    live = client.submit(app.quick, 2, queue="elsewhere")
+    code, out, _ = cli("list")
+    assert code == 0 and str(done.id) in out and str(live.id) in out and "(2 shown)" in out
+    code, out, _ = cli("list", "--status", "completed", "--json")
+    rows = json.loads(out)
+    assert [r["id"] for r in rows] == [str(done.id)] and rows[0]["status"] == "completed"
+    code, out, _ = cli("list", "--workflow", "quick", "--since", "1h", "--json")
+    assert [r["id"] for r in json.loads(out)] == [str(live.id)]
+    code, _, err = cli("list", "--status", "bogus")
+    assert code == 1 and "unknown status 'bogus'" in err
+    code, _, err = cli("list", "--since", "yesterday")
+    assert code == 1 and "--since 'yesterday'" in err
+
+
+def test_show_timeline_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    client = SyncClient(pg_dsn, schema=schema)
+    h = client.submit(app.three_steps, 4)
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
+    code, out, _ = cli("show", str(h.id))
+    assert code == 0 and "status completed" in out and "steps (3):" in out
+    assert out.count(" add ") == 3 and f"result    {app.model(4)}" in out
+    code, out, _ = cli("show", str(h.id), "--json")
+    data = json.loads(out)
+    assert data["result"] == app.model(4)
+    assert [s["output"] for s in data["steps"]] == [40, 41, 42]
+    code, _, err = cli("show", "not-a-uuid")
+    assert code == 1 and "is not an execution id" in err
+    code, _, err = cli("show", MISSING)
+    assert code == 1 and f"no execution {MISSING}" in err
+
+
+def test_cancel_retry_signal(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    client = SyncClient(pg_dsn, schema=schema)
+    waiting = client.submit(app.waiter)
+    failed = client.submit(app.raises, "boom")
+    run_worker_until(pg_dsn, config(schema),
+                     lambda: client.get(waiting.id).status.value == "waiting"
+                     and finished_count(pg_dsn, schema) == 1)
+    code, out, _ = cli("signal", str(waiting.id), "go", "--payload", '{"ok": true}')
+    assert code == 0 and "delivered" in out
+    code, out, _ = cli("signal", str(waiting.id), "go", "--idempotency-key", "x", "--json")
+    assert json.loads(out) == {"id": str(waiting.id), "signal": "go", "delivered": True}
+    code, out, _ = cli("signal", str(waiting.id), "go", "--idempotency-key", "x")
+    assert code == 0 and "already delivered" in out
+    code, _, err = cli("signal", str(waiting.id), "go", "--payload", "{oops")
+    assert code == 1 and "--payload is not valid JSON" in err
+    code, _, err = cli("signal", MISSING, "go")
+    assert code == 1 and "no execution" in err
+    code, _, err = cli("signal", str(failed.id), "go")
+    assert code == 1 and "already finished" in err
+
+    code, out, _ = cli("retry", str(failed.id))
+    assert code == 0 and "queued again" in out
+    code, _, err = cli("retry", str(failed.id))
+    assert code == 1 and "only failed, cancelled or quarantined" in err
+    code, _, err = cli("retry", "nope")
+    assert code == 1 and "is not an execution id" in err
+
+    code, out, _ = cli("cancel", str(failed.id), "--json")
+    assert json.loads(out) == {"id": str(failed.id), "status": "cancelled"}
+    code, out, _ = cli("cancel", str(failed.id))  # idempotent
+    assert code == 0 and out.strip().endswith(": cancelled")
+    run_worker_until(pg_dsn, config(schema),
+                     lambda: client.get(waiting.id).status.value == "completed")
+    assert waiting.result(timeout=1) == {"ok": True}
+    code, out, _ = cli("cancel", str(waiting.id))
+    assert code == 0 and "already completed; nothing to cancel" in out
+    code, _, err = cli("cancel", MISSING)
+    assert code == 1 and "no execution" in err
+
+
+def test_stats(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
+    client = SyncClient(pg_dsn, schema=schema)
+    for n in range(3):
+        client.submit(app.quick, n, queue="ai-model")
+    client.submit(app.quick, 9)
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
+    code, out, _ = cli("stats")
+    assert code == 0
+    line = next(line for line in out.splitlines() if line.startswith("ai-model"))
+    assert line.split()[:3] == ["ai-model", "queued", "3"] and line.endswith("s")
+    assert "completed 1" in out
+    code, out, _ = cli("stats", "--json")
+    data = json.loads(out)
+    assert data["queues"][0]["queue"] == "ai-model" and data["queues"][0]["count"] == 3
+    assert data["queues"][0]["oldest_queued_age_s"] >= 0
+    assert data["totals"]["completed"] == 1 and data["totals"]["queued"] == 3
