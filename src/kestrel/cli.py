@@ -197,7 +197,10 @@ def _client(cfg: Config) -> tuple[Any, Any]:
     from kestrel.client import SyncClient
 
     dsn, server = resolve_dsn(cfg)
-    return SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes), server
+    # One command, one or two statements: no pool to keep open.
+    client = SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes,
+                        pool_size=0)
+    return client, server
 
 
 def _json_arg(text: str, flag: str) -> Any:

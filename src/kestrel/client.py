@@ -9,13 +9,18 @@ behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling 
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 from kestrel import codec, db
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
@@ -24,6 +29,8 @@ from kestrel.errors import ConfigError, ExecutionNotFound, WorkflowFailed
 from kestrel.sql import queries
 from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
 from kestrel.workflow import WorkflowFn, workflow_name
+
+_POOL_LOCK = threading.Lock()
 
 POLL_CAP_S = 1.0
 """Longest gap between checks while waiting, in case a notification is lost."""
@@ -38,13 +45,16 @@ def _ident(execution_id: uuid.UUID | str) -> uuid.UUID:
 
 class _Base:
     def __init__(self, dsn: str, *, schema: str = "kestrel",
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, pool_size: int = 4) -> None:
         if not SCHEMA_NAME.fullmatch(schema):
             raise ConfigError(f"invalid schema name {schema!r}")
+        if pool_size < 0:
+            raise ConfigError("pool_size must not be negative")
         self.dsn = dsn
         self.schema = schema
         self._q = queries(schema)
         self._max_bytes = max_payload_bytes
+        self._pool_size = pool_size
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None
@@ -83,18 +93,61 @@ def _remaining(deadline: float | None) -> float:
 
 
 class Client(_Base):
-    """Async client. Opens one connection per call unless given one; cheap to create."""
+    """Async client. Short calls borrow from a small connection pool (``pool_size``, opened
+    on first use in the running event loop; 0 = a connection per call); waits for results and
+    events use a connection of their own, since LISTEN is session state that must not go back
+    to a pool. Close it with ``await client.close()`` or ``async with``.
+    """
+
+    _pool: AsyncConnectionPool[Any] | None = None
+    _opening: asyncio.Future[None] | None = None
 
     async def _connect(self) -> psycopg.AsyncConnection[Any]:
         conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
         db.configure_connection(conn)
         return conn
 
+    @asynccontextmanager
+    async def _borrow(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if self._pool_size == 0:
+            async with await self._connect() as conn:
+                yield conn
+            return
+        if self._opening is None:
+            self._opening = asyncio.get_running_loop().create_future()
+            self._pool = AsyncConnectionPool(
+                self.dsn, min_size=1, max_size=self._pool_size, open=False,
+                kwargs={"autocommit": True}, configure=db.configure_connection_async,
+                name=f"kestrel-client-{self.schema}")
+            try:
+                await self._pool.open()
+            except BaseException as exc:
+                self._opening.set_exception(exc)
+                self._opening = None
+                raise
+            self._opening.set_result(None)
+        await self._opening
+        assert self._pool is not None
+        async with self._pool.connection() as conn:
+            yield conn
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+            self._opening = None
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def _call(self, query: str, params: dict[str, Any], key: str | None = None,
                     conn: psycopg.AsyncConnection[Any] | None = None) -> Any:
         if conn is not None:
             return await db.call(conn, query, params, key=key)
-        async with await self._connect() as own:
+        async with self._borrow() as own:
             return await db.call(own, query, params, key=key)
 
     async def submit(
@@ -149,14 +202,14 @@ class Client(_Base):
             ExecutionNotFound: no execution has that id.
         """
         eid = _ident(execution_id)
-        async with await self._connect() as conn:
+        async with self._borrow() as conn:
             ex = await db.get_execution(conn, self._q, id=eid)
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     async def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
-        async with await self._connect() as conn:
+        async with self._borrow() as conn:
             return await db.list_steps(conn, self._q, id=_ident(execution_id))
 
     async def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
@@ -222,18 +275,52 @@ class Handle:
 
 
 class SyncClient(_Base):
-    """Blocking twin of :class:`Client` for scripts, web handlers and the CLI."""
+    """Blocking twin of :class:`Client` for scripts, web handlers and the CLI; thread-safe.
+
+    Short calls borrow from a small connection pool (``pool_size``, opened on first use;
+    0 = a connection per call); ``result`` and ``get_event`` wait on a connection of their
+    own. Close it with ``client.close()`` or ``with``.
+    """
+
+    _pool: ConnectionPool[Any] | None = None
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self.dsn, autocommit=True)
         db.configure_connection(conn)
         return conn
 
+    @contextmanager
+    def _borrow(self) -> Iterator[psycopg.Connection[Any]]:
+        if self._pool_size == 0:
+            with self._connect() as conn:
+                yield conn
+            return
+        with _POOL_LOCK:
+            if self._pool is None:
+                self._pool = ConnectionPool(
+                    self.dsn, min_size=1, max_size=self._pool_size, open=True,
+                    kwargs={"autocommit": True}, configure=db.configure_connection,
+                    name=f"kestrel-client-{self.schema}")
+        with self._pool.connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        with _POOL_LOCK:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _call(self, query: str, params: dict[str, Any], key: str | None = None,
               conn: psycopg.Connection[Any] | None = None) -> Any:
         if conn is not None:
             return db.call_sync(conn, query, params, key=key)
-        with self._connect() as own:
+        with self._borrow() as own:
             return db.call_sync(own, query, params, key=key)
 
     def submit(
@@ -268,18 +355,18 @@ class SyncClient(_Base):
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:
         eid = _ident(execution_id)
-        with self._connect() as conn:
+        with self._borrow() as conn:
             ex = db.get_execution_sync(conn, self._q, id=eid)
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
-        with self._connect() as conn:
+        with self._borrow() as conn:
             return db.list_steps_sync(conn, self._q, id=_ident(execution_id))
 
     def counts(self) -> dict[str, int]:
-        with self._connect() as conn:
+        with self._borrow() as conn:
             return db.count_by_status_sync(conn, self._q)
 
     def list(self, *, status: str | None = None, workflow: str | None = None,
@@ -288,12 +375,12 @@ class SyncClient(_Base):
         if status is not None and status not in {s.value for s in Status}:
             raise ConfigError(f"unknown status {status!r}; one of "
                               f"{', '.join(s.value for s in Status)}")
-        with self._connect() as conn:
+        with self._borrow() as conn:
             return db.list_executions_sync(conn, self._q, status=status, workflow=workflow,
                                            since=since, limit=limit)
 
     def stats(self) -> Stats:
-        with self._connect() as conn:
+        with self._borrow() as conn:
             return db.stats_sync(conn, self._q)
 
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:

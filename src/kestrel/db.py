@@ -50,7 +50,7 @@ def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection
     set_json_loads(orjson.loads, conn)
 
 
-async def _configure(conn: psycopg.AsyncConnection[Any]) -> None:
+async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None:
     configure_connection(conn)
 
 
@@ -61,7 +61,7 @@ def make_pool(dsn: str, *, max_size: int, name: str) -> AsyncConnectionPool[Any]
         min_size=1,
         max_size=max_size,
         kwargs={"autocommit": True},
-        configure=_configure,
+        configure=configure_connection_async,
         name=name,
         open=False,
         # A broken connection found at checkout is replaced rather than handed out.

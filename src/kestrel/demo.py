@@ -98,7 +98,7 @@ def run(cfg: Config, *, incidents: int) -> int:
     runtime = subprocess.Popen([sys.executable, "-m", "kestrel", "--log-level", "warning"],
                                env=env)
     try:
-        client = SyncClient(dsn, schema=cfg.schema)
+        client = SyncClient(dsn, schema=cfg.schema, pool_size=2)
         run_id = f"{time.time():.0f}"
         print(f"2. {incidents} KubePodCrashLooping alerts arrive; each starts "
               "incident_response (root-cause analysis → fix → human approval → pull request)")
@@ -147,6 +147,7 @@ def run(cfg: Config, *, incidents: int) -> int:
         print(f"\ndemo done: {opened} pull requests opened, "
               f"{sum(1 for r in results if r['outcome'] == 'rejected')} rejected. "
               f"Data stays in {cfg.data_dir}; `make clean` removes it.")
+        client.close()
         return 0
     finally:
         runtime.send_signal(signal.SIGTERM)

@@ -54,11 +54,11 @@ def test_submit_table_json_and_errors(cli, pg_dsn: str, schema: str) -> None:  #
     assert code == 1 and "--args is not valid JSON" in err
     code, _, err = cli("submit", "three_steps", "--args", '{"a": 1}')
     assert code == 1 and "--args must be a JSON array" in err
-    assert len(SyncClient(pg_dsn, schema=schema).list()) == 2
+    assert len(SyncClient(pg_dsn, schema=schema, pool_size=0).list()) == 2
 
 
 def test_list_filters_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     done = client.submit(app.three_steps, 1)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     live = client.submit(app.quick, 2, queue="elsewhere")
@@ -76,7 +76,7 @@ def test_list_filters_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type
 
 
 def test_show_timeline_and_errors(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.three_steps, 4)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     code, out, _ = cli("show", str(h.id))
@@ -93,7 +93,7 @@ def test_show_timeline_and_errors(cli, pg_dsn: str, schema: str) -> None:  # typ
 
 
 def test_cancel_retry_signal(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     waiting = client.submit(app.waiter)
     failed = client.submit(app.raises, "boom")
     run_worker_until(pg_dsn, config(schema),
@@ -133,7 +133,7 @@ def test_cancel_retry_signal(cli, pg_dsn: str, schema: str) -> None:  # type: ig
 
 
 def test_stats(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untyped-def]
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     for n in range(3):
         client.submit(app.quick, n, queue="ai-model")
     client.submit(app.quick, 9)

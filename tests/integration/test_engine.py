@@ -15,7 +15,7 @@ from tests.helpers import config, finished_count, q, q1, run_worker_until
 def test_steps_checkpoint_once_and_result_matches_model(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     handles = [client.submit(app.three_steps, n) for n in range(20)]
     handles += [client.submit("three_sync_steps", n) for n in range(20, 30)]
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 30)
@@ -42,7 +42,7 @@ def test_sync_steps_run_in_threads_not_on_the_loop(pg_dsn: str, schema: str) -> 
     async def thread_probe(ctx: kestrel.Context) -> str:
         return await ctx.step(where_am_i)
 
-    h = SyncClient(pg_dsn, schema=schema).submit(thread_probe)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(thread_probe)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert h.result(timeout=1) == "ok"
     assert seen and seen[0].startswith("kestrel-step")
@@ -52,7 +52,7 @@ def test_replay_reads_checkpoints_instead_of_rerunning(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
     """Recorded steps are returned from the checkpoint on a later claim; only the rest run."""
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.three_steps, 7)
     # Record step 0 and 1 as a previous claim would have, with a distinctive output for step
     # 0: the replay must return the *recorded* value, not recompute it.
@@ -66,7 +66,7 @@ def test_replay_reads_checkpoints_instead_of_rerunning(
 
 
 def test_nondeterminism_fails_the_execution_naming_the_step(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.three_steps, 1)
     q(pg_dsn, schema, "INSERT INTO {s}.operation_outputs (execution_id, step_id, step_name, "
       "output, attempt, lease_epoch, started_at) VALUES (%s, 0, 'renamed_step', '5', 1, 1, "
@@ -84,7 +84,7 @@ def test_nondeterminism_fails_the_execution_naming_the_step(pg_dsn: str, schema:
 def test_step_retries_with_backoff_then_succeeds(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.flaky_wf, "k-retry", 2)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert h.result(timeout=1) == "ok after 3"
@@ -95,7 +95,7 @@ def test_step_retries_with_backoff_then_succeeds(
 def test_non_retryable_error_is_recorded_and_fails_the_workflow(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.fails_in_step)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     with pytest.raises(kestrel.WorkflowFailed) as info:
@@ -107,7 +107,7 @@ def test_non_retryable_error_is_recorded_and_fails_the_workflow(
 
 
 def test_workflow_exception_stores_type_message_and_traceback(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.raises, "disk on fire")
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     ex = client.get(h.id)
@@ -121,7 +121,7 @@ def test_workflow_exception_stores_type_message_and_traceback(pg_dsn: str, schem
 def test_unserializable_step_output_fails_the_step_cleanly(
     pg_dsn: str, schema: str, kind: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     bad = client.submit(app.bad_output, kind)
     good = client.submit(app.three_steps, 3)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 2)
@@ -133,7 +133,7 @@ def test_unserializable_step_output_fails_the_step_cleanly(
 
 def test_live_run_returns_exactly_what_a_replay_returns(pg_dsn: str, schema: str) -> None:
     """jsonb normalizes numbers (1e20 → an integer): the live run sees the stored value."""
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.echo_float)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     live = h.result(timeout=1)["live"]
@@ -143,7 +143,7 @@ def test_live_run_returns_exactly_what_a_replay_returns(pg_dsn: str, schema: str
 
 
 def test_unknown_workflow_fails_with_a_clear_reason(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit("no_such_workflow", 1)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     ex = client.get(h.id)

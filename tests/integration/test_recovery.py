@@ -49,7 +49,7 @@ def test_1000_workflows_3_steps_exactly_one_checkpoint_each(
 def test_sigkill_mid_step_resumes_elsewhere_without_rerunning_finished_steps(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.slow_middle, 4, 1.5)
     with runtime(pg_dsn, schema, procs=2, log=tmp_path / "runtime.log"):
         started = wait_until(
@@ -93,7 +93,7 @@ def test_killed_worker_is_restarted_by_the_supervisor(pg_dsn: str, schema: str) 
 def test_poison_execution_is_quarantined_after_max_attempts(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.poison)
     healthy = [client.submit(app.three_steps, n) for n in range(10)]
     with runtime(pg_dsn, schema, procs=2, args=["--max-attempts", "3"],
@@ -111,7 +111,7 @@ def test_poison_execution_is_quarantined_after_max_attempts(
 def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: str) -> None:
     """A worker that lost its lease (frozen, partitioned) and wakes up is fenced everywhere."""
     qs = queries(schema)
-    h = SyncClient(pg_dsn, schema=schema).submit(app.three_steps, 1)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
@@ -148,7 +148,7 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
 def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: str) -> None:
     """A retried write of a recorded step (lost ack) returns the stored output unchanged."""
     qs = queries(schema)
-    h = SyncClient(pg_dsn, schema=schema).submit(app.three_steps, 1)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
@@ -170,7 +170,7 @@ def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: st
 def test_sigterm_drains_and_releases_unfinished_work_at_once(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.slow_middle, 2, 30.0)  # cannot finish within the drain timeout
     with runtime(pg_dsn, schema, procs=1, args=["--drain-timeout", "1", "--lease", "60",
                                                 "--heartbeat", "5"],
@@ -197,7 +197,7 @@ def _alive(pid: int) -> bool:
 def test_sigkill_of_the_supervisor_stops_its_children_and_work_resumes(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.slow_middle, 9, 3.0)
     with runtime(pg_dsn, schema, procs=3, log=tmp_path / "rt.log") as proc:
         children = wait_until(lambda: len(worker_pids(proc.pid)) == 3 and worker_pids(proc.pid),

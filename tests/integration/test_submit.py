@@ -24,7 +24,7 @@ def rows(dsn: str, schema: str) -> int:
 def test_same_key_same_args_gives_one_execution_under_100_concurrent_submits(
     pg_dsn: str, schema: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     with ThreadPoolExecutor(max_workers=20) as pool:
         ids = list(pool.map(lambda _: client.submit(app.three_steps, 5,
                                                     idempotency_key="K").id, range(100)))
@@ -33,7 +33,7 @@ def test_same_key_same_args_gives_one_execution_under_100_concurrent_submits(
 
 
 def test_async_client_concurrent_idempotent_submits(pg_dsn: str, schema: str) -> None:
-    client = Client(pg_dsn, schema=schema)
+    client = Client(pg_dsn, schema=schema, pool_size=0)
 
     async def main() -> set[object]:
         handles = await asyncio.gather(*(client.submit(app.three_steps, 1, idempotency_key="A")
@@ -47,7 +47,7 @@ def test_async_client_concurrent_idempotent_submits(pg_dsn: str, schema: str) ->
 def test_same_key_other_args_is_a_typed_conflict_and_writes_nothing(
     pg_dsn: str, schema: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     first = client.submit(app.three_steps, 1, idempotency_key="K2")
     with pytest.raises(kestrel.IdempotencyConflict) as info:
         client.submit(app.three_steps, 2, idempotency_key="K2")
@@ -60,7 +60,7 @@ def test_same_key_other_args_is_a_typed_conflict_and_writes_nothing(
 def test_key_still_answers_after_the_execution_moved_to_history(
     pg_dsn: str, schema: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     first = client.submit(app.three_steps, 1, idempotency_key="K3")
     # Finish it the way a worker does: the hot row leaves, history gets it.
     q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'running', lease_epoch = 1")
@@ -79,7 +79,7 @@ def test_key_still_answers_after_the_execution_moved_to_history(
 def test_unserializable_args_are_rejected_before_anything_is_written(
     pg_dsn: str, schema: str, bad: object
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     with pytest.raises(kestrel.SerializationError) as info:
         client.submit(app.three_steps, bad)
     assert "arguments of workflow 'three_steps'" in str(info.value)
@@ -87,7 +87,7 @@ def test_unserializable_args_are_rejected_before_anything_is_written(
 
 
 def test_oversized_args_are_rejected_at_the_cap(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema, max_payload_bytes=10_000)
+    client = SyncClient(pg_dsn, schema=schema, max_payload_bytes=10_000, pool_size=0)
     with pytest.raises(kestrel.PayloadTooLarge):
         client.submit(app.three_steps, "x" * 10_000)
     client.submit(app.three_steps, "x" * 9_000)  # below the cap: accepted
@@ -97,7 +97,7 @@ def test_oversized_args_are_rejected_at_the_cap(pg_dsn: str, schema: str) -> Non
 def test_submit_in_callers_transaction_commits_and_rolls_back_with_it(
     pg_dsn: str, schema: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     with psycopg.connect(pg_dsn) as conn:
         client.submit(app.three_steps, 1, conn=conn)
         assert rows(pg_dsn, schema) == 0  # not visible before the caller commits
@@ -111,7 +111,7 @@ def test_submit_in_callers_transaction_commits_and_rolls_back_with_it(
 
 
 def test_async_submit_in_callers_transaction(pg_dsn: str, schema: str) -> None:
-    client = Client(pg_dsn, schema=schema)
+    client = Client(pg_dsn, schema=schema, pool_size=0)
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn) as conn:
@@ -143,7 +143,7 @@ def test_sql_function_enqueues_from_any_language_or_trigger(pg_dsn: str, schema:
 
 
 def test_hostile_names_are_stored_verbatim(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     name = "x'); DROP TABLE workflow_executions; --\n\"$$ ünï"
     h = client.submit(name, "'; --", idempotency_key=name)
     ex = client.get(h.id)
@@ -159,3 +159,25 @@ def test_migrations_are_idempotent_and_safe_to_race(pg_dsn: str, schema: str) ->
     assert sorted(len(r) for r in results) == [0, 0, 0, 0, 0, newest]
     assert q1(pg_dsn, fresh, "SELECT count(*) FROM {s}.schema_migrations") == newest
     q(pg_dsn, fresh, "DROP SCHEMA {s} CASCADE")
+
+
+def test_pooled_clients_reuse_connections_and_close(pg_dsn: str, schema: str) -> None:
+    def backends() -> int:
+        return int(q1(pg_dsn, schema, "SELECT count(*) FROM pg_stat_activity "
+                      "WHERE application_name = %s", ["kestrel-pool-probe"]))
+
+    dsn = pg_dsn + ("&" if "?" in pg_dsn else "?") + "application_name=kestrel-pool-probe"
+    with SyncClient(dsn, schema=schema, pool_size=2) as client, \
+            ThreadPoolExecutor(max_workers=8) as pool:
+        ids = list(pool.map(lambda n: client.submit(app.quick, n).id, range(100)))
+        assert len(set(ids)) == 100
+        assert 1 <= backends() <= 2
+    assert backends() == 0
+
+    async def main() -> int:
+        async with Client(dsn, schema=schema, pool_size=3) as aclient:
+            await asyncio.gather(*(aclient.submit(app.quick, n) for n in range(50)))
+            return backends()
+
+    assert 1 <= asyncio.run(main()) <= 3
+    assert backends() == 0

@@ -32,7 +32,7 @@ def status_of(client: SyncClient, eid: object) -> str:
 def test_wait_for_signal_parks_as_a_row_and_wakes_on_signal(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.approval, 3)
     with runtime(pg_dsn, schema, procs=1, log=tmp_path / "rt.log"):
         wait_until(lambda: status_of(client, h.id) == "waiting", timeout=20, what="the park")
@@ -46,7 +46,7 @@ def test_wait_for_signal_parks_as_a_row_and_wakes_on_signal(
 
 
 def test_signal_sent_before_the_wait_is_not_lost(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.approval, 1)
     assert client.signal(h.id, "approve", "early") is True  # before any worker runs
     worker = run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema))
@@ -55,7 +55,7 @@ def test_signal_sent_before_the_wait_is_not_lost(pg_dsn: str, schema: str) -> No
 
 
 def test_each_signal_is_consumed_once_and_keys_count_once(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     first, second = client.submit(app.waiter), client.submit(app.waiter)
     assert client.signal(first.id, "go", 1, idempotency_key="k") is True
     assert client.signal(first.id, "go", 2, idempotency_key="k") is False  # counted once
@@ -68,7 +68,7 @@ def test_each_signal_is_consumed_once_and_keys_count_once(pg_dsn: str, schema: s
 
 
 def test_signal_errors_are_typed(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     with pytest.raises(kestrel.ExecutionNotFound):
         client.signal("00000000-0000-0000-0000-000000000000", "go")
     h = client.submit(app.quick, 1)
@@ -78,14 +78,14 @@ def test_signal_errors_are_typed(pg_dsn: str, schema: str) -> None:
 
 
 def test_wait_timeout_returns_a_result_not_an_exception(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.wait_with_timeout, 0.5)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert h.result(timeout=1) == {"timed_out": True, "payload": None}
 
 
 def test_sleep_never_wakes_early_by_the_database_clock(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.sleeper, 2, 3600)  # an hour
     run_worker_until(pg_dsn, config(schema),
                      lambda: status_of(client, h.id) == "waiting")
@@ -105,7 +105,7 @@ def test_sleep_never_wakes_early_by_the_database_clock(pg_dsn: str, schema: str)
 def test_sleep_survives_a_kill_of_every_process(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.sleeper, 5, 3)
     with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log") as proc:
         wait_until(lambda: status_of(client, h.id) == "waiting", timeout=20, what="the sleep")
@@ -143,7 +143,7 @@ def test_10000_executions_wait_on_signals_without_leases(
 
 
 def test_events_are_readable_while_running(pg_dsn: str, schema: str, tmp_path: Path) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.progress)
     with runtime(pg_dsn, schema, procs=1, log=tmp_path / "rt.log"):
         assert client.get_event(h.id, "stage", timeout=20) == "analyzing"
@@ -151,13 +151,13 @@ def test_events_are_readable_while_running(pg_dsn: str, schema: str, tmp_path: P
             client.get_event(h.id, "missing", timeout=0.3)
         client.signal(h.id, "go")
         assert h.result(timeout=20) == "done"
-    assert asyncio.run(Client(pg_dsn, schema=schema).get_event(h.id, "stage", 1)) == "fixing"
+    assert asyncio.run(Client(pg_dsn, schema=schema, pool_size=0).get_event(h.id, "stage", 1)) == "fixing"
 
 
 def test_cancel_queued_waiting_and_running(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     queued = client.submit(app.quick, 1, queue="nobody-claims-this")
     assert client.cancel(queued.id) == "cancelled"
     waiting = client.submit(app.waiter)
@@ -183,7 +183,7 @@ def test_cancel_queued_waiting_and_running(
 def test_cancel_racing_completion_has_exactly_one_terminal_state(
     pg_dsn: str, schema: str, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     rng = random.Random(7)
     outcomes = []
     with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log"):
@@ -211,7 +211,7 @@ def test_cancel_racing_completion_has_exactly_one_terminal_state(
 
 
 def test_cancelling_a_parent_cancels_its_children(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.parent_of_waiter)
     run_worker_until(pg_dsn, config(schema), lambda: q1(
         pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions "
@@ -224,7 +224,7 @@ def test_cancelling_a_parent_cancels_its_children(pg_dsn: str, schema: str) -> N
 def test_retry_resumes_a_failed_execution_from_its_last_checkpoint(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.flaky_wf, "retry-me", 10)  # fails: 4 attempts < 10 failures
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert status_of(client, h.id) == "failed"
@@ -241,7 +241,7 @@ def test_retry_resumes_a_failed_execution_from_its_last_checkpoint(
 def test_fork_reuses_the_first_k_checkpoints(
     pg_dsn: str, schema: str, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.three_steps, 4)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     forked = client.fork(h.id, 2)
@@ -255,7 +255,7 @@ def test_fork_reuses_the_first_k_checkpoints(
 def test_child_workflow_result_and_exactly_once_start_across_replays(
     pg_dsn: str, schema: str
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     simple = client.submit(app.parent, 6)
     replaying = client.submit(app.replaying_parent, 8)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 4)
@@ -270,7 +270,7 @@ def test_child_workflow_result_and_exactly_once_start_across_replays(
 
 
 def test_now_random_uuid_replay_identically(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.deterministic)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     runs = app.seen_values[str(h.id)]
@@ -281,7 +281,7 @@ def test_now_random_uuid_replay_identically(pg_dsn: str, schema: str) -> None:
 def test_deadline_fails_running_and_waiting_executions(
     pg_dsn: str, schema: str, tmp_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     running = client.submit(app.slow_middle, 1, 30.0, timeout=1.5)
     waiting = client.submit(app.waiter, timeout=1.5)
     with pytest.raises(kestrel.ConfigError):
