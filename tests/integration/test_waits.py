@@ -151,7 +151,8 @@ def test_events_are_readable_while_running(pg_dsn: str, schema: str, tmp_path: P
             client.get_event(h.id, "missing", timeout=0.3)
         client.signal(h.id, "go")
         assert h.result(timeout=20) == "done"
-    assert asyncio.run(Client(pg_dsn, schema=schema, pool_size=0).get_event(h.id, "stage", 1)) == "fixing"
+    aclient = Client(pg_dsn, schema=schema, pool_size=0)
+    assert asyncio.run(aclient.get_event(h.id, "stage", 1)) == "fixing"
 
 
 def test_cancel_queued_waiting_and_running(
