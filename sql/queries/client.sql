@@ -34,8 +34,13 @@ SELECT id, workflow, queue, priority, status, args, result, error,
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_steps
+-- Checkpoints of one execution, live (operation_outputs) or finished (step_history).
 SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
   FROM __schema__.operation_outputs
+ WHERE execution_id = %(id)s
+UNION ALL
+SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
+  FROM __schema__.step_history
  WHERE execution_id = %(id)s
  ORDER BY step_id;
 

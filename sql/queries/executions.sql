@@ -109,12 +109,16 @@ WITH finished(id, epoch, status, result, error) AS (
     SELECT __schema__.child_finished(parent_id, id, final_status, final_result, final_error)
       FROM removed
      WHERE parent_id IS NOT NULL
+), archived AS (
+    -- Their checkpoints follow them into step_history (one statement for the whole batch).
+    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
 )
 -- Identical notifications in one transaction collapse into one: a waiting result() wakes
 -- once per batch, not once per execution.
 SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
   FROM moved AS m
- WHERE (SELECT count(*) FROM told) >= 0;
+ WHERE (SELECT count(*) FROM told) >= 0
+   AND (SELECT n FROM archived) >= 0;
 
 -- name: release_batch
 -- Give executions back to the queue without waiting for their leases to expire (drain on

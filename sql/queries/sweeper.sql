@@ -43,11 +43,14 @@ WITH expired AS (
 ), told AS (
     SELECT __schema__.child_finished(parent_id, id, 'quarantined', NULL, error)
       FROM quarantined WHERE parent_id IS NOT NULL
+), archived AS (
+    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM quarantined
 )
 SELECT (SELECT count(*) FROM requeued) AS requeued,
        (SELECT count(*) FROM quarantined) AS quarantined,
        (SELECT count(*) FROM expired) AS examined,
-       (SELECT count(*) FROM told) AS told;
+       (SELECT count(*) FROM told) AS told,
+       (SELECT n FROM archived) AS archived;
 
 -- name: expire_deadlines
 -- Fail queued and waiting executions whose workflow deadline passed (running ones are
@@ -78,5 +81,7 @@ WITH late AS (
 ), told AS (
     SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)
       FROM moved WHERE parent_id IS NOT NULL
+), archived AS (
+    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told);
+SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told), (SELECT n FROM archived);

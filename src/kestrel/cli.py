@@ -108,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats = add("stats", "Queue depth by queue and status, oldest queued age, running by "
                          "worker, totals.")
     _json_flag(stats)
+    parts = add("partitions", "Create history partitions ahead and drop those past the "
+                              "retention now (the runtime also does this every "
+                              "--maintenance-interval).")
+    parts.add_argument("--detach", action="store_true",
+                       help="Detach expired partitions instead of dropping them.")
+    _json_flag(parts)
     demo = add("demo", "Run the incident-response demo end to end on the embedded database.")
     demo.add_argument("--incidents", type=int, default=12)
     return parser
@@ -165,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
+    from psycopg.errors import LockNotAvailable
+
     from kestrel.migrate import migrate
     from kestrel.supervisor import Supervisor
 
@@ -176,17 +184,66 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
         raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
     dsn, server = resolve_dsn(cfg)
     log.info("database %s, schema %s", mask_dsn(dsn) or "(from PG* environment)", cfg.schema)
-    migrate(dsn, cfg.schema)
+    migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                      history_ahead=cfg.history_ahead)
+    try:
+        upkeep(dsn, cfg)  # partitions exist before the first completion lands in history
+    except LockNotAvailable:
+        log.warning("history partition upkeep skipped: the history tables are busy; the "
+                    "workers retry every %.0fs", cfg.maintenance_interval)
     code = Supervisor(cfg, workflows, dsn=dsn).run()
     del server
     return code
+
+
+def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:
+    """One synchronous partition upkeep round (before forking, and for `partitions`)."""
+    import psycopg
+
+    from kestrel import db
+    from kestrel.sql import queries
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return db.run_maintenance_sync(
+            conn, queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
+            retention_days=cfg.history_retention_days, detach=detach)
+
+
+def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
+    import psycopg
+
+    from kestrel import db
+    from kestrel.sql import queries
+
+    dsn, _server = resolve_dsn(cfg)
+    ran, created, dropped = upkeep(dsn, cfg, detach=ns.detach)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        parts = db.list_partitions_sync(conn, queries(cfg.schema))
+    data = {"ran": ran, "created": created, "dropped" if not ns.detach else "detached": dropped,
+            "partitions": [{"table": p[0], "partition": p[1], "bounds": p[2],
+                            "estimated_rows": p[3], "bytes": p[4]} for p in parts]}
+
+    def table() -> None:
+        if not ran:
+            print("another process is doing partition upkeep right now; nothing done")
+        else:
+            verb = "detached" if ns.detach else "dropped"
+            print(f"created {created} partitions, {verb} {dropped} "
+                  f"(interval {cfg.history_interval}, {cfg.history_ahead} ahead, retention "
+                  f"{cfg.history_retention_days:g} days)")
+        print(f"\n{'table':<18} {'partition':<30} {'rows':>10} {'size':>10}  bounds")
+        for p in parts:
+            print(f"{p[0]:<18} {p[1]:<30} {p[3]:>10} {p[4] / 1024:>8.0f}kB  {p[2]}")
+
+    return _emit(ns, data, table)
 
 
 def cmd_migrate(cfg: Config, ns: argparse.Namespace) -> int:
     from kestrel.migrate import migrate
 
     dsn, server = resolve_dsn(cfg)
-    applied = migrate(dsn, cfg.schema)
+    applied = migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                      history_ahead=cfg.history_ahead)
     print(f"schema {cfg.schema}: " + (f"applied {', '.join(map(str, applied))}" if applied
                                       else "up to date"))
     del server
@@ -401,6 +458,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "retry": cmd_retry,
     "signal": cmd_signal,
     "stats": cmd_stats,
+    "partitions": cmd_partitions,
     "demo": cmd_demo,
 }
 

@@ -78,6 +78,13 @@ KNOBS: tuple[Knob, ...] = (
          "BYTES"),
     Knob("listen", _bool, "Use LISTEN/NOTIFY for wake-ups (polling always runs too).",
          "BOOL"),
+    Knob("history_interval", str, "Width of a history partition: day, week or month.",
+         "UNIT"),
+    Knob("history_ahead", int, "History partitions created ahead of time.", "N"),
+    Knob("history_retention_days", float, "Drop history partitions wholly older than this "
+         "many days; 0 keeps history for ever.", "DAYS"),
+    Knob("maintenance_interval", float, "Seconds between partition upkeep rounds (one "
+         "process at a time does the work).", "SECONDS"),
     Knob("metrics_host", str, "Address of the /metrics endpoint.", "HOST"),
     Knob("metrics_port", int, "Port of the /metrics endpoint; 0 disables it.", "PORT"),
     Knob("data_dir", str, "Directory of the embedded PostgreSQL used when no DSN is set.",
@@ -106,6 +113,10 @@ class Config:
     drain_timeout: float = 30.0
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     listen: bool = True
+    history_interval: str = "day"
+    history_ahead: int = 3
+    history_retention_days: float = 30.0
+    maintenance_interval: float = 60.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
     data_dir: str = ".kestrel/pgdata"
@@ -133,6 +144,15 @@ class Config:
         for q in self.queues:
             if not QUEUE_NAME.fullmatch(q):
                 _bad("queues", q, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+        if self.history_interval not in {"day", "week", "month"}:
+            _bad("history_interval", self.history_interval, "must be day, week or month")
+        if not 0 <= self.history_ahead <= 366:
+            _bad("history_ahead", self.history_ahead, "must be 0-366")
+        if self.history_retention_days < 0:
+            _bad("history_retention_days", self.history_retention_days,
+                 "must not be negative (0 keeps history for ever)")
+        if not self.maintenance_interval > 0:
+            _bad("maintenance_interval", self.maintenance_interval, "must be greater than 0")
         if self.max_payload_bytes < 1024:
             _bad("max_payload_bytes", self.max_payload_bytes, "must be at least 1024")
         if not 0 <= self.metrics_port <= 65535:

@@ -351,3 +351,43 @@ def stats_sync(conn: psycopg.Connection[Any], q: Queries) -> Stats:
     workers = {r[0]: r[1] for r in conn.execute(q.worker_stats).fetchall()}
     return Stats(queues=queues, running_by_worker=workers,
                  totals=count_by_status_sync(conn, q))
+
+
+async def run_maintenance(
+    conn: AnyConn, q: Queries, *, interval: str, ahead: int, retention_days: float,
+) -> tuple[bool, int, int]:
+    """One upkeep round in one transaction, if no other process holds the upkeep lock:
+    return (ran, partitions created, partitions dropped)."""
+    async with conn.transaction():
+        got = await (await conn.execute(q.maintenance_lock)).fetchone()
+        if not got or not got[0]:
+            return False, 0, 0
+        created = await (await conn.execute(
+            q.ensure_partitions, {"interval": interval, "ahead": ahead})).fetchone()
+        dropped: Any = (0,)
+        if retention_days > 0:
+            dropped = await (await conn.execute(
+                q.drop_partitions, {"retention_days": retention_days, "detach": False}
+            )).fetchone()
+    return True, int(created[0] if created else 0), int(dropped[0] if dropped else 0)
+
+
+def run_maintenance_sync(
+    conn: psycopg.Connection[Any], q: Queries, *, interval: str, ahead: int,
+    retention_days: float, detach: bool = False,
+) -> tuple[bool, int, int]:
+    with conn.transaction():
+        got = conn.execute(q.maintenance_lock).fetchone()
+        if not got or not got[0]:
+            return False, 0, 0
+        created = conn.execute(q.ensure_partitions,
+                               {"interval": interval, "ahead": ahead}).fetchone()
+        dropped: Any = (0,)
+        if retention_days > 0:
+            dropped = conn.execute(q.drop_partitions, {"retention_days": retention_days,
+                                                       "detach": detach}).fetchone()
+    return True, int(created[0] if created else 0), int(dropped[0] if dropped else 0)
+
+
+def list_partitions_sync(conn: psycopg.Connection[Any], q: Queries) -> list[tuple[Any, ...]]:
+    return conn.execute(q.list_partitions).fetchall()

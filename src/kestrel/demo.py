@@ -90,7 +90,8 @@ def run(cfg: Config, *, incidents: int) -> int:
     incidents = max(incidents, 3)
     dsn, server = resolve_dsn(cfg)
     print(f"kestrel demo: PostgreSQL at {dsn or '(PG* environment)'}, schema {cfg.schema}")
-    migrate(dsn, cfg.schema)
+    migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                      history_ahead=cfg.history_ahead)
     procs = max(cfg.procs, 2)
     env = dict(os.environ, KESTREL_DSN=dsn, KESTREL_SCHEMA=cfg.schema,
                KESTREL_APP="kestrel.demo", KESTREL_PROCS=str(procs))

@@ -1,4 +1,5 @@
-"""Apply the forward-only migrations in ``sql/migrations`` under an advisory lock.
+"""Apply the forward-only migrations in ``sql/migrations`` under an advisory lock, then
+(re)install the partition upkeep functions of ``sql/partitions``.
 
 All pending migrations run in one transaction that first takes a transaction-level advisory
 lock keyed on the schema, so concurrent starts serialize and the later ones find nothing to
@@ -14,13 +15,17 @@ import psycopg
 from psycopg import sql as pgsql
 
 from kestrel.errors import MigrationError
-from kestrel.sql import migrations
+from kestrel.sql import migrations, partition_functions
 
 log = logging.getLogger("kestrel.migrate")
 
 
-def migrate(dsn: str, schema: str) -> list[int]:
+def migrate(dsn: str, schema: str, *, history_interval: str = "day",
+            history_ahead: int = 3) -> list[int]:
     """Bring *schema* up to date; return the versions applied now (empty if none).
+
+    Also creates the history partitions of the next *history_ahead* periods, and on install
+    or upgrade the current period's (the runtime's upkeep only ever adds future ones).
 
     Raises:
         MigrationError: the database has migrations newer than this code knows.
@@ -58,6 +63,14 @@ def migrate(dsn: str, schema: str) -> list[int]:
             )
             done.append(m.version)
             log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+        # Partition upkeep functions are replaced on every run (CREATE OR REPLACE), so a
+        # fix to them needs no migration.
+        for statement in partition_functions(schema):
+            conn.execute(statement.encode())
+        # The current period only on install or upgrade, when nothing else writes yet.
+        conn.execute(pgsql.SQL("SELECT {}.kestrel_ensure_history_partitions_v1(%s, %s, %s)")
+                     .format(pgsql.Identifier(schema)),
+                     [history_interval, history_ahead, bool(done)])
     return done
 
 

@@ -56,6 +56,10 @@ class Queries:
     listen: str
     listen_done: str
     listen_events: str
+    maintenance_lock: str
+    ensure_partitions: str
+    drop_partitions: str
+    list_partitions: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
@@ -98,6 +102,14 @@ class Migration:
     version: int
     name: str
     text: str
+
+
+def partition_functions(schema: str) -> list[str]:
+    """Return the ``CREATE OR REPLACE FUNCTION`` statements of ``sql/partitions``, rendered."""
+    found = []
+    for path in sorted((sql_dir() / "partitions").glob("*.sql")):
+        found += [render(body, schema) for body in parse_named(path.read_text()).values()]
+    return found
 
 
 def migrations(schema: str) -> list[Migration]:

@@ -238,6 +238,7 @@ class Worker:
             asyncio.create_task(self._completions.run(), name="completion-writer"),
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._sweep_loop(), name="sweeper"),
+            asyncio.create_task(self._maintenance_loop(), name="maintenance"),
         ]
         if self.cfg.listen:
             side.append(asyncio.create_task(self._listen_loop(), name="listener"))
@@ -510,6 +511,25 @@ class Worker:
             log.warning("sweeper quarantined %d executions that exhausted max_attempts=%d",
                         quarantined, self.cfg.max_attempts)
         return requeued, quarantined
+
+    async def _maintenance_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.maintenance_interval * random.uniform(0.5, 1.0))
+            try:
+                await self.maintain_once()
+            except (*TRANSIENT, psycopg.errors.LockNotAvailable) as exc:
+                # lock_timeout: something held the history table; try again next round.
+                log.warning("history partition upkeep skipped (%s)", type(exc).__name__)
+
+    async def maintain_once(self) -> tuple[bool, int, int]:
+        """One partition upkeep round unless another process is doing it."""
+        async with self._pool.connection() as conn:
+            ran, created, dropped = await db.run_maintenance(
+                conn, self._q, interval=self.cfg.history_interval,
+                ahead=self.cfg.history_ahead, retention_days=self.cfg.history_retention_days)
+        if created or dropped:
+            log.info("history partitions: created %d, dropped %d", created, dropped)
+        return ran, created, dropped
 
     async def _listen_loop(self) -> None:
         backoff = Backoff(base=0.2, cap=10.0)

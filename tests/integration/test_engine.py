@@ -22,7 +22,7 @@ def test_steps_checkpoint_once_and_result_matches_model(
     for n, h in enumerate(handles):
         assert h.result(timeout=1) == app.model(n)
     per_step = q(pg_dsn, schema, "SELECT execution_id, step_id, count(*) FROM "
-                 "{s}.operation_outputs GROUP BY 1, 2")
+                 "{s}.workflow_steps GROUP BY 1, 2")
     assert len(per_step) == 90 and {r[2] for r in per_step} == {1}
     assert len(app.read_ledger(ledger_path)) == 90  # no body ran twice
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 0
@@ -78,7 +78,7 @@ def test_nondeterminism_fails_the_execution_naming_the_step(pg_dsn: str, schema:
     assert ex.error["type"].endswith("NonDeterminismError")
     assert "'add'" in ex.error["message"] and "'renamed_step'" in ex.error["message"]
     # Nothing new was recorded after the mismatch.
-    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 1
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 1
 
 
 def test_step_retries_with_backoff_then_succeeds(
@@ -89,7 +89,7 @@ def test_step_retries_with_backoff_then_succeeds(
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert h.result(timeout=1) == "ok after 3"
     assert [e["attempt"] for e in app.read_ledger(ledger_path)] == [1, 2, 3]
-    assert q1(pg_dsn, schema, "SELECT attempt FROM {s}.operation_outputs") == 3
+    assert q1(pg_dsn, schema, "SELECT attempt FROM {s}.workflow_steps") == 3
 
 
 def test_non_retryable_error_is_recorded_and_fails_the_workflow(
@@ -102,7 +102,7 @@ def test_non_retryable_error_is_recorded_and_fails_the_workflow(
         h.result(timeout=1)
     assert info.value.status == "failed"
     assert len(app.read_ledger(ledger_path)) == 1  # ValueError is not in retry_on
-    err = q1(pg_dsn, schema, "SELECT error FROM {s}.operation_outputs")
+    err = q1(pg_dsn, schema, "SELECT error FROM {s}.workflow_steps")
     assert err["type"] == "builtins.ValueError"
 
 
@@ -137,7 +137,7 @@ def test_live_run_returns_exactly_what_a_replay_returns(pg_dsn: str, schema: str
     h = client.submit(app.echo_float)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     live = h.result(timeout=1)["live"]
-    stored = q1(pg_dsn, schema, "SELECT output FROM {s}.operation_outputs")
+    stored = q1(pg_dsn, schema, "SELECT output FROM {s}.workflow_steps")
     assert live == stored
     assert live == {"big": 100000000000000000000, "tuple": [1, 2], "small": 0.1}
 

@@ -36,7 +36,7 @@ def test_1000_workflows_3_steps_exactly_one_checkpoint_each(
                  log=tmp_path / "runtime.log"):
         wait_until(lambda: finished_count(pg_dsn, schema) == 1000, timeout=120,
                    what="1000 executions to finish")
-    per_step = q(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs "
+    per_step = q(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps "
                  "GROUP BY execution_id, step_id")
     assert len(per_step) == 3000 and all(r[0] == 1 for r in per_step)
     wrong = q(pg_dsn, schema, "SELECT id, args, result FROM {s}.workflow_history "
@@ -70,7 +70,7 @@ def test_sigkill_mid_step_resumes_elsewhere_without_rerunning_finished_steps(
     starts = [e for e in entries if e["kind"] == "start"]
     assert len(starts) == 2  # B(s) <= 1 + k with k = 1
     assert len(by_step[2]) == 1
-    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs "
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps "
               "WHERE execution_id = %s AND step_id = 1", [h.id]) == 1
     ex = client.get(h.id)
     assert ex.lease_epoch == epoch_before + 1 and ex.attempts == 2
@@ -140,7 +140,7 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
                                       lease_s=30) == {h.id: False}
 
     asyncio.run(main())
-    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 0
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 0
     assert q(pg_dsn, schema, "SELECT status, lease_owner FROM {s}.workflow_executions") == [
         ("running", "healthy")]
 
@@ -164,7 +164,7 @@ def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: st
             assert again.owned and not again.inserted and again.recorded.output == 10
 
     asyncio.run(main())
-    assert q1(pg_dsn, schema, "SELECT output FROM {s}.operation_outputs") == 10
+    assert q1(pg_dsn, schema, "SELECT output FROM {s}.workflow_steps") == 10
 
 
 def test_sigterm_drains_and_releases_unfinished_work_at_once(
@@ -182,7 +182,7 @@ def test_sigterm_drains_and_releases_unfinished_work_at_once(
     # Released, not left to a 60 s lease: queued again right away, claim not counted.
     got = q(pg_dsn, schema, "SELECT status, lease_owner, attempts FROM {s}.workflow_executions")
     assert got == [("queued", None, 0)]
-    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs WHERE "
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps WHERE "
               "execution_id = %s", [h.id]) == 1  # step 0 stays recorded
 
 

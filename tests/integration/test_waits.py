@@ -98,7 +98,7 @@ def test_sleep_never_wakes_early_by_the_database_clock(pg_dsn: str, schema: str)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
     assert h.result(timeout=1) == app.model_step(2, 0) + app.model_step(2, 1)
     resumed = q1(pg_dsn, schema, "SELECT started_at + (SELECT offset_by FROM {s}.clock_offset)"
-                 " FROM {s}.operation_outputs WHERE step_id = 2")
+                 " FROM {s}.workflow_steps WHERE step_id = 2")
     assert resumed >= wake_at
 
 
@@ -115,7 +115,7 @@ def test_sleep_survives_a_kill_of_every_process(
     with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt2.log"):
         assert h.result(timeout=30) == app.model_step(5, 0) + app.model_step(5, 1)
     slept = q1(pg_dsn, schema, "SELECT extract(epoch FROM b.started_at - a.finished_at) FROM "
-               "{s}.operation_outputs a, {s}.operation_outputs b WHERE a.step_id = 0 AND "
+               "{s}.workflow_steps a, {s}.workflow_steps b WHERE a.step_id = 0 AND "
                "b.step_id = 2")
     assert slept >= 3
     assert len(app.read_ledger(ledger_path)) == 2  # step 0 never re-ran after the kill
@@ -174,7 +174,7 @@ def test_cancel_queued_waiting_and_running(
         wait_until(lambda: status_of(client, running.id) == "cancelled", timeout=20,
                    what="the running execution to stop")
     # It stopped at the step boundary: the slow step's checkpoint was refused, step 2 never ran.
-    assert q1(pg_dsn, schema, "SELECT max(step_id) FROM {s}.operation_outputs "
+    assert q1(pg_dsn, schema, "SELECT max(step_id) FROM {s}.workflow_steps "
               "WHERE execution_id = %s", [running.id]) == 0
     assert client.cancel(running.id) == "cancelled"  # idempotent
     with pytest.raises(kestrel.WorkflowFailed):

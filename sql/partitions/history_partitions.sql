@@ -1,0 +1,119 @@
+-- Partition upkeep for workflow_history and step_history (installed by `migrate`, replaced
+-- on every run: the _v1 names change if the signatures ever do).
+--
+-- Both tables are range-partitioned by finish time with identical bounds. Upkeep creates
+-- partitions ahead of time and drops (or detaches) those wholly older than the retention:
+-- history is never trimmed with DELETE. Partition names and bounds derive from a validated
+-- interval ('day', 'week' or 'month') and timestamps, never from caller text, and every
+-- identifier goes through format('%I'). Each function runs with a short lock_timeout (set on
+-- the function, so no session state leaks): if a lock is contended it fails fast and the
+-- next upkeep round tries again, instead of queueing ahead of the hot path's inserts.
+
+-- name: ensure
+-- Create the partitions of the next p_ahead periods. The current period's partition is
+-- created only with p_include_current (at migrate, before traffic): attaching a partition
+-- for a range that inserts are landing in right now would race them (an insert routed to
+-- DEFAULT would fail the new partition constraint). A period whose partition was never
+-- created ahead (upkeep stopped for longer than p_ahead periods) stays in DEFAULT.
+CREATE OR REPLACE FUNCTION __schema__.kestrel_ensure_history_partitions_v1(
+    p_interval text, p_ahead integer, p_include_current boolean DEFAULT false
+) RETURNS integer
+LANGUAGE plpgsql
+SET lock_timeout = '200ms'
+AS $$
+DECLARE
+    v_step interval;
+    v_format text;
+    v_start timestamptz;
+    v_end timestamptz;
+    v_table text;
+    v_name text;
+    v_column text;
+    v_created integer := 0;
+BEGIN
+    CASE p_interval
+        WHEN 'day' THEN v_step := interval '1 day'; v_format := 'YYYYMMDD';
+        WHEN 'week' THEN v_step := interval '1 week'; v_format := 'IYYY"w"IW';
+        WHEN 'month' THEN v_step := interval '1 month'; v_format := 'YYYYMM';
+        ELSE RAISE EXCEPTION 'history interval must be day, week or month, not %', p_interval
+                 USING ERRCODE = 'KS002';
+    END CASE;
+    IF p_ahead < 0 OR p_ahead > 366 THEN
+        RAISE EXCEPTION 'partitions ahead must be 0-366, not %', p_ahead USING ERRCODE = 'KS002';
+    END IF;
+    v_start := date_trunc(p_interval, __schema__.kestrel_now() AT TIME ZONE 'UTC')
+               AT TIME ZONE 'UTC';
+    FOR i IN 0 .. p_ahead LOOP
+        v_end := ((v_start AT TIME ZONE 'UTC') + v_step) AT TIME ZONE 'UTC';
+        FOREACH v_table IN ARRAY ARRAY['workflow_history', 'step_history'] LOOP
+            CONTINUE WHEN i = 0 AND NOT p_include_current;
+            v_column := CASE v_table WHEN 'workflow_history' THEN 'finished_at'
+                                     ELSE 'execution_finished_at' END;
+            v_name := v_table || '_p' || to_char(v_start AT TIME ZONE 'UTC', v_format);
+            CONTINUE WHEN to_regclass(format('%I.%I', '__schema_name__', v_name)) IS NOT NULL;
+            -- Rows that landed in the DEFAULT partition for this range (before upkeep first
+            -- ran) move into the new partition, which is attached afterwards.
+            EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
+                           '__schema_name__', v_name, '__schema_name__', v_table);
+            EXECUTE format('WITH moved AS (DELETE FROM %I.%I WHERE %I >= %L AND %I < %L RETURNING *) '
+                           'INSERT INTO %I.%I SELECT * FROM moved',
+                           '__schema_name__', v_table || '_default', v_column, v_start, v_column,
+                           v_end, '__schema_name__', v_name);
+            BEGIN
+                EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
+                               '__schema_name__', v_table, '__schema_name__', v_name, v_start,
+                               v_end);
+                v_created := v_created + 1;
+            EXCEPTION WHEN invalid_object_definition THEN
+                -- It overlaps partitions of an earlier interval setting: leave this period
+                -- to those (or to DEFAULT) and create the new width once they are past.
+                RAISE NOTICE 'history partition % overlaps an existing one; skipped', v_name;
+                EXECUTE format('DROP TABLE %I.%I', '__schema_name__', v_name);
+            END;
+        END LOOP;
+        v_start := v_end;
+    END LOOP;
+    RETURN v_created;
+END
+$$;
+
+-- name: drop
+CREATE OR REPLACE FUNCTION __schema__.kestrel_drop_history_partitions_v1(
+    p_retention interval, p_detach_only boolean DEFAULT false
+) RETURNS integer
+LANGUAGE plpgsql
+SET lock_timeout = '200ms'
+AS $$
+DECLARE
+    v_part record;
+    v_dropped integer := 0;
+BEGIN
+    IF p_retention <= interval '0' THEN
+        RAISE EXCEPTION 'retention must be positive, not %', p_retention USING ERRCODE = 'KS002';
+    END IF;
+    FOR v_part IN
+        SELECT parent.relname AS parent, child.relname AS child,
+               substring(pg_get_expr(child.relpartbound, child.oid)
+                         FROM $r$TO \('([^']+)'\)$r$)::timestamptz AS upper_bound
+          FROM pg_inherits AS i
+          JOIN pg_class AS child ON child.oid = i.inhrelid
+          JOIN pg_class AS parent ON parent.oid = i.inhparent
+          JOIN pg_namespace AS n ON n.oid = parent.relnamespace
+         WHERE n.nspname = '__schema_name__'
+           AND parent.relname IN ('workflow_history', 'step_history')
+           AND NOT child.relispartition IS DISTINCT FROM true
+         ORDER BY 3
+    LOOP
+        CONTINUE WHEN v_part.upper_bound IS NULL;  -- the DEFAULT partition
+        CONTINUE WHEN v_part.upper_bound > __schema__.kestrel_now() - p_retention;
+        IF p_detach_only THEN
+            EXECUTE format('ALTER TABLE %I.%I DETACH PARTITION %I.%I', '__schema_name__',
+                           v_part.parent, '__schema_name__', v_part.child);
+        ELSE
+            EXECUTE format('DROP TABLE %I.%I', '__schema_name__', v_part.child);
+        END IF;
+        v_dropped := v_dropped + 1;
+    END LOOP;
+    RETURN v_dropped;
+END
+$$;

@@ -1,0 +1,25 @@
+-- Partition upkeep, run by every runtime's maintenance loop and by `kestrel-runtime
+-- partitions`. Only one caller at a time does the work: a transaction-level advisory lock,
+-- released at COMMIT, so nothing is left on a pooled connection.
+
+-- name: maintenance_lock
+SELECT pg_try_advisory_xact_lock(hashtext('kestrel.maintenance.__schema_name__'));
+
+-- name: ensure_partitions
+SELECT __schema__.kestrel_ensure_history_partitions_v1(%(interval)s, %(ahead)s);
+
+-- name: drop_partitions
+SELECT __schema__.kestrel_drop_history_partitions_v1(
+    %(retention_days)s * interval '1 day', %(detach)s);
+
+-- name: list_partitions
+-- History partitions with their bounds, estimated rows and size.
+SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid),
+       greatest(child.reltuples, 0)::bigint, pg_total_relation_size(child.oid)
+  FROM pg_inherits AS i
+  JOIN pg_class AS child ON child.oid = i.inhrelid
+  JOIN pg_class AS parent ON parent.oid = i.inhparent
+  JOIN pg_namespace AS n ON n.oid = parent.relnamespace
+ WHERE n.nspname = '__schema_name__'
+   AND parent.relname IN ('workflow_history', 'step_history')
+ ORDER BY parent.relname, child.relname;

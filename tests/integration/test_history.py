@@ -1,0 +1,178 @@
+"""History: the exactly-once move, partition upkeep under traffic, views across the move."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+
+from kestrel.cli import main
+from kestrel.client import SyncClient
+from tests.apps import ledger_app as app
+from tests.helpers import config, finished_count, q, q1, run_worker_until, runtime, submit_many
+
+PLACES = """
+SELECT (SELECT count(*) FROM {s}.workflow_executions)
+     + (SELECT count(*) FROM {s}.workflow_history),
+       (SELECT count(*) FROM {s}.workflow_executions e
+          JOIN {s}.workflow_history h USING (id)),
+       (SELECT count(*) FROM {s}.operation_outputs o
+          JOIN {s}.step_history s USING (execution_id, step_id)),
+       (SELECT count(*) FROM {s}.workflow_history)
+"""
+
+
+def test_each_execution_is_in_exactly_one_place_at_every_moment(
+    pg_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    n = 3000
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
+    samples: list[tuple[int, int, int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            stmt = pgsql.SQL(PLACES).format(s=pgsql.Identifier(schema))
+            while not stop.is_set():
+                # One statement, one snapshot: hot and history are seen at the same instant.
+                samples.append(conn.execute(stmt).fetchone())  # type: ignore[arg-type]
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with runtime(pg_dsn, schema, procs=3, log=tmp_path / "rt.log"):
+            deadline = time.monotonic() + 120
+            while finished_count(pg_dsn, schema) < n and time.monotonic() < deadline:
+                time.sleep(0.2)
+    finally:
+        stop.set()
+        sampler.join()
+    assert finished_count(pg_dsn, schema) == n
+    moving = [s for s in samples if 0 < s[3] < n]
+    assert len(moving) >= 5, "the sampler must have seen the move in progress"
+    for total, in_both, steps_in_both, _ in samples:
+        assert (total, in_both, steps_in_both) == (n, 0, 0)
+    # Everything ended up in history, checkpoints included; the hot tables are empty.
+    assert q(pg_dsn, schema, "SELECT (SELECT count(*) FROM {s}.operation_outputs), "
+             "(SELECT count(*) FROM {s}.step_history), "
+             "(SELECT count(*) FROM {s}.workflow_executions)") == [(0, 3 * n, 0)]
+
+
+def test_views_return_the_same_rows_before_and_after_the_move(
+    pg_dsn: str, schema: str
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit(app.approval, 5)
+    run_worker_until(pg_dsn, config(schema), lambda: client.get(h.id).status.value == "waiting")
+    steps_sql = ("SELECT step_id, step_name, attempt, output, error, started_at, finished_at "
+                 "FROM {s}.workflow_steps WHERE execution_id = %s ORDER BY step_id")
+    exec_sql = ("SELECT id, workflow, queue, args, created_at, started_at "
+                "FROM {s}.executions WHERE id = %s")
+    live_steps = q(pg_dsn, schema, steps_sql, [h.id])
+    live_exec = q(pg_dsn, schema, exec_sql, [h.id])
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 1
+    client.signal(h.id, "approve", "ok")
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 0
+    done_steps = q(pg_dsn, schema, steps_sql, [h.id])
+    assert done_steps[: len(live_steps)] == live_steps
+    assert [r[1] for r in done_steps] == ["add", "kestrel.signal:approve", "add"]
+    assert q(pg_dsn, schema, exec_sql, [h.id]) == live_exec
+    assert q1(pg_dsn, schema, "SELECT status FROM {s}.executions WHERE id = %s",
+              [h.id]) == "completed"
+    # show/result still work from history.
+    assert client.result(h.id, timeout=1)["payload"] == "ok"
+    assert [s.name for s in client.steps(h.id)] == ["add", "kestrel.signal:approve", "add"]
+
+
+def test_failed_workflows_by_step_is_one_select(pg_dsn: str, schema: str) -> None:
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    for _ in range(3):
+        client.submit(app.fails_in_step)
+    client.submit(app.three_steps, 1)
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 4)
+    rows = q(pg_dsn, schema, """
+        SELECT workflow, step_name, count(*)
+          FROM {s}.workflow_steps
+         WHERE execution_status = 'failed' AND error IS NOT NULL
+           AND execution_finished_at > now() - interval '1 month'
+         GROUP BY 1, 2""")
+    assert rows == [("fails_in_step", "not_retried", 3)]
+
+
+def _old_partition(pg_dsn: str, schema: str, days_ago: int) -> str:
+    """Create the history partitions of a day *days_ago* days back, with a row in each."""
+    q(pg_dsn, schema, "UPDATE {s}.clock_offset SET offset_by = %s",
+      [f"-{days_ago} days"])
+    q(pg_dsn, schema, "SELECT {s}.kestrel_ensure_history_partitions_v1('day', 0, true)")
+    q(pg_dsn, schema, "INSERT INTO {s}.workflow_history (id, workflow, queue, priority, "
+      "status, args, lease_epoch, attempts, created_at, finished_at) VALUES "
+      "(gen_random_uuid(), 'old', 'default', 0, 'completed', '[]', 1, 1, "
+      "{s}.kestrel_now(), {s}.kestrel_now())")
+    name = q1(pg_dsn, schema, "SELECT 'workflow_history_p' || "
+              "to_char({s}.kestrel_now() AT TIME ZONE 'UTC', 'YYYYMMDD')")
+    q(pg_dsn, schema, "UPDATE {s}.clock_offset SET offset_by = '0'")
+    return str(name)
+
+
+def test_dropping_an_old_partition_under_traffic_blocks_nothing(
+    pg_dsn: str, schema: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = _old_partition(pg_dsn, schema, 40)
+    assert q1(pg_dsn, schema, "SELECT to_regclass(%s) IS NOT NULL", [f"{schema}.{old}"])
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    # The runtime keeps history for ever here, so only this test's upkeep drops anything.
+    with runtime(pg_dsn, schema, procs=2, args=["--history-retention-days", "0"],
+                 log=tmp_path / "rt.log"):
+        submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 2000)
+        time.sleep(0.5)  # completions are flowing
+        # A long reader holds the old partition: upkeep must give up fast, not queue the
+        # hot path's inserts behind its lock request.
+        reader = psycopg.connect(pg_dsn)
+        reader.execute(pgsql.SQL("SELECT count(*) FROM {}.{}").format(
+            pgsql.Identifier(schema), pgsql.Identifier(old)))
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.LockNotAvailable):
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute(pgsql.SQL("SELECT {}.kestrel_drop_history_partitions_v1("
+                                       "interval '30 days')").format(pgsql.Identifier(schema)))
+        assert time.monotonic() - started < 2.0
+        before = finished_count(pg_dsn, schema)
+        time.sleep(0.5)
+        assert finished_count(pg_dsn, schema) > before  # the hot path kept completing
+        reader.close()
+        # Reader gone: the CLI's upkeep round drops it while workers keep running.
+        code = main(["partitions", "--dsn", pg_dsn, "--schema", schema, "--json",
+                     "--log-level", "error"])
+        assert code == 0
+        assert '"dropped": 2' in capsys.readouterr().out  # workflow_history + step_history
+        while finished_count(pg_dsn, schema) < 2000:
+            time.sleep(0.2)
+    assert q1(pg_dsn, schema, "SELECT to_regclass(%s)", [f"{schema}.{old}"]) is None
+    gaps = q1(pg_dsn, schema, "SELECT max(gap) FROM (SELECT finished_at - lag(finished_at) "
+              "OVER (ORDER BY finished_at) AS gap FROM {s}.workflow_history "
+              "WHERE workflow = 'three_steps') g")
+    assert gaps.total_seconds() < 1.0, f"completions stalled for {gaps}"
+    assert client.counts()["completed"] == 2000
+
+
+def test_partitions_are_created_ahead_and_named_from_the_interval(
+    pg_dsn: str, schema: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["partitions", "--dsn", pg_dsn, "--schema", schema, "--history-ahead", "5",
+                 "--log-level", "error"])
+    out = capsys.readouterr().out
+    assert code == 0 and "created 4 partitions" in out  # 2 more days × 2 tables
+    names = [r[0] for r in q(pg_dsn, schema, "SELECT c.relname FROM pg_inherits i JOIN "
+                             "pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass "
+                             "ORDER BY 1", [f'"{schema}".workflow_history'])]
+    assert len(names) == 7  # default + today + 5 ahead
+    assert all(n == "workflow_history_default" or len(n) == len("workflow_history_p20261130")
+               for n in names)
+    code = main(["partitions", "--dsn", pg_dsn, "--schema", schema,
+                 "--history-interval", "fortnight"])
+    assert code == 2
