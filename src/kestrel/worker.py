@@ -164,6 +164,7 @@ class Worker:
         self._work = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
+        self._releasing = False
         self._pool = db.make_pool(dsn, max_size=6, name=f"kestrel-{self.id}")
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
         self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
@@ -278,6 +279,7 @@ class Worker:
                 h.task.cancel()
         await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
         held = [(h.claimed.id, h.claimed.epoch) for h in remaining if not h.lost]
+        self._releasing = True  # the heartbeat must not report released rows as lost
         if held:
             try:
                 async with self._pool.connection(timeout=5) as conn:
@@ -453,7 +455,7 @@ class Worker:
     async def heartbeat_once(self) -> None:
         """Extend every held lease; cancel the executions whose lease is gone."""
         snapshot = [h for h in self._held.values() if not h.lost]
-        if not snapshot:
+        if not snapshot or self._releasing:
             return
         sent = time.monotonic()
         try:

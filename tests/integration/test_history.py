@@ -136,10 +136,10 @@ def test_dropping_an_old_partition_under_traffic_blocks_nothing(
         reader.execute(pgsql.SQL("SELECT count(*) FROM {}.{}").format(
             pgsql.Identifier(schema), pgsql.Identifier(old)))
         started = time.monotonic()
-        with pytest.raises(psycopg.errors.LockNotAvailable):
-            with psycopg.connect(pg_dsn, autocommit=True) as conn:
-                conn.execute(pgsql.SQL("SELECT {}.kestrel_drop_history_partitions_v1("
-                                       "interval '30 days')").format(pgsql.Identifier(schema)))
+        with pytest.raises(psycopg.errors.LockNotAvailable), \
+                psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("SELECT {}.kestrel_drop_history_partitions_v1("
+                                   "interval '30 days')").format(pgsql.Identifier(schema)))
         assert time.monotonic() - started < 2.0
         before = finished_count(pg_dsn, schema)
         time.sleep(0.5)
@@ -166,7 +166,7 @@ def test_partitions_are_created_ahead_and_named_from_the_interval(
     code = main(["partitions", "--dsn", pg_dsn, "--schema", schema, "--history-ahead", "5",
                  "--log-level", "error"])
     out = capsys.readouterr().out
-    assert code == 0 and "created 4 partitions" in out  # 2 more days × 2 tables
+    assert code == 0 and "created 4 partitions" in out  # 2 more days, 2 tables each
     names = [r[0] for r in q(pg_dsn, schema, "SELECT c.relname FROM pg_inherits i JOIN "
                              "pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass "
                              "ORDER BY 1", [f'"{schema}".workflow_history'])]
