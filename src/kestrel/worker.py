@@ -133,6 +133,9 @@ class _Held:
     task: asyncio.Task[None] | None = None
     lost: bool = False
     cancel_requested: bool = False
+    # Set before the statement that ends this claim (complete, park): a heartbeat that then
+    # misses the row is seeing that statement's effect, not a lost lease.
+    finishing: bool = False
     deadline_hit: bool = False
     deadline_timer: asyncio.TimerHandle | None = None
 
@@ -188,10 +191,16 @@ class Worker:
 
     async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> bool:
+        held = self._held.get(claimed.id)
+        if held is not None:
+            held.finishing = True
         async with self._pool.connection() as conn:
-            return await db.park(conn, self._q, id=claimed.id, epoch=claimed.epoch,
-                                 step_id=step_id, waiting_for=waiting_for, seconds=seconds,
-                                 seen_seq=seen_seq)
+            parked = await db.park(conn, self._q, id=claimed.id, epoch=claimed.epoch,
+                                   step_id=step_id, waiting_for=waiting_for, seconds=seconds,
+                                   seen_seq=seen_seq)
+        if held is not None and not parked:
+            held.finishing = False
+        return parked
 
     async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
@@ -367,6 +376,7 @@ class Worker:
                     f"workflow {c.workflow!r} ran past its deadline {c.deadline}"))
             if finish is None:
                 return
+            held.finishing = True
             if await self._completions.submit(finish):
                 if finish.status is Status.COMPLETED:
                     self.stats.completed += 1
@@ -471,7 +481,7 @@ class Worker:
             if h.claimed.id in owned:
                 h.trusted_until = sent + self.cfg.lease
                 h.cancel_requested = h.cancel_requested or owned[h.claimed.id]
-            elif self._held.get(h.claimed.id) is h:
+            elif self._held.get(h.claimed.id) is h and not h.finishing:
                 h.lost = True
                 self.stats.lost += 1
                 log.warning("lease on %s was lost (expired or re-claimed); abandoning it",

@@ -176,3 +176,33 @@ def test_partitions_are_created_ahead_and_named_from_the_interval(
     code = main(["partitions", "--dsn", pg_dsn, "--schema", schema,
                  "--history-interval", "fortnight"])
     assert code == 2
+
+
+def test_readme_observability_queries_run(pg_dsn: str, schema: str) -> None:
+    """The README's five queries are valid against a real schema and return rows."""
+    import re
+
+    from tests.helpers import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- observability-queries:", 1)[1].split("```sql", 1)[1]
+    block = block.split("```", 1)[0]
+    queries = [s.strip() for s in block.split(";") if s.strip()]
+    assert len(queries) == 5
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    client.submit(app.fails_in_step)
+    client.submit(app.flaky_wf, "readme", 1)
+    client.submit(app.three_steps, 1)
+    waiting = client.submit(app.waiter)
+    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 3
+                     and client.get(waiting.id).status.value == "waiting")
+    results = []
+    for query in queries:
+        text = re.sub(r"\bkestrel\.(?=workflow_steps|executions|workflow_executions|"
+                      r"kestrel_now)", f'"{schema}".', query)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            results.append(conn.execute(text).fetchall())  # type: ignore[call-overload]
+    assert all(results), [len(r) for r in results]
+    assert results[0][0][:2] == ("fails_in_step", "not_retried")
+    assert results[3][0][2] == "go"
+    assert results[4][0][0] == "flaky"
