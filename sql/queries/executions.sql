@@ -59,7 +59,7 @@ WITH suspect AS (
       FROM candidate
      WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at
 )
 SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
        (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
@@ -67,7 +67,7 @@ SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
           FROM __schema__.operation_outputs AS o
          WHERE o.execution_id = c.id) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now
+       __schema__.kestrel_now() AS db_now, c.created_at
   FROM claimed AS c;
 
 -- name: heartbeat

@@ -179,11 +179,21 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     if not cfg.app:
         raise ConfigError("invalid setting --app / KESTREL_APP: name the module(s) that "
                           "define your workflows, e.g. --app myapp.workflows")
+    metrics_dir = None
+    if cfg.metrics_port:
+        from kestrel import metrics
+
+        # Before the app is imported: prometheus_client must see the directory at import.
+        metrics_dir = metrics.prepare_multiprocess()
     workflows = import_app(cfg.app)
     if not workflows:
         raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
     dsn, server = resolve_dsn(cfg)
-    log.info("database %s, schema %s", mask_dsn(dsn) or "(from PG* environment)", cfg.schema)
+    log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
+             "(pool %d + LISTEN)); LISTEN %s", mask_dsn(dsn) or "(from PG* environment)",
+             cfg.schema, cfg.connection_mode, cfg.max_connections, cfg.procs, cfg.pool_size,
+             f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
+             "off: polling every --poll-interval")
     migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
                       history_ahead=cfg.history_ahead)
     try:
@@ -191,7 +201,13 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     except LockNotAvailable:
         log.warning("history partition upkeep skipped: the history tables are busy; the "
                     "workers retry every %.0fs", cfg.maintenance_interval)
-    code = Supervisor(cfg, workflows, dsn=dsn).run()
+    try:
+        code = Supervisor(cfg, workflows, dsn=dsn).run()
+    finally:
+        if metrics_dir:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     del server
     return code
 

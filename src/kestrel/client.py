@@ -10,6 +10,7 @@ behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 import uuid
@@ -22,7 +23,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
-from kestrel import codec, db
+from kestrel import codec, db, metrics
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from kestrel.config import QUEUE_NAME, SCHEMA_NAME
 from kestrel.errors import ConfigError, ExecutionNotFound, WorkflowFailed
@@ -44,17 +45,33 @@ def _ident(execution_id: uuid.UUID | str) -> uuid.UUID:
 
 
 class _Base:
+    """Shared set-up. Behind PgBouncer in transaction mode pass
+    ``connection_mode="pgbouncer"`` (or set ``KESTREL_CONNECTION_MODE``): no prepared
+    statements, and waits LISTEN only on ``listen_dsn`` (``KESTREL_LISTEN_DSN``), a direct
+    connection, polling when there is none."""
+
     def __init__(self, dsn: str, *, schema: str = "kestrel",
-                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, pool_size: int = 4) -> None:
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, pool_size: int = 4,
+                 connection_mode: str | None = None, listen_dsn: str | None = None) -> None:
         if not SCHEMA_NAME.fullmatch(schema):
             raise ConfigError(f"invalid schema name {schema!r}")
         if pool_size < 0:
             raise ConfigError("pool_size must not be negative")
+        mode = connection_mode or os.environ.get("KESTREL_CONNECTION_MODE") or "direct"
+        if mode not in ("direct", "pgbouncer"):
+            raise ConfigError(f"connection_mode must be direct or pgbouncer, not {mode!r}")
         self.dsn = dsn
         self.schema = schema
         self._q = queries(schema)
         self._max_bytes = max_payload_bytes
         self._pool_size = pool_size
+        self._pooler = mode == "pgbouncer"
+        self._listen_dsn = (listen_dsn or os.environ.get("KESTREL_LISTEN_DSN")
+                            or (None if self._pooler else dsn))
+        # psycopg prepares a statement after 5 runs; a transaction-mode pooler can't route it.
+        self._conn_kwargs: dict[str, Any] = {"autocommit": True}
+        if self._pooler:
+            self._conn_kwargs["prepare_threshold"] = None
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None
@@ -102,8 +119,8 @@ class Client(_Base):
     _pool: AsyncConnectionPool[Any] | None = None
     _opening: asyncio.Future[None] | None = None
 
-    async def _connect(self) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+    async def _connect(self, dsn: str | None = None) -> psycopg.AsyncConnection[Any]:
+        conn = await psycopg.AsyncConnection.connect(dsn or self.dsn, **self._conn_kwargs)
         db.configure_connection(conn)
         return conn
 
@@ -117,7 +134,7 @@ class Client(_Base):
             self._opening = asyncio.get_running_loop().create_future()
             self._pool = AsyncConnectionPool(
                 self.dsn, min_size=1, max_size=self._pool_size, open=False,
-                kwargs={"autocommit": True}, configure=db.configure_connection_async,
+                kwargs=self._conn_kwargs, configure=db.configure_connection_async,
                 name=f"kestrel-client-{self.schema}")
             try:
                 await self._pool.open()
@@ -165,6 +182,7 @@ class Client(_Base):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
         eid = await self._call(self._q.submit, params, idempotency_key, conn)
+        metrics.get().submitted.labels(params["workflow"]).inc()
         return Handle(self, eid)
 
     async def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
@@ -220,18 +238,16 @@ class Client(_Base):
             TimeoutError: it did not finish within *timeout* seconds.
         """
         eid = _ident(execution_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        async with await self._connect() as conn:
-            await conn.execute(self._q.listen_done)
-            while True:
-                ex = await db.get_execution(conn, self._q, id=eid)
-                if ex is None:
-                    raise ExecutionNotFound(f"no execution {eid}")
-                if ex.status.terminal:
-                    return _outcome(ex)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"execution {eid} is still {ex.status} after {timeout}s")
-                await _wait_notify(conn, _remaining(deadline))
+
+        async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
+            ex = await db.get_execution(conn, self._q, id=eid)
+            if ex is None:
+                raise ExecutionNotFound(f"no execution {eid}")
+            return ex.status.terminal, ex
+
+        ex = await self._wait(check, self._q.listen_done, timeout,
+                              lambda: f"execution {eid} did not finish in {timeout}s")
+        return _outcome(ex)
 
     async def get_event(self, execution_id: uuid.UUID | str, key: str,
                         timeout: float | None = None) -> Any:
@@ -241,16 +257,41 @@ class Client(_Base):
             TimeoutError: no value was published in time.
         """
         eid = _ident(execution_id)
+
+        async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
+            return await db.get_event(conn, self._q, id=eid, key=key)
+
+        return await self._wait(check, self._q.listen_events, timeout,
+                                lambda: f"no event {key!r} on {eid} after {timeout}s")
+
+    async def _wait(self, check: Any, listen: str, timeout: float | None,
+                    message: Any) -> Any:
+        """Re-run *check* on each notification (or poll) until it says done."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        async with await self._connect() as conn:
-            await conn.execute(self._q.listen_events)
+        delay = 0.02
+        waiter = await self._connect(self._listen_dsn) if self._listen_dsn else None
+        try:
+            if waiter is not None:
+                await waiter.execute(listen)
             while True:
-                found, value = await db.get_event(conn, self._q, id=eid, key=key)
-                if found:
+                # Same connection when it is direct; a pooled one otherwise.
+                if waiter is not None and self._listen_dsn == self.dsn:
+                    done, value = await check(waiter)
+                else:
+                    async with self._borrow() as conn:
+                        done, value = await check(conn)
+                if done:
                     return value
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no event {key!r} on {eid} after {timeout}s")
-                await _wait_notify(conn, _remaining(deadline))
+                    raise TimeoutError(message())
+                if waiter is not None:
+                    await _wait_notify(waiter, _remaining(deadline))
+                else:
+                    await asyncio.sleep(min(delay, _remaining(deadline)))
+                    delay = min(delay * 1.5, POLL_CAP_S)
+        finally:
+            if waiter is not None:
+                await waiter.close()
 
 
 async def _wait_notify(conn: psycopg.AsyncConnection[Any], timeout: float) -> None:
@@ -284,8 +325,8 @@ class SyncClient(_Base):
 
     _pool: ConnectionPool[Any] | None = None
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self.dsn, autocommit=True)
+    def _connect(self, dsn: str | None = None) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(dsn or self.dsn, **self._conn_kwargs)
         db.configure_connection(conn)
         return conn
 
@@ -299,7 +340,7 @@ class SyncClient(_Base):
             if self._pool is None:
                 self._pool = ConnectionPool(
                     self.dsn, min_size=1, max_size=self._pool_size, open=True,
-                    kwargs={"autocommit": True}, configure=db.configure_connection,
+                    kwargs=self._conn_kwargs, configure=db.configure_connection,
                     name=f"kestrel-client-{self.schema}")
         with self._pool.connection() as conn:
             yield conn
@@ -330,7 +371,9 @@ class SyncClient(_Base):
     ) -> SyncHandle:
         """See :meth:`Client.submit`."""
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
-        return SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
+        handle = SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
+        metrics.get().submitted.labels(params["workflow"]).inc()
+        return handle
 
     def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
                idempotency_key: str | None = None) -> bool:
@@ -386,35 +429,55 @@ class SyncClient(_Base):
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """See :meth:`Client.result`."""
         eid = _ident(execution_id)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._connect() as conn:
-            conn.execute(self._q.listen_done)
-            while True:
-                ex = db.get_execution_sync(conn, self._q, id=eid)
-                if ex is None:
-                    raise ExecutionNotFound(f"no execution {eid}")
-                if ex.status.terminal:
-                    return _outcome(ex)
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"execution {eid} is still {ex.status} after {timeout}s")
-                for _ in conn.notifies(timeout=_remaining(deadline), stop_after=1):
-                    pass
+
+        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+            ex = db.get_execution_sync(conn, self._q, id=eid)
+            if ex is None:
+                raise ExecutionNotFound(f"no execution {eid}")
+            return ex.status.terminal, ex
+
+        ex = self._wait(check, self._q.listen_done, timeout,
+                        lambda: f"execution {eid} did not finish in {timeout}s")
+        return _outcome(ex)
 
     def get_event(self, execution_id: uuid.UUID | str, key: str,
                   timeout: float | None = None) -> Any:
         """See :meth:`Client.get_event`."""
         eid = _ident(execution_id)
+
+        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+            row = conn.execute(self._q.get_event, {"id": eid, "key": key}).fetchone()
+            return (True, row[0]) if row else (False, None)
+
+        return self._wait(check, self._q.listen_events, timeout,
+                          lambda: f"no event {key!r} on {eid} after {timeout}s")
+
+    def _wait(self, check: Any, listen: str, timeout: float | None, message: Any) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._connect() as conn:
-            conn.execute(self._q.listen_events)
+        delay = 0.02
+        waiter = self._connect(self._listen_dsn) if self._listen_dsn else None
+        try:
+            if waiter is not None:
+                waiter.execute(listen)
             while True:
-                row = conn.execute(self._q.get_event, {"id": eid, "key": key}).fetchone()
-                if row is not None:
-                    return row[0]
+                if waiter is not None and self._listen_dsn == self.dsn:
+                    done, value = check(waiter)
+                else:
+                    with self._borrow() as conn:
+                        done, value = check(conn)
+                if done:
+                    return value
                 if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"no event {key!r} on {eid} after {timeout}s")
-                for _ in conn.notifies(timeout=_remaining(deadline), stop_after=1):
-                    pass
+                    raise TimeoutError(message())
+                if waiter is not None:
+                    for _ in waiter.notifies(timeout=_remaining(deadline), stop_after=1):
+                        pass
+                else:
+                    time.sleep(min(delay, _remaining(deadline)))
+                    delay = min(delay * 1.5, POLL_CAP_S)
+        finally:
+            if waiter is not None:
+                waiter.close()
 
 
 @dataclass(frozen=True, slots=True)

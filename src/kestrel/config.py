@@ -78,6 +78,15 @@ KNOBS: tuple[Knob, ...] = (
          "BYTES"),
     Knob("listen", _bool, "Use LISTEN/NOTIFY for wake-ups (polling always runs too).",
          "BOOL"),
+    Knob("connection_mode", str, "direct: a PostgreSQL server; pgbouncer: a pooler in "
+         "transaction mode (no prepared statements unless --prepare on, LISTEN only on "
+         "--listen-dsn).", "MODE"),
+    Knob("prepare", str, "Server-side prepared statements: auto (on when direct, off behind "
+         "PgBouncer), on (PgBouncer >= 1.21 with max_prepared_statements > 0), off.", "MODE"),
+    Knob("listen_dsn", str, "Direct (non-pooled) DSN for LISTEN; behind PgBouncer without "
+         "one, workers poll only.", "DSN"),
+    Knob("pool_size", int, "Database connections per worker process (plus one for LISTEN). "
+         "Total cap: procs x (pool_size + 1).", "N"),
     Knob("history_interval", str, "Width of a history partition: day, week or month.",
          "UNIT"),
     Knob("history_ahead", int, "History partitions created ahead of time.", "N"),
@@ -87,6 +96,9 @@ KNOBS: tuple[Knob, ...] = (
          "process at a time does the work).", "SECONDS"),
     Knob("metrics_host", str, "Address of the /metrics endpoint.", "HOST"),
     Knob("metrics_port", int, "Port of the /metrics endpoint; 0 disables it.", "PORT"),
+    Knob("metrics_certfile", str, "TLS certificate for the metrics endpoint (PEM); "
+         "without one it serves plain HTTP.", "PATH"),
+    Knob("metrics_keyfile", str, "TLS private key for --metrics-certfile.", "PATH"),
     Knob("data_dir", str, "Directory of the embedded PostgreSQL used when no DSN is set.",
          "PATH"),
     Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
@@ -113,12 +125,18 @@ class Config:
     drain_timeout: float = 30.0
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     listen: bool = True
+    connection_mode: str = "direct"
+    prepare: str = "auto"
+    listen_dsn: str = ""
+    pool_size: int = 6
     history_interval: str = "day"
     history_ahead: int = 3
     history_retention_days: float = 30.0
     maintenance_interval: float = 60.0
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 0
+    metrics_certfile: str = ""
+    metrics_keyfile: str = ""
     data_dir: str = ".kestrel/pgdata"
     log_level: str = "info"
     log_format: str = "text"
@@ -144,6 +162,12 @@ class Config:
         for q in self.queues:
             if not QUEUE_NAME.fullmatch(q):
                 _bad("queues", q, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+        if self.connection_mode not in {"direct", "pgbouncer"}:
+            _bad("connection_mode", self.connection_mode, "must be direct or pgbouncer")
+        if self.prepare not in {"auto", "on", "off"}:
+            _bad("prepare", self.prepare, "must be auto, on or off")
+        if not 2 <= self.pool_size <= 100:
+            _bad("pool_size", self.pool_size, "must be 2-100 (claims and writes run at once)")
         if self.history_interval not in {"day", "week", "month"}:
             _bad("history_interval", self.history_interval, "must be day, week or month")
         if not 0 <= self.history_ahead <= 366:
@@ -161,6 +185,26 @@ class Config:
             _bad("log_level", self.log_level, "must be debug, info, warning or error")
         if self.log_format not in {"text", "json"}:
             _bad("log_format", self.log_format, "must be text or json")
+
+    @property
+    def prepared_statements(self) -> bool:
+        """Whether hot statements are prepared server-side."""
+        if self.prepare == "auto":
+            return self.connection_mode == "direct"
+        return self.prepare == "on"
+
+    def notify_dsn(self, dsn: str) -> str | None:
+        """Where to LISTEN given the resolved *dsn*: --listen-dsn, else *dsn* when direct,
+        else nowhere (behind PgBouncer a LISTEN would land on a shared server connection and
+        its notifications would be lost: poll instead)."""
+        if self.listen_dsn:
+            return self.listen_dsn
+        return None if self.connection_mode == "pgbouncer" else dsn
+
+    @property
+    def max_connections(self) -> int:
+        """Most connections this runtime opens: every process's pool plus its LISTEN."""
+        return self.procs * (self.pool_size + (1 if self.listen else 0))
 
     def replace(self, **changes: Any) -> Config:
         """Return a copy with *changes* applied (and validated)."""

@@ -54,13 +54,20 @@ async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None
     configure_connection(conn)
 
 
-def make_pool(dsn: str, *, max_size: int, name: str) -> AsyncConnectionPool[Any]:
-    """Create (not open) this process's pool. Call only after fork: pools don't survive it."""
+def make_pool(dsn: str, *, max_size: int, name: str,
+              prepared: bool = True) -> AsyncConnectionPool[Any]:
+    """Create (not open) this process's pool. Call only after fork: pools don't survive it.
+
+    *prepared*: hot statements are prepared server-side from their first use (one parse per
+    connection). Off behind a transaction-mode pooler that cannot route named prepared
+    statements (PgBouncer before 1.21), where a later statement may land on a server
+    connection that never saw the PREPARE.
+    """
     return AsyncConnectionPool(
         dsn,
         min_size=1,
         max_size=max_size,
-        kwargs={"autocommit": True},
+        kwargs={"autocommit": True, "prepare_threshold": 0 if prepared else None},
         configure=configure_connection_async,
         name=name,
         open=False,
@@ -96,7 +103,7 @@ async def claim_batch(
     )
     return [
         Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]), row[6], row[7],
-                row[8], row[9], row[10], row[11])
+                row[8], row[9], row[10], row[11], row[12])
         for row in await cur.fetchall()
     ]
 
@@ -391,3 +398,9 @@ def run_maintenance_sync(
 
 def list_partitions_sync(conn: psycopg.Connection[Any], q: Queries) -> list[tuple[Any, ...]]:
     return conn.execute(q.list_partitions).fetchall()
+
+
+async def queue_stats(conn: AnyConn, q: Queries) -> list[tuple[str, str, int, float]]:
+    """Live executions by queue and status with the oldest one's age (seconds)."""
+    cur = await conn.execute(q.queue_stats)
+    return [(r[0], r[1], int(r[2]), float(r[3] or 0.0)) for r in await cur.fetchall()]

@@ -66,10 +66,37 @@ class Supervisor:
                      signal.Signals(signum).name, self.cfg.drain_timeout)
         self._stopping = True
 
+    def ready(self) -> tuple[bool, str]:
+        """/readyz: the database answers and the schema is at this code's version."""
+        import psycopg
+
+        from kestrel.migrate import current_version
+        from kestrel.sql import migrations
+
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=3) as conn:
+                have = current_version(conn, self.cfg.schema)
+        except psycopg.Error as exc:
+            return False, f"database unreachable: {type(exc).__name__}"
+        want = len(migrations(self.cfg.schema))
+        if have != want:
+            return False, f"schema {self.cfg.schema} is at migration {have}, code needs {want}"
+        return True, f"schema {self.cfg.schema} at migration {have}"
+
     def run(self) -> int:
         """Run until SIGTERM/SIGINT and every child has exited; return the exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        if self.cfg.metrics_port:
+            from kestrel import metrics
+
+            self._http = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port,
+                                       ready=self.ready,
+                                       certfile=self.cfg.metrics_certfile or None,
+                                       keyfile=self.cfg.metrics_keyfile or None)
+            log.info("serving /metrics, /healthz and /readyz on %s://%s:%d",
+                     "https" if self.cfg.metrics_certfile else "http",
+                     self.cfg.metrics_host, self.cfg.metrics_port)
         log.info("supervisor %d starting %d worker processes", os.getpid(), self.cfg.procs)
         for slot in self.slots:
             self._spawn(slot)
@@ -111,6 +138,9 @@ class Supervisor:
             if slot is None:
                 continue
             slot.pid = 0
+            from kestrel import metrics
+
+            metrics.mark_dead(pid)
             code = os.waitstatus_to_exitcode(status)
             if self._stopping:
                 log.info("worker %d exited (%s)", pid, _describe(code))
@@ -120,6 +150,7 @@ class Supervisor:
             delay = min(30.0, 0.25 * 2 ** slot.failures) * random.uniform(0.5, 1.0)
             slot.restart_at = time.monotonic() + delay
             self.restarts += 1
+            metrics.get().worker_restarts.inc()
             log.warning("worker %d exited (%s) after %.1fs; restarting in %.2fs",
                         pid, _describe(code), lived, delay)
 
@@ -136,7 +167,9 @@ class Supervisor:
                 _set_parent_death_signal(parent)
                 from kestrel.worker import run_worker
 
-                run_worker(self.cfg, self.workflows, dsn=self.dsn)
+                # One process reads fleet-wide queue depth for the metrics; not all of them.
+                run_worker(self.cfg, self.workflows, dsn=self.dsn,
+                           collect_queue_stats=slot.index == 0)
                 code = 0
             except BaseException:
                 log.exception("worker crashed")

@@ -54,6 +54,7 @@ class Claimed:
     deadline: datetime | None = None
     cancel_requested: bool = False
     db_now: datetime | None = None
+    created_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)

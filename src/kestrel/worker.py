@@ -31,7 +31,7 @@ from typing import Generic, TypeVar
 import psycopg
 from psycopg_pool import PoolTimeout
 
-from kestrel import codec, db
+from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.errors import Cancelled, DeadlineExceeded, LeaseLost, UnknownWorkflow
 from kestrel.sql import queries
@@ -138,6 +138,7 @@ class _Held:
     finishing: bool = False
     deadline_hit: bool = False
     deadline_timer: asyncio.TimerHandle | None = None
+    claimed_at: float = 0.0
 
 
 @dataclass
@@ -156,8 +157,11 @@ class WorkerStats:
 class Worker:
     """Claim and run executions until :meth:`stop`; then drain."""
 
-    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str) -> None:
+    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
+                 collect_queue_stats: bool = False, stats_interval: float = 5.0) -> None:
         self.cfg = cfg
+        self.collect_queue_stats = collect_queue_stats
+        self.stats_interval = stats_interval
         self.dsn = dsn
         self.id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self._workflows = workflows
@@ -168,7 +172,9 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
         self._releasing = False
-        self._pool = db.make_pool(dsn, max_size=6, name=f"kestrel-{self.id}")
+        self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
+                                  prepared=cfg.prepared_statements)
+        self._listen_dsn = cfg.notify_dsn(dsn)
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
         self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
             "checkpoint", self._flush_checkpoints, max_batch=1000)
@@ -249,12 +255,16 @@ class Worker:
             asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._sweep_loop(), name="sweeper"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
+            asyncio.create_task(self._stats_loop(), name="stats"),
         ]
-        if self.cfg.listen:
+        listening = self.cfg.listen and self._listen_dsn is not None
+        if listening:
             side.append(asyncio.create_task(self._listen_loop(), name="listener"))
-        log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s",
-                 self.id, self.cfg.concurrency, self.cfg.batch_size, ",".join(self.cfg.queues),
-                 "LISTEN/NOTIFY + polling" if self.cfg.listen else "polling only")
+        log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
+                 "connections=%s prepared=%s", self.id, self.cfg.concurrency,
+                 self.cfg.batch_size, ",".join(self.cfg.queues),
+                 "LISTEN/NOTIFY + polling" if listening else "polling only",
+                 self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no")
         claim = asyncio.create_task(self._claim_loop(), name="claim")
         try:
             # Crash-only: if a side task dies, the worker dies, and the supervisor restarts it.
@@ -324,11 +334,20 @@ class Worker:
                 await self._sleep_unless_stopping(delay)
                 continue
             backoff.reset()
+            m = metrics.get()
+            m.claim_seconds.observe(time.monotonic() - sent)
+            if claimed:
+                m.claim_batch.observe(len(claimed))
             self.stats.claims += 1
             self.stats.claimed += len(claimed)
             for c in claimed:
+                if c.attempt == 1 and not c.steps and c.wait_step is None:
+                    m.started.labels(c.workflow).inc()
+                    if c.db_now is not None and c.created_at is not None:
+                        m.submit_to_start.labels(c.workflow).observe(
+                            max(0.0, (c.db_now - c.created_at).total_seconds()))
                 held = _Held(c, trusted_until=sent + self.cfg.lease,
-                             cancel_requested=c.cancel_requested)
+                             cancel_requested=c.cancel_requested, claimed_at=sent)
                 self._held[c.id] = held
                 held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
                 if c.deadline is not None and c.db_now is not None:
@@ -377,13 +396,21 @@ class Worker:
             if finish is None:
                 return
             held.finishing = True
+            m = metrics.get()
             if await self._completions.submit(finish):
                 if finish.status is Status.COMPLETED:
                     self.stats.completed += 1
                 else:
                     self.stats.failed += 1
+                m.finished.labels(c.workflow, finish.status.value).inc()
+                if c.db_now is not None and c.created_at is not None:
+                    # Database time at the claim plus what elapsed here since.
+                    took = (c.db_now - c.created_at).total_seconds() + (
+                        time.monotonic() - held.claimed_at)
+                    m.submit_to_finish.labels(c.workflow).observe(max(0.0, took))
             else:
                 self.stats.fenced += 1
+                m.fenced.labels("completion").inc()
                 log.info("completion of %s was fenced: a newer claim owns it", c.id)
         except asyncio.CancelledError:
             if held.lost or self._stopping.is_set():
@@ -425,9 +452,11 @@ class Worker:
             return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
         except Park:
             self.stats.parked += 1
+            metrics.get().parked.labels(c.workflow).inc()
             return None
         except LeaseLost as exc:
             self.stats.lost += 1
+            metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, exc)
             return None
         except Exception as exc:
@@ -439,8 +468,15 @@ class Worker:
     # -- group-commit flushes -----------------------------------------------------------------
 
     async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
+        started = time.monotonic()
         async with self._pool.connection() as conn:
             saved = await db.save_steps(conn, self._q, writes)
+            m = metrics.get()
+            m.checkpoint_seconds.observe(time.monotonic() - started)
+            m.checkpoint_batch.observe(len(writes))
+            fenced = sum(1 for s in saved if not s.owned)
+            if fenced:
+                m.fenced.labels("checkpoint").inc(fenced)
             # A conflicting row committed after our snapshot is invisible to the statement
             # (only possible across epochs, which are fenced anyway): read it back.
             for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
@@ -451,8 +487,12 @@ class Worker:
         return saved
 
     async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
+        started = time.monotonic()
         async with self._pool.connection() as conn:
             done = await db.complete_batch(conn, self._q, finishes)
+        m = metrics.get()
+        m.completion_seconds.observe(time.monotonic() - started)
+        m.completion_batch.observe(len(finishes))
         return [f.execution_id in done for f in finishes]
 
     # -- side tasks ---------------------------------------------------------------------------
@@ -484,6 +524,8 @@ class Worker:
             elif self._held.get(h.claimed.id) is h and not h.finishing:
                 h.lost = True
                 self.stats.lost += 1
+                metrics.get().leases_lost.inc()
+                metrics.get().fenced.labels("heartbeat").inc()
                 log.warning("lease on %s was lost (expired or re-claimed); abandoning it",
                             h.claimed.id)
                 if h.task is not None:
@@ -517,12 +559,55 @@ class Worker:
             if expired < limit:
                 break
         if requeued:
+            metrics.get().leases_expired.inc(requeued)
             log.info("sweeper re-enqueued %d executions with expired leases", requeued)
             self._work.set()
         if quarantined:
+            metrics.get().quarantined.inc(quarantined)
             log.warning("sweeper quarantined %d executions that exhausted max_attempts=%d",
                         quarantined, self.cfg.max_attempts)
         return requeued, quarantined
+
+    async def _stats_loop(self) -> None:
+        """Every few seconds: this process's pool and running gauges; in the one process
+        chosen by the supervisor, queue depth from one cheap query for the whole fleet."""
+        m = metrics.get()
+        m.workers.set(1)
+        # Known label values start at 0, so a rate() over them has data before the first
+        # event (and absence means "no such thing", not "not happened yet").
+        for kind in ("checkpoint", "completion", "heartbeat"):
+            m.fenced.labels(kind)
+        for wf in self._workflows:
+            m.started.labels(wf)
+            for outcome in ("completed", "failed", "cancelled"):
+                m.finished.labels(wf, outcome)
+        known: set[tuple[str, str]] = set()
+        while True:
+            stats = self._pool.get_stats()
+            size, idle = stats.get("pool_size", 0), stats.get("pool_available", 0)
+            m.pool.labels("in_use").set(size - idle)
+            m.pool.labels("idle").set(idle)
+            m.pool.labels("waiting").set(stats.get("requests_waiting", 0))
+            m.running.set(len(self._held))
+            if self.collect_queue_stats:
+                try:
+                    async with self._pool.connection() as conn:
+                        rows = await db.queue_stats(conn, self._q)
+                except TRANSIENT:
+                    rows = None
+                if rows is not None:
+                    seen = set()
+                    for queue, status, count, oldest in rows:
+                        seen.add((queue, status))
+                        m.queue_depth.labels(queue, status).set(count)
+                        if status == "queued":
+                            m.oldest_queued.labels(queue).set(oldest)
+                    for queue, status in known - seen:
+                        m.queue_depth.labels(queue, status).set(0)
+                        if status == "queued":
+                            m.oldest_queued.labels(queue).set(0)
+                    known |= seen
+            await asyncio.sleep(self.stats_interval)
 
     async def _maintenance_loop(self) -> None:
         while True:
@@ -547,7 +632,8 @@ class Worker:
         backoff = Backoff(base=0.2, cap=10.0)
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True)
+                assert self._listen_dsn is not None
+                conn = await psycopg.AsyncConnection.connect(self._listen_dsn, autocommit=True)
                 async with conn:
                     await db.listen(conn, self._q)
                     backoff.reset()
@@ -562,14 +648,14 @@ class Worker:
 
 
 def run_worker(cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
-               install_signals: bool = True) -> WorkerStats:
+               install_signals: bool = True, collect_queue_stats: bool = False) -> WorkerStats:
     """Run a worker on a fresh uvloop event loop until SIGTERM/SIGINT; return its stats."""
     import signal
 
     import uvloop
 
     async def main() -> WorkerStats:
-        worker = Worker(cfg, workflows, dsn=dsn)
+        worker = Worker(cfg, workflows, dsn=dsn, collect_queue_stats=collect_queue_stats)
         if install_signals:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGTERM, worker.stop)

@@ -15,6 +15,7 @@ import contextvars
 import functools
 import inspect
 import random
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,7 +24,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 from uuid import UUID
 
-from kestrel import codec
+from kestrel import codec, metrics
 from kestrel.errors import (
     Cancelled,
     ChildFailed,
@@ -311,9 +312,11 @@ class Context:
             return self._replay(step_id, spec.name, recorded)
         self._check_can_start()
         started = datetime.now(UTC)
+        clock = time.perf_counter()
         output: str | None = None
         error: str | None = None
         attempt = 1
+        labels = (self.workflow, metrics.step_label(spec.name))
         while True:
             info = StepInfo(self.execution_id, step_id, spec.name, attempt, self.claimed.epoch)
             try:
@@ -333,10 +336,14 @@ class Context:
                 if attempt >= spec.retry.attempts or not isinstance(exc, spec.retry.retry_on):
                     error = codec.encode(describe_error(exc), what="step error")
                     break
+                metrics.get().step_retries.labels(*labels).inc()
                 await asyncio.sleep(spec.retry.delay(attempt))
                 if not self.writer.trusted(self.execution_id):
                     raise LeaseLost(f"lease of {self.execution_id} expired during a retry") from exc
                 attempt += 1
+        m = metrics.get()
+        m.step_seconds.labels(*labels).observe(time.perf_counter() - clock)
+        m.step_runs.labels(*labels, "error" if error else "ok").inc()
         return await self._record(step_id, spec.name, output, error, attempt, started)
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,

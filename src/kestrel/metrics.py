@@ -1,0 +1,203 @@
+"""Every Prometheus metric kestrel exports, and the HTTP endpoint that serves them.
+
+Multiprocess mode (prometheus_client): the supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at
+a directory it empties at start, *before* this module is imported anywhere, so each forked
+worker writes its own files; the supervisor serves the merged view on ``/metrics``, with
+``/healthz`` and ``/readyz``, and marks dead children's files dead so gauges of exited
+processes disappear (prometheus/client_python#275). Without the variable (tests, scripts,
+an application using only the client) the metrics are ordinary in-process metrics.
+
+Labels are bounded by design: ``workflow``, ``step``, ``queue``, ``outcome``, ``kind`` and
+``state`` take values from code (registered names) or from small fixed sets; execution ids,
+arguments, error text and DSNs are never labels (FAULTS S2). Internal steps are labelled by
+their kind (``kestrel.signal``), never by the signal or child id they carry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
+_COMMIT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    """The metric objects. Created on first use: prometheus_client picks single- or
+    multi-process storage when it is imported, so nothing may import it before the
+    supervisor has set ``PROMETHEUS_MULTIPROC_DIR`` (see :func:`prepare_multiprocess`)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.submitted = Counter(
+            "kestrel_workflows_submitted_total", "Executions submitted through this "
+            "process's clients (SQL submissions show in kestrel_queue_depth)", ["workflow"])
+        self.started = Counter("kestrel_workflows_started_total",
+                               "Executions claimed for the first time", ["workflow"])
+        self.finished = Counter("kestrel_workflows_finished_total",
+                                "Executions finished by a worker, by outcome",
+                                ["workflow", "outcome"])
+        self.parked = Counter("kestrel_workflows_parked_total",
+                              "Executions parked as a row (sleep, signal or child wait)",
+                              ["workflow"])
+        self.step_runs = Counter("kestrel_step_runs_total",
+                                 "Step bodies run to a checkpoint, by outcome",
+                                 ["workflow", "step", "outcome"])
+        self.step_retries = Counter("kestrel_step_retries_total",
+                                    "Step attempts that failed and were retried",
+                                    ["workflow", "step"])
+        self.step_seconds = Histogram("kestrel_step_duration_seconds",
+                                      "Step body duration, all attempts",
+                                      ["workflow", "step"], buckets=_LATENCY)
+        self.claim_batch = Histogram("kestrel_claim_batch_size",
+                                     "Executions taken per claim statement", buckets=_BATCH)
+        self.claim_seconds = Histogram("kestrel_claim_seconds", "Claim statement latency",
+                                       buckets=_COMMIT)
+        self.checkpoint_batch = Histogram("kestrel_checkpoint_batch_size",
+                                          "Checkpoints written per group commit",
+                                          buckets=_BATCH)
+        self.checkpoint_seconds = Histogram("kestrel_checkpoint_commit_seconds",
+                                            "Checkpoint group-commit latency", buckets=_COMMIT)
+        self.completion_batch = Histogram("kestrel_completion_batch_size",
+                                          "Executions finished per statement", buckets=_BATCH)
+        self.completion_seconds = Histogram("kestrel_completion_commit_seconds",
+                                            "Completion statement latency", buckets=_COMMIT)
+        self.submit_to_start = Histogram("kestrel_submit_to_start_seconds",
+                                         "Submission to first claim (database clock)",
+                                         ["workflow"], buckets=_LATENCY)
+        self.submit_to_finish = Histogram("kestrel_submit_to_finish_seconds",
+                                          "Submission to finish", ["workflow"],
+                                          buckets=_LATENCY)
+        self.leases_expired = Counter("kestrel_leases_expired_total",
+                                      "Expired leases the sweeper recovered")
+        self.leases_lost = Counter("kestrel_leases_lost_total",
+                                   "Executions a worker abandoned because its lease was gone")
+        self.fenced = Counter("kestrel_fenced_writes_total",
+                              "Writes rejected because a newer claim owns the execution",
+                              ["kind"])
+        self.quarantined = Counter("kestrel_quarantined_total",
+                                   "Executions quarantined after max_attempts lost workers")
+        self.worker_restarts = Counter("kestrel_worker_restarts_total",
+                                       "Worker processes restarted after they died")
+        self.queue_depth = Gauge("kestrel_queue_depth", "Live executions by queue and status",
+                                 ["queue", "status"], multiprocess_mode="livemax")
+        self.oldest_queued = Gauge("kestrel_oldest_queued_seconds",
+                                   "Age of the oldest queued execution", ["queue"],
+                                   multiprocess_mode="livemax")
+        self.pool = Gauge("kestrel_pool_connections", "Database pool connections by state",
+                          ["state"], multiprocess_mode="livesum")
+        self.running = Gauge("kestrel_running_executions",
+                             "Executions running in worker processes",
+                             multiprocess_mode="livesum")
+        self.workers = Gauge("kestrel_workers", "Worker processes alive",
+                             multiprocess_mode="livesum")
+
+
+_metrics: Metrics | None = None
+
+
+def get() -> Metrics:
+    """The process's metrics, created on first use."""
+    global _metrics
+    if _metrics is None:
+        _metrics = Metrics()
+    return _metrics
+
+
+def prepare_multiprocess(directory: str | None = None) -> str:
+    """Set up multiprocess mode for a supervisor: an empty directory in the environment,
+    before prometheus_client is imported. Returns the directory.
+
+    Raises:
+        RuntimeError: prometheus_client was imported already (by the app?), too early.
+    """
+    import shutil
+    import sys
+    import tempfile
+
+    if "prometheus_client" in sys.modules and not os.environ.get(MULTIPROC_ENV):
+        raise RuntimeError("prometheus_client was imported before the supervisor could set "
+                           f"{MULTIPROC_ENV}; import it lazily in your app module")
+    path = directory or tempfile.mkdtemp(prefix="kestrel-metrics-")
+    shutil.rmtree(path, ignore_errors=True)  # stale files of an earlier run would add up
+    os.makedirs(path, exist_ok=True)
+    os.environ[MULTIPROC_ENV] = path
+    return path
+
+
+def step_label(name: str) -> str:
+    """Bounded step label: internal steps by kind (``kestrel.signal:x`` → ``kestrel.signal``)."""
+    return name.split(":", 1)[0] if name.startswith("kestrel.") else name
+
+
+def registry() -> Any:
+    """The registry to serve: merged across processes in multiprocess mode."""
+    from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
+
+    if os.environ.get(MULTIPROC_ENV):
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg)  # type: ignore[no-untyped-call]
+        return reg
+    return REGISTRY
+
+
+def mark_dead(pid: int) -> None:
+    """Drop a dead worker's live gauges (multiprocess mode)."""
+    if os.environ.get(MULTIPROC_ENV):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def serve(host: str, port: int, *, ready: Callable[[], tuple[bool, str]],
+          certfile: str | None = None, keyfile: str | None = None) -> ThreadingHTTPServer:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on *host*:*port* in a thread.
+
+    Read-only: there is no endpoint that changes anything. *ready* says whether the database
+    is reachable and the schema current. With *certfile* (and *keyfile*) it speaks TLS.
+    """
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    get()  # the supervisor's own metrics (restarts) exist from the start
+    reg = registry()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(reg), CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                self._send(200, b"ok\n", "text/plain")
+            elif path == "/readyz":
+                ok, why = ready()
+                body = json.dumps({"ready": ok, "detail": why}).encode()
+                self._send(200 if ok else 503, body, "application/json")
+            else:
+                self._send(404, b"not found\n", "text/plain")
+
+        def _send(self, code: int, body: bytes, ctype: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # scrapes are not events
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    if certfile:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(certfile, keyfile)
+        server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, name="kestrel-metrics", daemon=True).start()
+    return server
