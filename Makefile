@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help run test test-fast lint typecheck check clean
+.PHONY: help venv run test test-fast bench-micro lint typecheck check clean
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -20,8 +20,12 @@ venv: $(STAMP) ## create .venv and install kestrel with its dev tools
 run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the demo workload
 	$(BIN)/kestrel-runtime demo
 
-test: $(STAMP) ## the whole test suite (starts its own PostgreSQL)
-	$(BIN)/pytest -q
+test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again through PgBouncer
+	$(BIN)/pytest -q --benchmark-disable tests bench/micro
+	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
+
+bench-micro: $(STAMP) ## pytest-benchmark micro-benchmarks of the hot path, timed
+	$(BIN)/pytest -q bench/micro --benchmark-columns=mean,median,ops
 
 test-fast: $(STAMP) ## unit tests only, no database
 	$(BIN)/pytest -q tests/unit

@@ -18,8 +18,12 @@ from psycopg import sql as pgsql
 ROOT = Path(__file__).resolve().parents[1]
 
 
+VIA_PGBOUNCER = os.environ.get("KESTREL_TEST_VIA") == "pgbouncer"
+
+
 @pytest.fixture(scope="session")
-def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def direct_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real PostgreSQL, direct: KESTREL_TEST_DSN, or the embedded server started here."""
     dsn = os.environ.get("KESTREL_TEST_DSN")
     if dsn:
         yield dsn
@@ -33,6 +37,23 @@ def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     dsn, server = embedded.start(tmp_path_factory.getbasetemp() / "pg0" / "data")
     yield dsn
     server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg_dsn(direct_dsn: str) -> Iterator[str]:
+    """The DSN tests and runtimes use: direct, or with KESTREL_TEST_VIA=pgbouncer through a
+    real PgBouncer in transaction mode with a small server pool (the suite's second pass).
+    In that pass the runtimes and clients run in pgbouncer mode, LISTEN going direct."""
+    if not VIA_PGBOUNCER:
+        yield direct_dsn
+        return
+    from tests.pgbouncer import PgBouncer
+
+    bouncer = PgBouncer(direct_dsn, pool_size=8)
+    os.environ["KESTREL_CONNECTION_MODE"] = "pgbouncer"
+    os.environ["KESTREL_LISTEN_DSN"] = direct_dsn
+    yield bouncer.dsn
+    bouncer.stop()
 
 
 @pytest.fixture

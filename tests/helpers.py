@@ -41,7 +41,8 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, interval: float 
 
 def q(dsn: str, schema: str, text: str, params: Any = None) -> list[tuple[Any, ...]]:
     """Run *text* with ``{s}`` standing for the schema; return all rows."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    # No prepared statements: this may run through PgBouncer in transaction mode.
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         stmt = pgsql.SQL(text).format(s=pgsql.Identifier(schema))  # type: ignore[arg-type]
         cur = conn.execute(stmt, params)
         return cur.fetchall() if cur.description else []
@@ -96,7 +97,10 @@ def worker_pids(supervisor_pid: int) -> list[int]:
 
 def config(schema: str, **overrides: Any) -> Config:
     base: dict[str, Any] = dict(schema=schema, lease=2.0, heartbeat=0.5, sweep_interval=0.5,
-                                poll_interval=0.1, concurrency=16)
+                                poll_interval=0.1, concurrency=16,
+                                connection_mode=os.environ.get("KESTREL_CONNECTION_MODE",
+                                                               "direct"),
+                                listen_dsn=os.environ.get("KESTREL_LISTEN_DSN", ""))
     base.update(overrides)
     return Config(**base)
 

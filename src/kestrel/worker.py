@@ -633,7 +633,8 @@ class Worker:
         while True:
             try:
                 assert self._listen_dsn is not None
-                conn = await psycopg.AsyncConnection.connect(self._listen_dsn, autocommit=True)
+                conn = await psycopg.AsyncConnection.connect(
+                    self._listen_dsn, autocommit=True, application_name="kestrel-listen")
                 async with conn:
                     await db.listen(conn, self._q)
                     backoff.reset()

@@ -35,7 +35,7 @@ def test_each_execution_is_in_exactly_one_place_at_every_moment(
     stop = threading.Event()
 
     def sample() -> None:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
             stmt = pgsql.SQL(PLACES).format(s=pgsql.Identifier(schema))
             while not stop.is_set():
                 # One statement, one snapshot: hot and history are seen at the same instant.

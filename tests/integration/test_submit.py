@@ -161,12 +161,14 @@ def test_migrations_are_idempotent_and_safe_to_race(pg_dsn: str, schema: str) ->
     q(pg_dsn, fresh, "DROP SCHEMA {s} CASCADE")
 
 
-def test_pooled_clients_reuse_connections_and_close(pg_dsn: str, schema: str) -> None:
+def test_pooled_clients_reuse_connections_and_close(direct_dsn: str, schema: str) -> None:
+    """The client's own pool (counted in pg_stat_activity, so against the server itself)."""
     def backends() -> int:
-        return int(q1(pg_dsn, schema, "SELECT count(*) FROM pg_stat_activity "
+        return int(q1(direct_dsn, schema, "SELECT count(*) FROM pg_stat_activity "
                       "WHERE application_name = %s", ["kestrel-pool-probe"]))
 
-    dsn = pg_dsn + ("&" if "?" in pg_dsn else "?") + "application_name=kestrel-pool-probe"
+    dsn = (direct_dsn + ("&" if "?" in direct_dsn else "?")
+           + "application_name=kestrel-pool-probe")
     with SyncClient(dsn, schema=schema, pool_size=2) as client, \
             ThreadPoolExecutor(max_workers=8) as pool:
         ids = list(pool.map(lambda n: client.submit(app.quick, n).id, range(100)))
