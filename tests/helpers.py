@@ -66,10 +66,10 @@ def submit_many(dsn: str, schema: str, workflow: str, args_sql: str, n: int) -> 
 
 @contextmanager
 def runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | None = None,
-            env: dict[str, str] | None = None, log: Path | None = None
+            env: dict[str, str] | None = None, log: Path | None = None, app: str = APP,
             ) -> Iterator[subprocess.Popen[bytes]]:
     """Run ``kestrel-runtime`` (the real supervisor and workers) for the block's duration."""
-    cmd = [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", dsn, "--schema", schema,
+    cmd = [sys.executable, "-m", "kestrel", "--app", app, "--dsn", dsn, "--schema", schema,
            "--procs", str(procs), *FAST, *(args or [])]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115

@@ -7,6 +7,7 @@ from kestrel.errors import (
     ChildFailed,
     ConfigError,
     DeadlineExceeded,
+    DuplicateExecution,
     ExecutionNotFound,
     IdempotencyConflict,
     InvalidState,
@@ -20,6 +21,8 @@ from kestrel.errors import (
     UnknownWorkflow,
     WorkflowFailed,
 )
+from kestrel.queues import QueueSpec, queue
+from kestrel.schedule import scheduled
 from kestrel.types import Execution, Status, StepRow
 from kestrel.workflow import (
     ChildHandle,
@@ -41,6 +44,7 @@ __all__ = [
     "ConfigError",
     "Context",
     "DeadlineExceeded",
+    "DuplicateExecution",
     "Execution",
     "ExecutionNotFound",
     "Handle",
@@ -51,6 +55,7 @@ __all__ = [
     "MigrationError",
     "NonDeterminismError",
     "PayloadTooLarge",
+    "QueueSpec",
     "RetryPolicy",
     "SerializationError",
     "Signal",
@@ -63,6 +68,8 @@ __all__ = [
     "UnknownWorkflow",
     "WorkflowFailed",
     "current_step",
+    "queue",
+    "scheduled",
     "step",
     "workflow",
 ]

@@ -188,6 +188,7 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     workflows = import_app(cfg.app)
     if not workflows:
         raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
+    cfg.check_queues()  # after the app declared its queues
     dsn, server = resolve_dsn(cfg)
     log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
              "(pool %d + LISTEN)); LISTEN %s", mask_dsn(dsn) or "(from PG* environment)",

@@ -74,7 +74,9 @@ class _Base:
             self._conn_kwargs["prepare_threshold"] = None
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
-                       priority: int, key: str | None, timeout: float | None
+                       priority: int, key: str | None, timeout: float | None,
+                       delay: float | None = None, start_at: datetime | None = None,
+                       dedup_key: str | None = None, on_duplicate: str = "return",
                        ) -> dict[str, Any]:
         name = workflow_name(wf)
         if not name or len(name) > 1024:
@@ -83,10 +85,22 @@ class _Base:
             raise ConfigError(f"invalid queue name {queue!r}: 1-128 of A-Z a-z 0-9 _ . : -")
         if timeout is not None and not timeout > 0:
             raise ConfigError(f"timeout must be positive, got {timeout}")
+        if delay is not None and start_at is not None:
+            raise ConfigError("give delay or start_at, not both")
+        if start_at is not None:
+            if start_at.tzinfo is None:
+                raise ConfigError("start_at must be timezone-aware")
+            # Relative to this machine's clock; the database clock then holds the wake time.
+            delay = max(0.0, (start_at - datetime.now(start_at.tzinfo)).total_seconds())
+        if delay is not None and delay < 0:
+            raise ConfigError(f"delay must not be negative, got {delay}")
+        if on_duplicate not in ("return", "reject"):
+            raise ConfigError(f"on_duplicate must be return or reject, not {on_duplicate!r}")
         encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
                                max_bytes=self._max_bytes)
         return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
-                                idempotency_key=key, timeout_s=timeout)
+                                idempotency_key=key, timeout_s=timeout, delay_s=delay,
+                                dedup_key=dedup_key, on_duplicate=on_duplicate)
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:
@@ -170,17 +184,25 @@ class Client(_Base):
     async def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
         idempotency_key: str | None = None, timeout: float | None = None,
+        delay: float | None = None, start_at: datetime | None = None,
+        dedup_key: str | None = None, on_duplicate: str = "return",
         conn: psycopg.AsyncConnection[Any] | None = None,
     ) -> Handle:
         """Enqueue *wf* with *args*; return its handle once the row is committed (or, with
-        *conn*, written in that connection's transaction). *timeout* (seconds) is a deadline
-        after which the execution ends failed.
+        *conn*, written in that connection's transaction).
+
+        *priority*: higher first within the queue. *timeout*: seconds after which the
+        execution ends failed. *delay* (seconds) or *start_at*: not claimed before then.
+        *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
+        live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
 
         Raises:
             SerializationError: an argument cannot round-trip through JSON (nothing written).
             IdempotencyConflict: *idempotency_key* belongs to an execution with other args.
+            DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject".
         """
-        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
+                                     delay, start_at, dedup_key, on_duplicate)
         eid = await self._call(self._q.submit, params, idempotency_key, conn)
         metrics.get().submitted.labels(params["workflow"]).inc()
         return Handle(self, eid)
@@ -367,10 +389,13 @@ class SyncClient(_Base):
     def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
         idempotency_key: str | None = None, timeout: float | None = None,
+        delay: float | None = None, start_at: datetime | None = None,
+        dedup_key: str | None = None, on_duplicate: str = "return",
         conn: psycopg.Connection[Any] | None = None,
     ) -> SyncHandle:
         """See :meth:`Client.submit`."""
-        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout)
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
+                                     delay, start_at, dedup_key, on_duplicate)
         handle = SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
         metrics.get().submitted.labels(params["workflow"]).inc()
         return handle

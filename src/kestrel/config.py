@@ -14,11 +14,14 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from kestrel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kestrel.queues import QueueSpec
 
 SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -70,6 +73,9 @@ KNOBS: tuple[Knob, ...] = (
          "LISTEN/NOTIFY usually wakes workers sooner.", "SECONDS"),
     Knob("sweep_interval", float, "Seconds between sweeps for expired leases.", "SECONDS"),
     Knob("queues", _queues, "Comma-separated queues this runtime claims from.", "Q1,Q2"),
+    Knob("queue_limits", str, "Limits of named queues, as an alternative to kestrel.queue() "
+         "in code: 'ai:concurrency=5,rate=60/60,per_process=2;ci:concurrency=2' (rate is "
+         "N/SECONDS).", "SPEC"),
     Knob("max_attempts", int, "Claims an execution may use without finishing before it is "
          "quarantined (its worker keeps dying).", "N"),
     Knob("drain_timeout", float, "On SIGTERM, seconds to let running executions finish "
@@ -121,6 +127,7 @@ class Config:
     poll_interval: float = 1.0
     sweep_interval: float = 5.0
     queues: tuple[str, ...] = ("default",)
+    queue_limits: str = ""
     max_attempts: int = 5
     drain_timeout: float = 30.0
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
@@ -177,6 +184,9 @@ class Config:
                  "must not be negative (0 keeps history for ever)")
         if not self.maintenance_interval > 0:
             _bad("maintenance_interval", self.maintenance_interval, "must be greater than 0")
+        from kestrel.queues import parse_limits
+
+        parse_limits(self.queue_limits)  # raises ConfigError naming the bad part
         if self.max_payload_bytes < 1024:
             _bad("max_payload_bytes", self.max_payload_bytes, "must be at least 1024")
         if not 0 <= self.metrics_port <= 65535:
@@ -205,6 +215,24 @@ class Config:
     def max_connections(self) -> int:
         """Most connections this runtime opens: every process's pool plus its LISTEN."""
         return self.procs * (self.pool_size + (1 if self.listen else 0))
+
+    def queue_specs(self) -> dict[str, QueueSpec]:
+        """Declared queues: those of kestrel.queue() in code, overridden by --queue-limits."""
+        from kestrel.queues import declared, parse_limits
+
+        return {**declared(), **parse_limits(self.queue_limits)}
+
+    def check_queues(self) -> None:
+        """Every queue in --queues must be 'default' or declared.
+
+        Raises:
+            ConfigError: naming the unknown queue and the known ones.
+        """
+        known = {"default", *self.queue_specs()}
+        for q in self.queues:
+            if q not in known:
+                _bad("queues", q, f"unknown queue; declare it with kestrel.queue({q!r}) or "
+                     f"--queue-limits (known: {', '.join(sorted(known))})")
 
     def replace(self, **changes: Any) -> Config:
         """Return a copy with *changes* applied (and validated)."""

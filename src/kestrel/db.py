@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from kestrel.errors import (
     ConfigError,
+    DuplicateExecution,
     ExecutionNotFound,
     IdempotencyConflict,
     InvalidState,
@@ -253,6 +254,8 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
         return ExecutionNotFound(message)
     if exc.sqlstate in ("KS004", "KS005"):
         return InvalidState(message)
+    if exc.sqlstate == "KS006":
+        return DuplicateExecution(message)
     return None
 
 
@@ -286,11 +289,13 @@ def call_sync(conn: psycopg.Connection[Any], query: str, params: dict[str, Any],
 def submit_params(
     *, workflow: str, args: str, queue: str, priority: int, idempotency_key: str | None,
     id: uuid.UUID | None = None, parent: uuid.UUID | None = None,
-    timeout_s: float | None = None,
+    timeout_s: float | None = None, delay_s: float | None = None,
+    dedup_key: str | None = None, on_duplicate: str = "return",
 ) -> dict[str, Any]:
     return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
             "idempotency_key": idempotency_key, "id": id, "parent": parent,
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
+            "on_duplicate": on_duplicate}
 
 
 async def get_event(conn: AnyConn, q: Queries, *, id: uuid.UUID, key: str) -> tuple[bool, Any]:
@@ -406,3 +411,64 @@ async def queue_stats(conn: AnyConn, q: Queries) -> list[tuple[str, str, int, fl
     """Live executions by queue and status with the oldest one's age (seconds)."""
     cur = await conn.execute(q.queue_stats)
     return [(r[0], r[1], int(r[2]), float(r[3] or 0.0)) for r in await cur.fetchall()]
+
+
+async def claim_limited(
+    conn: AnyConn, q: Queries, *, queue: str, owner: str, limit: int, lease_s: float
+) -> list[Claimed] | None:
+    """Claim from a limited queue within its limits, in one transaction under the queue's row
+    lock; None when another process holds that lock right now (try again later)."""
+    async with conn.transaction():
+        locked = await (await conn.execute(q.lock_queue_limit, {"queue": queue})).fetchone()
+        if locked is None:
+            return None
+        cur = await conn.execute(q.claim_limited, {"queue": queue, "owner": owner,
+                                                   "limit": limit, "lease_s": lease_s})
+        rows = await cur.fetchall()
+    return [Claimed(r[0], r[1], r[2], r[3], r[4], _recorded(r[5]), r[6], r[7], r[8], r[9],
+                    r[10], r[11], r[12]) for r in rows]
+
+
+def upsert_queue_limit_sync(conn: psycopg.Connection[Any], q: Queries, *, queue: str,
+                            concurrency: int | None, rate: int | None,
+                            period_s: float | None) -> None:
+    conn.execute(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
+                                        "rate": rate, "period_s": period_s})
+
+
+def upsert_schedule_sync(conn: psycopg.Connection[Any], q: Queries, *, name: str, cron: str,
+                         workflow: str, last_tick: datetime) -> datetime:
+    row = conn.execute(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
+                                           "last_tick": last_tick}).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+def db_now_sync(conn: psycopg.Connection[Any], q: Queries) -> datetime:
+    row = conn.execute(q.db_now).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+async def db_now(conn: AnyConn, q: Queries) -> datetime:
+    row = await (await conn.execute(q.db_now)).fetchone()
+    assert row is not None
+    return row[0]  # type: ignore[no-any-return]
+
+
+async def get_schedule(conn: AnyConn, q: Queries, *, name: str) -> datetime | None:
+    row = await (await conn.execute(q.get_schedule, {"name": name})).fetchone()
+    return row[0] if row else None
+
+
+async def start_tick(conn: AnyConn, q: Queries, *, name: str, seen: datetime, tick: datetime,
+                     submit: dict[str, Any]) -> bool:
+    """Advance a schedule from *seen* to *tick* and submit the tick, atomically; False if
+    another process advanced it first."""
+    async with conn.transaction():
+        moved = await (await conn.execute(q.advance_schedule, {"name": name, "seen": seen,
+                                                               "tick": tick})).fetchone()
+        if moved is None:
+            return False
+        await call(conn, q.submit, submit, key=submit["idempotency_key"])
+    return True

@@ -27,6 +27,10 @@ class IdempotencyConflict(KestrelError):
         self.key = key
 
 
+class DuplicateExecution(KestrelError):
+    """A live execution already holds that dedup key in that queue (``on_duplicate="reject"``)."""
+
+
 class UnknownWorkflow(KestrelError, LookupError):
     """No workflow of that name is registered in this process."""
 

@@ -60,6 +60,13 @@ class Queries:
     ensure_partitions: str
     drop_partitions: str
     list_partitions: str
+    upsert_queue_limit: str
+    lock_queue_limit: str
+    claim_limited: str
+    db_now: str
+    upsert_schedule: str
+    advance_schedule: str
+    get_schedule: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

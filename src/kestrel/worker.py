@@ -34,6 +34,7 @@ from psycopg_pool import PoolTimeout
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.errors import Cancelled, DeadlineExceeded, LeaseLost, UnknownWorkflow
+from kestrel.schedule import due_ticks, schedules
 from kestrel.sql import queries
 from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
 from kestrel.workflow import Context, Park, WorkflowFn, describe_error
@@ -139,6 +140,7 @@ class _Held:
     deadline_hit: bool = False
     deadline_timer: asyncio.TimerHandle | None = None
     claimed_at: float = 0.0
+    queue: str | None = None  # set for executions of limited queues (per-process counts)
 
 
 @dataclass
@@ -176,6 +178,12 @@ class Worker:
                                   prepared=cfg.prepared_statements)
         self._listen_dsn = cfg.notify_dsn(dsn)
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
+        specs = cfg.queue_specs()
+        # Queues with limits are claimed one at a time under their row lock; the rest, in
+        # one claim statement that never touches the limits table.
+        self._limited = [specs[q] for q in cfg.queues if q in specs and specs[q].limited]
+        self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
+        self._schedules = [s for s in schedules().values() if s.workflow in workflows]
         self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
             "checkpoint", self._flush_checkpoints, max_batch=1000)
         self._completions: Batcher[Finish, bool] = Batcher(
@@ -246,9 +254,24 @@ class Worker:
         self._work.set()
         self._slot_freed.set()
 
+    async def _register(self) -> None:
+        """Write this process's queue limits and schedules (idempotent upserts)."""
+        async with self._pool.connection() as conn:
+            for spec in self._limited:
+                await conn.execute(self._q.upsert_queue_limit, {
+                    "queue": spec.name, "concurrency": spec.concurrency, "rate": spec.rate,
+                    "period_s": spec.period})
+            if self._schedules:
+                now = await db.db_now(conn, self._q)
+                for sch in self._schedules:
+                    await conn.execute(self._q.upsert_schedule, {
+                        "name": sch.name, "cron": sch.cron.text, "workflow": sch.workflow,
+                        "last_tick": now})
+
     async def run(self) -> None:
         """Run until :meth:`stop` is called, then drain and return."""
         await self._pool.open(wait=False)
+        await self._register()
         side = [
             asyncio.create_task(self._checkpoints.run(), name="checkpoint-writer"),
             asyncio.create_task(self._completions.run(), name="completion-writer"),
@@ -257,6 +280,8 @@ class Worker:
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
             asyncio.create_task(self._stats_loop(), name="stats"),
         ]
+        if self._schedules:
+            side.append(asyncio.create_task(self._schedule_loop(), name="scheduler"))
         listening = self.cfg.listen and self._listen_dsn is not None
         if listening:
             side.append(asyncio.create_task(self._listen_loop(), name="listener"))
@@ -321,41 +346,67 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            limit = min(free, self.cfg.batch_size)
-            sent = time.monotonic()
             try:
-                async with self._pool.connection() as conn:
-                    claimed = await db.claim_batch(
-                        conn, self._q, owner=self.id, queues=self.cfg.queues, limit=limit,
-                        lease_s=self.cfg.lease, take_suspect=not self._holds_suspect())
+                more = False
+                if self._unlimited:
+                    limit = min(free, self.cfg.batch_size)
+                    got = await self._claim(limit, None)
+                    more = got == limit
+                for spec in self._limited:
+                    room = self.cfg.concurrency - len(self._held)
+                    if spec.per_process is not None:
+                        mine = sum(1 for h in self._held.values() if h.queue == spec.name)
+                        room = min(room, spec.per_process - mine)
+                    limit = min(room, self.cfg.batch_size)
+                    if limit > 0:
+                        got = await self._claim(limit, spec.name)
+                        more = more or got == limit
             except TRANSIENT as exc:
                 delay = backoff.next_delay()
                 log.warning("claim failed (%s); retrying in %.2fs", type(exc).__name__, delay)
                 await self._sleep_unless_stopping(delay)
                 continue
             backoff.reset()
-            m = metrics.get()
-            m.claim_seconds.observe(time.monotonic() - sent)
-            if claimed:
-                m.claim_batch.observe(len(claimed))
-            self.stats.claims += 1
-            self.stats.claimed += len(claimed)
-            for c in claimed:
-                if c.attempt == 1 and not c.steps and c.wait_step is None:
-                    m.started.labels(c.workflow).inc()
-                    if c.db_now is not None and c.created_at is not None:
-                        m.submit_to_start.labels(c.workflow).observe(
-                            max(0.0, (c.db_now - c.created_at).total_seconds()))
-                held = _Held(c, trusted_until=sent + self.cfg.lease,
-                             cancel_requested=c.cancel_requested, claimed_at=sent)
-                self._held[c.id] = held
-                held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
-                if c.deadline is not None and c.db_now is not None:
-                    left = (c.deadline - c.db_now).total_seconds()
-                    held.deadline_timer = asyncio.get_running_loop().call_later(
-                        max(left, 0.0), self._deadline_passed, held)
-            if len(claimed) < limit:
+            if not more:
                 await self._wait_for_work()
+
+    async def _claim(self, limit: int, queue: str | None) -> int:
+        """One claim statement (of a limited *queue*, or of the unlimited ones); start what
+        it returns. Returns how many were claimed; 0 when a limited queue's row is busy
+        (its holder is claiming; this process looks again after the poll interval)."""
+        sent = time.monotonic()
+        async with self._pool.connection() as conn:
+            if queue is None:
+                claimed = await db.claim_batch(
+                    conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
+                    lease_s=self.cfg.lease, take_suspect=not self._holds_suspect())
+            else:
+                got = await db.claim_limited(conn, self._q, queue=queue, owner=self.id,
+                                             limit=limit, lease_s=self.cfg.lease)
+                if got is None:
+                    return 0  # another process is claiming from it right now
+                claimed = got
+        m = metrics.get()
+        m.claim_seconds.observe(time.monotonic() - sent)
+        if claimed:
+            m.claim_batch.observe(len(claimed))
+        self.stats.claims += 1
+        self.stats.claimed += len(claimed)
+        for c in claimed:
+            if c.attempt == 1 and not c.steps and c.wait_step is None:
+                m.started.labels(c.workflow).inc()
+                if c.db_now is not None and c.created_at is not None:
+                    m.submit_to_start.labels(c.workflow).observe(
+                        max(0.0, (c.db_now - c.created_at).total_seconds()))
+            held = _Held(c, trusted_until=sent + self.cfg.lease,
+                         cancel_requested=c.cancel_requested, claimed_at=sent, queue=queue)
+            self._held[c.id] = held
+            held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
+            if c.deadline is not None and c.db_now is not None:
+                left = (c.deadline - c.db_now).total_seconds()
+                held.deadline_timer = asyncio.get_running_loop().call_later(
+                    max(left, 0.0), self._deadline_passed, held)
+        return len(claimed)
 
     def _deadline_passed(self, held: _Held) -> None:
         if held.task is not None and not held.task.done():
@@ -608,6 +659,41 @@ class Worker:
                             m.oldest_queued.labels(queue).set(0)
                     known |= seen
             await asyncio.sleep(self.stats_interval)
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            try:
+                wait = await self.schedule_once()
+            except TRANSIENT as exc:
+                log.warning("scheduler round failed (%s)", type(exc).__name__)
+                wait = self.cfg.poll_interval
+            await asyncio.sleep(wait * random.uniform(0.9, 1.1))
+
+    async def schedule_once(self) -> float:
+        """Start every due tick this process wins; return seconds until the next tick."""
+        from datetime import timedelta
+
+        nearest = self.cfg.poll_interval
+        async with self._pool.connection() as conn:
+            now = await db.db_now(conn, self._q)
+            for sch in self._schedules:
+                last = await db.get_schedule(conn, self._q, name=sch.name)
+                if last is None:
+                    continue
+                for tick in due_ticks(sch.cron, last, now, sch.catch_up):
+                    iso = tick.isoformat()
+                    params = db.submit_params(
+                        workflow=sch.workflow, args=codec.encode([iso], what="tick"),
+                        queue=sch.queue, priority=0,
+                        idempotency_key=f"kestrel.cron:{sch.name}:{iso}")
+                    if not await db.start_tick(conn, self._q, name=sch.name, seen=last,
+                                               tick=tick, submit=params):
+                        break  # another process started it (and will start the rest)
+                    log.info("schedule %s: started the %s tick", sch.name, iso)
+                    last = tick
+                until = (sch.cron.next_after(max(last, now)) - now) / timedelta(seconds=1)
+                nearest = min(nearest, max(until, 0.05))
+        return nearest
 
     async def _maintenance_loop(self) -> None:
         while True:

@@ -237,3 +237,21 @@ async def deterministic(ctx: kestrel.Context) -> list[str]:
 @kestrel.workflow(name="quick")
 async def quick(ctx: kestrel.Context, n: int) -> int:
     return int(await ctx.step(add, n, 0))
+
+
+# -- queues, limits and schedules (issue 10) ------------------------------------------------
+
+kestrel.queue("ai-model", concurrency=3)
+kestrel.queue("rate-limited", rate=5, period=2.0)
+kestrel.queue("per-proc", per_process=1)
+
+
+@kestrel.step(name="hold")
+async def hold(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
+@kestrel.workflow(name="busy")
+async def busy(ctx: kestrel.Context, seconds: float) -> None:
+    await ctx.step(hold, seconds)
+

@@ -1,0 +1,98 @@
+-- Limited queues and schedules. None of this runs for queues without limits.
+
+-- name: upsert_queue_limit
+-- Declare (or change) a queue's limits; the recent starts are kept across restarts.
+INSERT INTO __schema__.queue_limits (queue, concurrency, rate, period)
+VALUES (%(queue)s, %(concurrency)s, %(rate)s, make_interval(secs => %(period_s)s))
+    ON CONFLICT (queue) DO UPDATE
+   SET concurrency = excluded.concurrency, rate = excluded.rate, period = excluded.period,
+       updated_at = now();
+
+-- name: lock_queue_limit
+-- First statement of a limited claim's transaction: take the queue's row, or skip the queue
+-- for now if another process is claiming from it at this moment.
+SELECT queue FROM __schema__.queue_limits WHERE queue = %(queue)s FOR UPDATE SKIP LOCKED;
+
+-- name: claim_limited
+-- Second statement, under the queue's row lock and with a fresh snapshot: claim at most
+-- what the concurrency limit (running now) and the rate limit (starts in the last period)
+-- leave, and record the starts. Same row changes as claim_batch.
+WITH lim AS (
+    SELECT concurrency, rate, period, recent_starts
+      FROM __schema__.queue_limits WHERE queue = %(queue)s
+), budget AS (
+    SELECT least(
+               %(limit)s,
+               coalesce(lim.concurrency - (SELECT count(*) FROM __schema__.workflow_executions
+                                            WHERE queue = %(queue)s AND status = 'running'),
+                        %(limit)s),
+               coalesce(lim.rate - (SELECT count(*) FROM unnest(lim.recent_starts) AS t(s)
+                                     WHERE s > __schema__.kestrel_now() - lim.period),
+                        %(limit)s)) AS n
+      FROM lim
+), candidate AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE queue = %(queue)s
+       AND (status = 'queued'
+            OR (status = 'waiting' AND wake_at <= __schema__.kestrel_now()))
+     ORDER BY priority DESC, created_at
+     LIMIT greatest((SELECT n FROM budget), 0)
+       FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'running',
+           lease_epoch = e.lease_epoch + 1,
+           lease_owner = %(owner)s,
+           lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
+           attempts = e.attempts + 1,
+           wake_at = NULL,
+           started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+           updated_at = __schema__.kestrel_now()
+      FROM candidate
+     WHERE e.id = candidate.id
+ RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at
+), started AS (
+    UPDATE __schema__.queue_limits AS l
+       SET recent_starts = (
+               SELECT coalesce(array_agg(s ORDER BY s), '{}')
+                 FROM (SELECT s FROM unnest(l.recent_starts || array_fill(
+                                    __schema__.kestrel_now(),
+                                    ARRAY[(SELECT count(*) FROM claimed)::int])) AS t(s)
+                        ORDER BY s DESC
+                        LIMIT coalesce(l.rate, 0)) AS kept)
+     WHERE l.queue = %(queue)s AND l.rate IS NOT NULL
+       AND (SELECT count(*) FROM claimed) > 0
+ RETURNING 1
+)
+SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
+       (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
+                         ORDER BY o.step_id)
+          FROM __schema__.operation_outputs AS o
+         WHERE o.execution_id = c.id) AS steps,
+       c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
+       __schema__.kestrel_now() AS db_now, c.created_at
+  FROM claimed AS c
+ WHERE (SELECT count(*) FROM started) >= 0;
+
+-- name: db_now
+SELECT __schema__.kestrel_now();
+
+-- name: upsert_schedule
+-- Register a schedule; a new one starts from the tick before now (no back-fill).
+INSERT INTO __schema__.schedules (name, cron, workflow, last_tick)
+VALUES (%(name)s, %(cron)s, %(workflow)s, %(last_tick)s)
+    ON CONFLICT (name) DO UPDATE SET cron = excluded.cron, workflow = excluded.workflow,
+                                     updated_at = now()
+RETURNING last_tick;
+
+-- name: advance_schedule
+-- Compare-and-set: only the process that moves last_tick from what it read starts the tick.
+UPDATE __schema__.schedules
+   SET last_tick = %(tick)s, updated_at = now()
+ WHERE name = %(name)s AND last_tick = %(seen)s
+RETURNING name;
+
+-- name: get_schedule
+SELECT last_tick FROM __schema__.schedules WHERE name = %(name)s;
