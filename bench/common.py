@@ -25,7 +25,7 @@ def database(dsn: str | None, data_dir: str) -> tuple[str, Any]:
     from kestrel import embedded
 
     dsn, server = embedded.start(data_dir)
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         current = conn.execute("SHOW max_connections").fetchone()
         if current and int(current[0]) < 400:
             conn.execute("ALTER SYSTEM SET max_connections = 400")
@@ -46,7 +46,7 @@ def fresh_schema(dsn: str, name: str) -> None:
 
 
 def drop_schema(dsn: str, name: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(pgsql.Identifier(name)))
 
 

@@ -52,7 +52,7 @@ def _s(text: str, schema: str) -> pgsql.Composed:
 
 
 def _submit_up_front(dsn: str, schema: str, n: int, args: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         conn.execute(_s("SELECT {s}.submit('bench', %s::jsonb) FROM generate_series(1, %s)",
                         schema), [args, n])
 
@@ -61,7 +61,7 @@ def _submit_at_rate(dsn: str, schema: str, n: int, args: str, rate: float,
                     stop: threading.Event) -> None:
     """Submit *n* executions at *rate* per second, in one statement per 10 ms tick."""
     stmt = _s("SELECT {s}.submit('bench', %s::jsonb) FROM generate_series(1, %s)", schema)
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         started, sent = time.monotonic(), 0
         while sent < n and not stop.is_set():
             due = min(n, int((time.monotonic() - started) * rate) + 1)
@@ -76,7 +76,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
     fresh_schema(dsn, schema)
     n, steps = p["workflows"], p["steps"]
     args = json.dumps([steps, p["kind"], p["work"]])
-    with psycopg.connect(dsn, autocommit=True) as mon:
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as mon:
         stop = threading.Event()
         submitter = None
         if p["rate"]:
@@ -92,12 +92,22 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                "--concurrency", str(p["concurrency"]), "--batch-size", str(p["batch_size"]),
                "--lease", str(p["lease"]), "--heartbeat", str(p["heartbeat"]),
                "--log-level", "warning"]
+        if p["with_limited"]:
+            # Work waiting in limited queues the whole time, claimed alongside.
+            for queue in ("bench-limited-a", "bench-limited-b"):
+                mon.execute(_s("SELECT {s}.submit('bench_limited', '[0.05]', %s) "
+                               "FROM generate_series(1, 500)", schema), [queue])
+            cmd += ["--queues", "default,bench-limited-a,bench-limited-b"]
+        if p["connection_mode"] != "direct":
+            cmd += ["--connection-mode", p["connection_mode"]]
+        if p["prepare"] != "auto":
+            cmd += ["--prepare", p["prepare"]]
         runtime = subprocess.Popen(cmd, env=env, cwd=ROOT)
         cpu = TreeCpu(runtime.pid)
         if submitter:
             submitter.start()
         started = time.monotonic()
-        count = _s("SELECT count(*) FROM {s}.workflow_history", schema)
+        count = _s("SELECT count(*) FROM {s}.workflow_history WHERE queue = 'default'", schema)
         try:
             while True:
                 time.sleep(0.25)
@@ -129,7 +139,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                        (ORDER BY extract(epoch FROM started_at - created_at)),
                    percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
                        (ORDER BY extract(epoch FROM finished_at - created_at))
-              FROM {s}.workflow_history""", schema)).fetchone()
+              FROM {s}.workflow_history WHERE queue = 'default'""", schema)).fetchone()
         assert stats is not None
         tables = mon.execute(_s("""
             SELECT relname, pg_total_relation_size(relid), n_live_tup, n_dead_tup
@@ -250,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                     help=f"vary KEY over values (repeatable): {', '.join(SWEEPABLE)}")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor comparison")
+    ap.add_argument("--with-limited", action="store_true",
+                    help="also run work in two limited queues (concurrency 2; 10/s)")
+    ap.add_argument("--pgbouncer", action="store_true",
+                    help="run through a PgBouncer in transaction mode (Debian's pgbouncer)")
+    ap.add_argument("--prepare", choices=["auto", "on", "off"], default="auto",
+                    help="server-side prepared statements (kestrel --prepare)")
     ap.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -259,7 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     dsn, server = database(ns.dsn, ns.data_dir)
     base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
                                         "concurrency", "batch_size", "lease", "heartbeat",
-                                        "rate", "timeout")}
+                                        "rate", "timeout", "with_limited", "prepare")}
+    base["connection_mode"] = "direct"
+    bouncer = None
+    if ns.pgbouncer:
+        from tests.pgbouncer import PgBouncer
+
+        bouncer = PgBouncer(dsn, pool_size=20)
+        dsn = bouncer.dsn
+        base["connection_mode"] = "pgbouncer"
     points = parse_sweep(ns.sweep) or [{}]
     keys = list(points[0])
     print(f"kestrel bench on {machine()}, commit {git_rev()}")
@@ -291,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         png = path.with_suffix(".png")
         plot(rows, keys, png)
         print(f"wrote {png}")
+    if bouncer:
+        bouncer.stop()
     del server
     return 0
 

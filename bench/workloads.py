@@ -38,3 +38,15 @@ async def bench(ctx: kestrel.Context, steps: int, kind: str, work: float) -> int
         else:
             await ctx.step(noop, i)
     return steps
+
+
+# Limited queues for `bench.run --with-limited`: their presence must not slow the
+# unlimited queue's claims (the cost of the feature, measured).
+kestrel.queue("bench-limited-a", concurrency=2)
+kestrel.queue("bench-limited-b", rate=10, period=1.0)
+
+
+@kestrel.workflow(name="bench_limited")
+async def bench_limited(ctx: kestrel.Context, seconds: float) -> int:
+    await ctx.step(sleep, 0, seconds)
+    return 0
