@@ -95,7 +95,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         if p["with_limited"]:
             # Work waiting in limited queues the whole time, claimed alongside.
             for queue in ("bench-limited-a", "bench-limited-b"):
-                mon.execute(_s("SELECT {s}.submit('bench_limited', '[0.05]', %s) "
+                mon.execute(_s("SELECT {s}.submit('bench_limited', '[5.0]', %s) "
                                "FROM generate_series(1, 500)", schema), [queue])
             cmd += ["--queues", "default,bench-limited-a,bench-limited-b"]
         if p["connection_mode"] != "direct":
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"vary KEY over values (repeatable): {', '.join(SWEEPABLE)}")
     ap.add_argument("--no-floor", action="store_true", help="skip the floor comparison")
     ap.add_argument("--with-limited", action="store_true",
-                    help="also run work in two limited queues (concurrency 2; 10/s)")
+                    help="also keep work waiting in two limited queues (concurrency 2; "
+                         "2 per second), each execution sleeping 5 s in a step")
     ap.add_argument("--pgbouncer", action="store_true",
                     help="run through a PgBouncer in transaction mode (Debian's pgbouncer)")
     ap.add_argument("--prepare", choices=["auto", "on", "off"], default="auto",

@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
-    from psycopg.errors import LockNotAvailable
+    from psycopg.errors import InsufficientPrivilege, LockNotAvailable
 
     from kestrel.migrate import migrate
     from kestrel.supervisor import Supervisor
@@ -202,6 +202,9 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     except LockNotAvailable:
         log.warning("history partition upkeep skipped: the history tables are busy; the "
                     "workers retry every %.0fs", cfg.maintenance_interval)
+    except InsufficientPrivilege:
+        log.warning("history partition upkeep needs the schema owner's rights; run "
+                    "`kestrel-runtime partitions` as the owner")
     try:
         code = Supervisor(cfg, workflows, dsn=dsn).run()
     finally:

@@ -74,8 +74,9 @@ def make_pool(dsn: str, *, max_size: int, name: str,
         configure=configure_connection_async,
         name=name,
         open=False,
-        # A broken connection found at checkout is replaced rather than handed out.
-        check=AsyncConnectionPool.check_connection,
+        # No check at checkout: it costs a round trip on every statement (16% of a worker's
+        # CPU in a profile). A connection that broke fails its statement with
+        # OperationalError, which every caller retries; the pool discards it on return.
         reconnect_timeout=0,  # keep retrying forever: workers pause, they don't die
     )
 

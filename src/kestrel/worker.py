@@ -33,11 +33,12 @@ from psycopg_pool import PoolTimeout
 
 from kestrel import codec, db, metrics
 from kestrel.config import Config
+from kestrel.db import AnyConn
 from kestrel.errors import Cancelled, DeadlineExceeded, LeaseLost, UnknownWorkflow
 from kestrel.schedule import due_ticks, schedules
 from kestrel.sql import queries
 from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
-from kestrel.workflow import Context, Park, WorkflowFn, describe_error
+from kestrel.workflow import Context, Park, WorkflowFn, current_step, describe_error
 
 log = logging.getLogger("kestrel.worker")
 
@@ -46,6 +47,23 @@ Out = TypeVar("Out")
 
 # Errors that mean "the database is unreachable right now": wait and retry, never crash.
 TRANSIENT = (psycopg.OperationalError, psycopg.errors.AdminShutdown, OSError)
+
+
+_FAILPOINTS = {
+    name: int(times or 1)
+    for name, _, times in (part.partition(":") for part in
+                           os.environ.get("KESTREL_FAILPOINTS", "").split(",") if part)
+}
+
+
+def failpoint(name: str) -> None:
+    """Fault injection for the fault suite, off unless ``KESTREL_FAILPOINTS`` names *name*
+    (``name:N`` fires N times). It raises the error a lost reply would: the write committed,
+    the worker never heard."""
+    left = _FAILPOINTS.get(name, 0)
+    if left > 0:
+        _FAILPOINTS[name] = left - 1
+        raise psycopg.OperationalError(f"failpoint {name}: reply lost after commit")
 
 
 class Backoff:
@@ -184,6 +202,7 @@ class Worker:
         self._limited = [specs[q] for q in cfg.queues if q in specs and specs[q].limited]
         self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
         self._schedules = [s for s in schedules().values() if s.workflow in workflows]
+        self._limited_retry: dict[str, float] = {}
         self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
             "checkpoint", self._flush_checkpoints, max_batch=1000)
         self._completions: Batcher[Finish, bool] = Batcher(
@@ -203,46 +222,61 @@ class Worker:
         held = self._held.get(execution_id)
         return held is not None and held.cancel_requested
 
+    async def _with_retries(self, claimed: Claimed, op: Callable[[AnyConn], Awaitable[Out]]
+                            ) -> Out:
+        """Run a workflow's own database call, retrying while the database is unreachable
+        and the lease is still trusted (the calls are fenced or idempotent, so a retry after
+        a lost reply changes nothing twice)."""
+        backoff = Backoff()
+        while True:
+            try:
+                async with self._pool.connection() as conn:
+                    return await op(conn)
+            except TRANSIENT as exc:
+                if not self.trusted(claimed.id):
+                    raise LeaseLost(f"database unreachable past the lease of {claimed.id}"
+                                    ) from exc
+                await asyncio.sleep(backoff.next_delay())
+
     async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> bool:
         held = self._held.get(claimed.id)
         if held is not None:
             held.finishing = True
-        async with self._pool.connection() as conn:
-            parked = await db.park(conn, self._q, id=claimed.id, epoch=claimed.epoch,
-                                   step_id=step_id, waiting_for=waiting_for, seconds=seconds,
-                                   seen_seq=seen_seq)
+        parked = await self._with_retries(claimed, lambda conn: db.park(
+            conn, self._q, id=claimed.id, epoch=claimed.epoch, step_id=step_id,
+            waiting_for=waiting_for, seconds=seconds, seen_seq=seen_seq))
         if held is not None and not parked:
             held.finishing = False
         return parked
 
     async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
-        async with self._pool.connection() as conn:
-            return await db.consume_signal(conn, self._q, id=claimed.id, epoch=claimed.epoch,
-                                           step_id=step_id, name=name, step_name=step_name)
+        return await self._with_retries(claimed, lambda conn: db.consume_signal(
+            conn, self._q, id=claimed.id, epoch=claimed.epoch, step_id=step_id, name=name,
+            step_name=step_name))
 
     async def set_event(self, claimed: Claimed, key: str, value: str) -> bool:
-        async with self._pool.connection() as conn:
-            return await db.set_event(conn, self._q, id=claimed.id, epoch=claimed.epoch,
-                                      key=key, value=value)
+        return await self._with_retries(claimed, lambda conn: db.set_event(
+            conn, self._q, id=claimed.id, epoch=claimed.epoch, key=key, value=value))
 
     async def submit_child(self, *, workflow: str, args: str, queue: str, priority: int,
                            key: str, parent: uuid.UUID, timeout_s: float | None) -> uuid.UUID:
-        async with self._pool.connection() as conn:
-            child: uuid.UUID = await db.call(
-                conn, self._q.submit,
-                db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
-                                 idempotency_key=key, parent=parent, timeout_s=timeout_s),
-                key=key)
+        held = self._held[parent]
+        params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
+                                  idempotency_key=key, parent=parent, timeout_s=timeout_s)
+        child: uuid.UUID = await self._with_retries(
+            held.claimed, lambda conn: db.call(conn, self._q.submit, params, key=key))
         return child
 
     async def send_signal(self, execution_id: uuid.UUID, name: str, payload: str | None,
                           key: str) -> bool:
-        async with self._pool.connection() as conn:
-            return bool(await db.call(conn, self._q.signal,
-                                      {"id": execution_id, "name": name, "payload": payload,
-                                       "idempotency_key": key}))
+        step = current_step()
+        held = self._held[step.execution_id]
+        params = {"id": execution_id, "name": name, "payload": payload,
+                  "idempotency_key": key}
+        return bool(await self._with_retries(
+            held.claimed, lambda conn: db.call(conn, self._q.signal, params)))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -353,6 +387,11 @@ class Worker:
                     got = await self._claim(limit, None)
                     more = got == limit
                 for spec in self._limited:
+                    # A limited queue that came back short (at its limit, empty, or busy
+                    # with another claimer) is tried again after a poll interval, so the
+                    # unlimited queues' claim loop does not pay for it on every round.
+                    if time.monotonic() < self._limited_retry.get(spec.name, 0.0):
+                        continue
                     room = self.cfg.concurrency - len(self._held)
                     if spec.per_process is not None:
                         mine = sum(1 for h in self._held.values() if h.queue == spec.name)
@@ -361,6 +400,9 @@ class Worker:
                     if limit > 0:
                         got = await self._claim(limit, spec.name)
                         more = more or got == limit
+                        if got < limit:
+                            self._limited_retry[spec.name] = time.monotonic() + (
+                                self.cfg.poll_interval * random.uniform(0.8, 1.2))
             except TRANSIENT as exc:
                 delay = backoff.next_delay()
                 log.warning("claim failed (%s); retrying in %.2fs", type(exc).__name__, delay)
@@ -522,6 +564,7 @@ class Worker:
         started = time.monotonic()
         async with self._pool.connection() as conn:
             saved = await db.save_steps(conn, self._q, writes)
+            failpoint("after_checkpoint_commit_before_ack")
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
             m.checkpoint_batch.observe(len(writes))
@@ -703,6 +746,11 @@ class Worker:
             except (*TRANSIENT, psycopg.errors.LockNotAvailable) as exc:
                 # lock_timeout: something held the history table; try again next round.
                 log.warning("history partition upkeep skipped (%s)", type(exc).__name__)
+            except psycopg.errors.InsufficientPrivilege:
+                # A least-privilege runtime role: upkeep is the owner's job.
+                log.warning("history partition upkeep needs the schema owner's rights; run "
+                            "`kestrel-runtime partitions` as the owner (e.g. from cron)")
+                return
 
     async def maintain_once(self) -> tuple[bool, int, int]:
         """One partition upkeep round unless another process is doing it."""

@@ -436,7 +436,9 @@ class Context:
                                None, 1, datetime.now(UTC))
             return
         await self._park(step_id, _SLEEP, seconds, None)
-        raise AssertionError(f"unreachable: {c.id} parked")  # pragma: no cover
+        # Not parked: the row is no longer ours to park (a newer claim, or our own park
+        # committed and its reply was lost and the retry found it waiting already).
+        raise LeaseLost(f"execution {c.id} could not be parked: no longer owned")
 
     def _wait_is_over(self, step_id: int) -> bool:
         c = self.claimed

@@ -1,0 +1,167 @@
+"""Fault scenarios from FAULTS.md with real processes and a real PostgreSQL we may kill.
+
+F3 (lost commit reply, by failpoint), D1/D2 (PostgreSQL fast and immediate restarts, the
+latter with crash recovery), D3 (backends terminated, the LISTEN one included), D11 (no
+kestrel backend ever idle in a transaction). F1, F2, F4, F6, F9 and I1-I6 live in
+tests/integration and tests/property.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from kestrel import embedded
+from kestrel.client import SyncClient
+from kestrel.migrate import migrate
+from tests.apps import ledger_app as app
+from tests.helpers import finished_count, q, q1, runtime, submit_many, wait_until
+
+KESTREL_BACKENDS = ("SELECT pid, application_name FROM pg_stat_activity "
+                    "WHERE application_name IN ('kestrel-worker', 'kestrel-listen')")
+
+
+def audit(dsn: str, schema: str, n: int, ledger: Path) -> int:
+    """The post-run audit: nothing lost, nothing recorded twice, nothing divergent.
+    Returns the extra body runs (ledger rows beyond checkpoints)."""
+    lost = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_executions")
+    assert lost == 0, f"{lost} executions never finished"
+    assert finished_count(dsn, schema) == n
+    dup = q1(dsn, schema, "SELECT count(*) FROM (SELECT 1 FROM {s}.workflow_steps "
+             "GROUP BY execution_id, step_id HAVING count(*) > 1) d")
+    assert dup == 0
+    divergent = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_history WHERE status <> "
+                   "'completed' OR result <> to_jsonb((args->>0)::int * 30 + 3)")
+    assert divergent == 0
+    recorded = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_steps")
+    assert recorded == 3 * n
+    runs = len([e for e in app.read_ledger(ledger) if e["kind"] == "body"])
+    assert runs >= recorded
+    return int(runs - recorded)
+
+
+def test_f3_lost_commit_reply_returns_the_stored_output(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 30)
+    log = tmp_path / "rt.log"
+    with runtime(pg_dsn, schema, procs=1, log=log,
+                 env={"KESTREL_FAILPOINTS": "after_checkpoint_commit_before_ack:3"}):
+        wait_until(lambda: finished_count(pg_dsn, schema) == 30, timeout=60, what="30")
+    assert log.read_text().count("failpoint after_checkpoint_commit_before_ack") == 3
+    assert audit(pg_dsn, schema, 30, ledger_path) == 0  # B(s) = 1: no body ran again
+
+
+def test_d3_terminated_backends_listen_included(
+    pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    n = 1500
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
+    stop = threading.Event()
+    killed: list[str] = []
+
+    def terminator() -> None:
+        rng = random.Random(3)
+        with psycopg.connect(direct_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                rows = conn.execute(KESTREL_BACKENDS).fetchall()
+                if rows:
+                    pid, name = rng.choice(rows)
+                    conn.execute("SELECT pg_terminate_backend(%s)", [pid])
+                    killed.append(name)
+                time.sleep(0.3)
+
+    args = ["--poll-interval", "3"]
+    with runtime(pg_dsn, schema, procs=2, args=args, log=tmp_path / "rt.log"):
+        t = threading.Thread(target=terminator)
+        t.start()
+        try:
+            wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=180,
+                       interval=0.5, what="every workflow while backends die")
+        finally:
+            stop.set()
+            t.join()
+        # Kill the LISTEN connections once more, then submit: the worker reconnects its
+        # LISTEN (or polls), and the new execution starts within poll interval + slack.
+        with psycopg.connect(direct_dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE application_name = 'kestrel-listen'")
+        time.sleep(1.0)
+        client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+        h = client.submit(app.three_steps, n + 1)
+        client.result(h.id, timeout=10)
+        ex = client.get(h.id)
+        assert ex.started_at is not None
+        assert (ex.started_at - ex.created_at).total_seconds() < 3 + 1.0
+    assert len(killed) >= 5
+    extra = audit(pg_dsn, schema, n + 1, ledger_path)
+    assert extra <= 64 * len(killed)
+
+
+def test_d11_no_kestrel_backend_idles_inside_a_transaction(
+    pg_dsn: str, direct_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    q(pg_dsn, schema, "SELECT {s}.submit('slow_middle', jsonb_build_array(i, 1.5)) "
+      "FROM generate_series(1, 40) AS i")
+    worst = 0.0
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log"), \
+            psycopg.connect(direct_dsn, autocommit=True) as conn:
+        while finished_count(pg_dsn, schema) < 40:
+            row = conn.execute(
+                "SELECT coalesce(max(extract(epoch FROM now() - state_change)), 0) "
+                "FROM pg_stat_activity WHERE state LIKE 'idle in transaction%%' AND "
+                "application_name IN ('kestrel-worker', 'kestrel-listen')").fetchone()
+            worst = max(worst, float(row[0]))  # type: ignore[index]
+            time.sleep(0.05)
+    assert worst < 0.5, f"a kestrel backend sat {worst:.2f}s idle in a transaction"
+
+
+@pytest.fixture
+def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """A PostgreSQL of this test's own, which it may restart or crash."""
+    import tempfile
+
+    data = Path(tempfile.mkdtemp(prefix="kestrel-chaos-")) / "data"
+    dsn, server = embedded.start(data)
+    yield dsn, data
+    server.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["fast", "immediate"])
+def test_d1_d2_postgres_restarts_mid_run(
+    private_server: tuple[str, Path], mode: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
+
+    dsn, data = private_server
+    schema = "chaos"
+    migrate(dsn, schema)
+    n = 1500
+    submit_many(dsn, schema, "three_steps", "jsonb_build_array(i)", n)
+    log = tmp_path / "rt.log"
+    restarts = 0
+    with runtime(dsn, schema, procs=2, log=log):
+        wait_until(lambda: finished_count(dsn, schema) >= 100, timeout=60, what="progress")
+        for _ in range(3):
+            # -m immediate is a crash: the restart replays WAL (crash recovery).
+            pg_ctl(["-w", "-m", mode, "restart"], pgdata=data, user="pgserver", timeout=60)
+            restarts += 1
+            time.sleep(1.5)
+
+        def done() -> bool:
+            try:
+                return finished_count(dsn, schema) == n
+            except psycopg.OperationalError:
+                return False
+
+        wait_until(done, timeout=180, interval=0.5, what="every workflow after the restarts")
+    text = log.read_text()
+    assert "restarting in" not in text  # workers rode it out: no crash, no restart
+    extra = audit(dsn, schema, n, ledger_path)
+    assert extra <= 2 * 64 * restarts

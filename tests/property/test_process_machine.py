@@ -1,0 +1,143 @@
+"""The process machine (FAULTS.md): real ``kestrel-runtime`` processes, real signals.
+
+Rules submit workflows, SIGKILL a worker *while a step body runs* (the body writes a "start"
+line to the ledger first, so the kill lands mid-step), and SIGSTOP a worker past its lease
+before SIGCONT (a zombie). After every rule: each recorded checkpoint is the model's value
+and is recorded once. At the end, everything submitted is completed with the model's
+result, and no step body ran more often than the kills that hit it allow.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kestrel.client import SyncClient
+from tests.apps import ledger_app as app
+from tests.helpers import APP, FAST, ROOT, q, wait_until, worker_pids
+
+settings.register_profile(
+    "process-ci", max_examples=2, stateful_step_count=6, deadline=None, derandomize=True,
+    suppress_health_check=list(HealthCheck))
+settings.register_profile(
+    "process-soak", max_examples=30, stateful_step_count=20, deadline=None,
+    suppress_health_check=list(HealthCheck))
+
+ENV: dict[str, Any] = {}
+
+
+class ProcessMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self) -> None:
+        self.dsn, self.schema, tmp = ENV["dsn"], ENV["schema"], ENV["tmp"]
+        q(self.dsn, self.schema, "TRUNCATE {s}.workflow_executions, {s}.operation_outputs, "
+          "{s}.workflow_history, {s}.step_history, {s}.idempotency_keys")
+        self.ledger = Path(tmp) / f"ledger-{uuid.uuid4().hex}.jsonl"
+        env = dict(os.environ, PYTHONPATH=str(ROOT), KESTREL_TEST_LEDGER=str(self.ledger))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", self.dsn, "--schema",
+             self.schema, "--procs", "2", *FAST, "--max-attempts", "10"],
+            env=env, cwd=ROOT, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "rt.log", "ab"))  # noqa: SIM115
+        wait_until(lambda: len(worker_pids(self.proc.pid)) == 2, timeout=20, what="workers")
+        self.client = SyncClient(self.dsn, schema=self.schema, pool_size=0)
+        self.expected: dict[uuid.UUID, int] = {}
+        self.kills = 0
+
+    def teardown(self) -> None:
+        if not hasattr(self, "proc"):
+            return
+        try:
+            for eid, want in self.expected.items():
+                assert self.client.result(eid, timeout=60) == want
+            per_step = q(self.dsn, self.schema, "SELECT count(*) FROM {s}.workflow_steps "
+                         "GROUP BY execution_id, step_id")
+            assert all(r[0] == 1 for r in per_step)
+            bodies = [e for e in app.read_ledger(self.ledger) if e["kind"] == "body"]
+            recorded = sum(1 for _ in per_step)
+            # Each kill or freeze can cost at most the bodies in flight in that process.
+            assert recorded <= len(bodies) <= recorded + 64 * self.kills
+        finally:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    @rule(n=st.integers(0, 99), slow=st.booleans())
+    def submit(self, n: int, slow: bool) -> None:
+        if slow:
+            h = self.client.submit(app.slow_middle, n, 1.0)
+        else:
+            h = self.client.submit(app.three_steps, n)
+        self.expected[h.id] = app.model(n)
+
+    @rule()
+    def kill_a_worker_mid_step(self) -> None:
+        """SIGKILL the process whose slow step body has started and not finished."""
+        def running_start() -> dict[str, Any] | None:
+            entries = app.read_ledger(self.ledger)
+            ended = {(e["execution_id"], e["step_id"], e["pid"]) for e in entries
+                     if e["kind"] == "body"}
+            alive = set(worker_pids(self.proc.pid))
+            for e in entries:
+                key = (e["execution_id"], e["step_id"], e["pid"])
+                if e["kind"] == "start" and key not in ended and e["pid"] in alive:
+                    return e
+            return None
+
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            victim = running_start()
+            if victim:
+                os.kill(victim["pid"], signal.SIGKILL)
+                self.kills += 1
+                return
+            time.sleep(0.05)
+
+    @rule()
+    def freeze_a_worker_past_its_lease(self) -> None:
+        pids = worker_pids(self.proc.pid)
+        if not pids:
+            return
+        os.kill(pids[0], signal.SIGSTOP)
+        time.sleep(3.0)  # lease is 2 s: the sweeper requeues, another worker re-claims
+        os.kill(pids[0], signal.SIGCONT)
+        self.kills += 1
+
+    @rule()
+    def let_it_run(self) -> None:
+        time.sleep(0.5)
+
+    @invariant()
+    def recorded_values_are_the_models(self) -> None:
+        if not hasattr(self, "expected"):
+            return
+        for eid, step, out in q(self.dsn, self.schema, "SELECT execution_id, step_id, output "
+                                "FROM {s}.workflow_steps"):
+            args = self.client.get(eid).args
+            assert out == app.model_step(args[0], step)
+
+
+@pytest.fixture
+def process_env(pg_dsn: str, schema: str, tmp_path: Path) -> None:
+    ENV.update(dsn=pg_dsn, schema=schema, tmp=str(tmp_path))
+
+
+@pytest.mark.usefixtures("process_env")
+class TestProcesses(ProcessMachine.TestCase):  # type: ignore[name-defined,misc]
+    settings = settings.get_profile(
+        "process-soak" if os.environ.get("KESTREL_HYPOTHESIS_PROFILE") == "soak"
+        else "process-ci")
