@@ -111,7 +111,12 @@ def run(cfg: Config, *, incidents: int) -> int:
                                          idempotency_key=f"demo-{run_id}-alert-{i}"))
         for h in handles:
             client.get_event(h.id, "stage", timeout=60)
-        waiting = sum(1 for h in handles if client.get(h.id).status.value == "waiting")
+        deadline = time.monotonic() + 30
+        while True:  # the event comes just before the park: give the parks a moment
+            waiting = sum(1 for h in handles if client.get(h.id).status.value == "waiting")
+            if waiting == len(handles) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         print(f"3. analysis and fixes done; {waiting} executions now wait for approval as rows "
               "in PostgreSQL (no worker, no lease held)")
         print("4. humans answer:")

@@ -121,8 +121,8 @@ class Batcher(Generic[In, Out]):
                         results = await self._flush([item for item, _ in live])
                     except TRANSIENT as exc:
                         delay = backoff.next_delay()
-                        log.warning("%s flush failed (%s); retrying in %.2fs", self.name,
-                                    type(exc).__name__, delay)
+                        log.warning("%s flush failed (%s: %s); retrying in %.2fs", self.name,
+                                    type(exc).__name__, str(exc).strip()[:200], delay)
                         await asyncio.sleep(delay)
                         continue
                     except BaseException as exc:

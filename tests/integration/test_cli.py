@@ -148,3 +148,38 @@ def test_stats(cli, pg_dsn: str, schema: str) -> None:  # type: ignore[no-untype
     assert data["queues"][0]["queue"] == "ai-model" and data["queues"][0]["count"] == 3
     assert data["queues"][0]["oldest_queued_age_s"] >= 0
     assert data["totals"]["completed"] == 1 and data["totals"]["queued"] == 3
+
+
+def test_json_logs_one_object_per_line_with_masked_dsn(pg_dsn: str, schema: str) -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import APP, ROOT
+
+    canary = "pw-canary-4242"
+    dsn = pg_dsn + ("&" if "?" in pg_dsn else "?") + f"password={canary}"
+    out = subprocess.run(
+        [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", dsn, "--schema", schema,
+         "--log-format", "json", "--procs", "1", "--queues", "nope"],
+        capture_output=True, text=True, cwd=ROOT, env={**__import__("os").environ,
+                                                       "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.returncode == 2 and "unknown queue" in out.stderr  # stopped before forking
+    done = subprocess.run(
+        [sys.executable, "-m", "kestrel", "migrate", "--dsn", dsn, "--schema", schema,
+         "--log-format", "json", "--log-level", "debug"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0
+    assert canary not in done.stdout + done.stderr
+    for line in done.stderr.splitlines():
+        record = json.loads(line)
+        assert {"ts", "level", "logger", "msg"} <= set(record)
+
+
+def test_demo_runs_end_to_end(pg_dsn: str, schema: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--incidents", "4", "--dsn", pg_dsn, "--schema", schema])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "4 executions now wait for approval" in out
+    assert "demo done: 3 pull requests opened, 1 rejected" in out
+    assert "kestrel.signal:approval" in out  # the timeline shows the approval wait

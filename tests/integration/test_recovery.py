@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -184,6 +185,15 @@ def test_sigterm_drains_and_releases_unfinished_work_at_once(
     assert got == [("queued", None, 0)]
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps WHERE "
               "execution_id = %s", [h.id]) == 1  # step 0 stays recorded
+    # Another runtime finishes it at once, far sooner than the 60 s lease would have allowed.
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET args = '[2, 0.1]'")
+    started = time.monotonic()
+    with runtime(pg_dsn, schema, procs=1, args=["--lease", "60", "--heartbeat", "5"],
+                 log=tmp_path / "runtime2.log"):
+        assert client.result(h.id, timeout=30) == app.model(2)
+    assert time.monotonic() - started < 20
+    steps = [e["step_id"] for e in app.read_ledger(ledger_path) if e["kind"] == "body"]
+    assert steps.count(0) == 1  # the recorded step was replayed, not rerun
 
 
 def _alive(pid: int) -> bool:

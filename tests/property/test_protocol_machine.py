@@ -163,6 +163,13 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         c = got[0]
         assert c.epoch > self.max_epoch.get(c.id, 0)  # I2: epochs only grow
+        if c.id in self.max_epoch:
+            # A re-claim: whatever the previous holder was running is a lost attempt (it
+            # may still finish its body as a zombie, but can no longer record it).
+            nxt = next((k for k in range(STEPS) if k not in c.steps), None)
+            if nxt is not None:
+                key = (c.id, nxt)
+                self.lost_attempts[key] = self.lost_attempts.get(key, 0) + 1
         self.max_epoch[c.id] = c.epoch
         w.eid, w.epoch, w.n = c.id, c.epoch, c.args[0]
         w.recorded = {k: s.output for k, s in c.steps.items()}
