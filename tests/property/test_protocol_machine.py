@@ -194,13 +194,17 @@ class ProtocolMachine(RuleBasedStateMachine):
         k, out = w.pending
         write = StepWrite(w.eid, w.epoch, k, "add", str(out), None, 1, datetime.now(UTC))
         (saved,) = self.run(db.save_steps(self.conn, self.q, [write]))
-        current = self.sql("SELECT lease_epoch FROM {s}.workflow_executions WHERE id = %s",
-                           [w.eid])
+        current = self.sql("SELECT lease_epoch, status FROM {s}.workflow_executions "
+                           "WHERE id = %s", [w.eid])
+        holds = bool(current) and current[0] == (w.epoch, "running")
         if not saved.owned:
-            # I3: only a superseded (or finished) claim is refused, and it wrote nothing.
-            assert not current or current[0][0] > w.epoch
+            # I3: refused only when the claim is no longer current (finished, requeued by
+            # the sweeper, or superseded by a newer epoch).
+            assert not holds
             self.lose(w)
             return
+        # I3: a write is accepted only from the current claim's holder.
+        assert holds, "a write from a claim that is no longer current was accepted"
         assert saved.recorded is not None
         key = (w.eid, k)
         if key in self.first:
@@ -245,6 +249,38 @@ class ProtocolMachine(RuleBasedStateMachine):
     def advance_time(self, seconds: int) -> None:
         self.sql("UPDATE {s}.clock_offset SET offset_by = offset_by + make_interval(secs => %s)",
                  [seconds])
+
+    @rule()
+    def lease_expires(self) -> None:
+        """Time passes beyond every lease and the sweeper runs: whoever held one is now a
+        zombie candidate (its state kept, its epoch about to be superseded)."""
+        self.advance_time(int(LEASE) + 1)
+        self.sweep()
+
+    @rule(w=workers, lose_ack=st.booleans())
+    def step_and_checkpoint(self, w: SimWorker, lose_ack: bool) -> None:
+        self.run_body(w)
+        self.checkpoint(w, lose_ack)
+
+    @rule(w=workers, lose_ack=st.booleans())
+    def zombie_write(self, w: SimWorker, lose_ack: bool) -> None:
+        """FAULTS' zombie: w's lease lapses (only w's row, by the database clock), the
+        sweeper requeues it, a fresh worker claims it under the next epoch, and then w —
+        which never noticed — runs its step and tries to record it."""
+        if w.eid is None:
+            return
+        self.sql("UPDATE {s}.workflow_executions SET lease_expires_at = "
+                 "{s}.kestrel_now() - interval '1 second' WHERE id = %s AND status = 'running'",
+                 [w.eid])
+        self.sweep()
+        for _ in range(50):  # claim until the requeued execution is taken again
+            self.counter += 1
+            other = SimWorker(f"w{self.counter}")
+            self.claim(other)
+            if other.eid is None or other.eid == w.eid:
+                break
+        self.run_body(w)
+        self.checkpoint(w, lose_ack)
 
     @rule()
     def sweep(self) -> None:
