@@ -119,7 +119,9 @@ def test_d11_no_kestrel_backend_idles_inside_a_transaction(
                 "application_name IN ('kestrel-worker', 'kestrel-listen')").fetchone()
             worst = max(worst, float(row[0]))  # type: ignore[index]
             time.sleep(0.05)
-    assert worst < 0.5, f"a kestrel backend sat {worst:.2f}s idle in a transaction"
+    # FAULTS D11: never idle in a transaction longer than 1 s (the few multi-statement
+    # transactions - limited claims, upkeep, cron ticks - never wait on user code).
+    assert worst < 1.0, f"a kestrel backend sat {worst:.2f}s idle in a transaction"
 
 
 @pytest.fixture
