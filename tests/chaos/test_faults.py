@@ -61,7 +61,7 @@ def test_f3_lost_commit_reply_returns_the_stored_output(
 def test_d3_terminated_backends_listen_included(
     pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    n = 1500
+    n = 3000
     submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
     stop = threading.Event()
     killed: list[str] = []
@@ -75,7 +75,7 @@ def test_d3_terminated_backends_listen_included(
                     pid, name = rng.choice(rows)
                     conn.execute("SELECT pg_terminate_backend(%s)", [pid])
                     killed.append(name)
-                time.sleep(0.3)
+                time.sleep(0.1)
 
     args = ["--poll-interval", "3"]
     with runtime(pg_dsn, schema, procs=2, args=args, log=tmp_path / "rt.log"):
