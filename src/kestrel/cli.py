@@ -19,7 +19,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kestrel import log as kestrel_log
-from kestrel.config import KNOBS, Config, load, mask_dsn
+from kestrel.config import KNOBS, Config, load, mask_dsn, tls_warning
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.workflow import WorkflowFn, registry
 
@@ -190,6 +190,8 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
         raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
     cfg.check_queues()  # after the app declared its queues
     dsn, server = resolve_dsn(cfg)
+    if (warning := tls_warning(dsn)) is not None:
+        log.warning("%s", warning)
     log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
              "(pool %d + LISTEN)); LISTEN %s", mask_dsn(dsn) or "(from PG* environment)",
              cfg.schema, cfg.connection_mode, cfg.max_connections, cfg.procs, cfg.pool_size,

@@ -310,3 +310,27 @@ def mask_dsn(dsn: str) -> str:
             dsn = urlunsplit(parts._replace(netloc=netloc))
         return re.sub(r"(password=)[^&]*", r"\1***", dsn)
     return re.sub(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", r"\1***", dsn)
+
+
+_LOCAL_HOSTS = {"localhost", "127.0.0.1", "::1", ""}
+
+
+def tls_warning(dsn: str) -> str | None:
+    """A warning when *dsn* reaches a non-local server without verifying it (FAULTS S6).
+
+    libpq's default ``sslmode=prefer`` neither requires TLS nor checks the certificate;
+    only ``verify-full`` protects against a server that is not the one you meant.
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        params = conninfo_to_dict(dsn)
+    except Exception:  # an unparsable DSN fails at connect with its own message
+        return None
+    hosts = [h for h in str(params.get("host") or "").split(",")]
+    remote = [h for h in hosts if h not in _LOCAL_HOSTS and not h.startswith("/")]
+    mode = str(params.get("sslmode") or "prefer")
+    if remote and mode in {"disable", "allow", "prefer", "require"}:
+        return (f"the connection to {', '.join(remote)} uses sslmode={mode}: the server is not "
+                "verified; use sslmode=verify-full (with sslrootcert) in production")
+    return None

@@ -152,3 +152,14 @@ def test_mask_dsn_hides_password(dsn: str) -> None:
 def test_mask_dsn_keeps_dsn_without_password() -> None:
     for dsn in ("postgresql://alice@db.example.com/app", "host=db user=alice dbname=app"):
         assert mask_dsn(dsn) == dsn
+
+
+def test_tls_warning_for_unverified_remote_servers() -> None:
+    from kestrel.config import tls_warning
+
+    assert tls_warning("postgresql://u:p@db.example.com/app") is not None
+    assert "sslmode=require" in (tls_warning("host=db.example.com sslmode=require") or "")
+    assert tls_warning("postgresql://u@db.example.com/app?sslmode=verify-full") is None
+    assert tls_warning("postgresql://u@localhost/app") is None
+    assert tls_warning("postgresql://postgres:@/postgres?host=/tmp/sock") is None
+    assert tls_warning("host=127.0.0.1,db.example.com") is not None
