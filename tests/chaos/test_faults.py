@@ -167,3 +167,74 @@ def test_d1_d2_postgres_restarts_mid_run(
     assert "restarting in" not in text  # workers rode it out: no crash, no restart
     extra = audit(dsn, schema, n, ledger_path)
     assert extra <= 2 * 64 * restarts
+
+
+def test_d10_lock_timeout_is_retried_and_nothing_crashes(
+    pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """An outside session holds ACCESS EXCLUSIVE on the hot table for 3 s while the runtime
+    runs with lock_timeout = 200 ms: its statements fail with 55P03, are retried, and every
+    workflow completes once the lock is gone; no worker dies."""
+    n = 300
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
+    sep = "&" if "?" in direct_dsn else "?"
+    dsn = f"{direct_dsn}{sep}options=-c%20lock_timeout%3D200"
+    log = tmp_path / "rt.log"
+    with runtime(dsn, schema, procs=2, log=log):
+        wait_until(lambda: finished_count(pg_dsn, schema) >= 20, timeout=30, what="progress")
+        with psycopg.connect(direct_dsn) as blocker:
+            blocker.execute(f'LOCK TABLE "{schema}".workflow_executions IN ACCESS EXCLUSIVE MODE')
+            time.sleep(3)
+            blocker.rollback()
+        wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=60,
+                   what="every workflow after the lock")
+    text = log.read_text()
+    assert "LockNotAvailable" in text  # the timeout was hit and retried
+    assert "restarting in" not in text and "worker crashed" not in text
+    assert audit(pg_dsn, schema, n, ledger_path) <= 2 * 64
+
+
+def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
+    pg_dsn: str, direct_dsn: str, schema: str
+) -> None:
+    """River #1302: a sweeper acting on a stale read. Ours is one statement whose FOR UPDATE
+    SKIP LOCKED re-checks the newest row version, so a row the owner is completing,
+    heartbeating or that another worker re-claimed is left alone."""
+    import asyncio
+
+    from kestrel import db
+    from kestrel.sql import queries
+
+    qs = queries(schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    ids = [client.submit(app.three_steps, n).id for n in range(3)]
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(direct_dsn, autocommit=True) as c:
+            db.configure_connection(c)
+            claimed = await db.claim_batch(c, qs, owner="w", queues=["default"], limit=3,
+                                           lease_s=1)
+            assert {x.id for x in claimed} == set(ids)
+            await c.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'5 seconds\'')
+            owner = await psycopg.AsyncConnection.connect(direct_dsn)
+            # The owner is mid-transaction on two rows: completing one, heartbeating one.
+            done, beat, free = claimed
+            await owner.execute(f'DELETE FROM "{schema}".workflow_executions WHERE id = %s',
+                                [done.id])
+            await owner.execute(f'UPDATE "{schema}".workflow_executions SET lease_expires_at '
+                                f'= "{schema}".kestrel_now() + interval \'1 hour\' '
+                                "WHERE id = %s", [beat.id])
+            swept = await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)
+            assert swept.requeued == 1  # only the row nobody is touching
+            await owner.commit()
+            await owner.close()
+            again = await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)
+            assert again.requeued == 0  # deleted stays gone; the heartbeat made it current
+            (reclaimed,) = await db.claim_batch(c, qs, owner="w2", queues=["default"],
+                                                limit=3, lease_s=60)
+            assert reclaimed.id == free.id and reclaimed.epoch == free.epoch + 1
+            assert (await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)).requeued == 0
+
+    asyncio.run(main())
+    rows = q(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions")
+    assert sorted(r[0] for r in rows) == ["running", "running"]  # the completed one is gone
