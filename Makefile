@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-fast bench-micro lint typecheck check clean
+.PHONY: help venv run test test-fast soak bench-micro lint typecheck check clean
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -23,6 +23,10 @@ run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the de
 test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again through PgBouncer
 	$(BIN)/pytest -q --benchmark-disable tests bench/micro
 	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
+
+soak: $(STAMP) ## the fault scenarios at length (Hypothesis soak profiles, chaos), then a 1M-workflow audit run
+	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/property tests/chaos
+	$(BIN)/python -m bench.soak --workflows 1000000
 
 bench-micro: $(STAMP) ## pytest-benchmark micro-benchmarks of the hot path, timed
 	$(BIN)/pytest -q bench/micro --benchmark-columns=mean,median,ops
