@@ -197,8 +197,14 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
              cfg.schema, cfg.connection_mode, cfg.max_connections, cfg.procs, cfg.pool_size,
              f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
              "off: polling every --poll-interval")
-    migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
-                      history_ahead=cfg.history_ahead)
+    try:
+        migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                history_ahead=cfg.history_ahead)
+    except InsufficientPrivilege:
+        # A least-privilege runtime role: fine if the owner has migrated already.
+        check_schema_current(dsn, cfg.schema)
+        log.info("schema %s is current; not migrating (this role may not run DDL)",
+                 cfg.schema)
     try:
         upkeep(dsn, cfg)  # partitions exist before the first completion lands in history
     except LockNotAvailable:
@@ -216,6 +222,22 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     del server
     return code
+
+
+def check_schema_current(dsn: str, schema: str) -> None:
+    """Raise MigrationError unless *schema* is at the migration this code needs."""
+    import psycopg
+
+    from kestrel.errors import MigrationError
+    from kestrel.migrate import current_version
+    from kestrel.sql import migrations
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        have = current_version(conn, schema)
+    want = len(migrations(schema))
+    if have != want:
+        raise MigrationError(f"schema {schema} is at migration {have}, this code needs {want};"
+                             " run `kestrel-runtime migrate` as the schema owner")
 
 
 def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:
