@@ -193,7 +193,8 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     if (warning := tls_warning(dsn)) is not None:
         log.warning("%s", warning)
     log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
-             "(pool %d + LISTEN)); LISTEN %s", mask_dsn(dsn) or "(from PG* environment)",
+             "(pool %d + heartbeat + LISTEN)); LISTEN %s",
+             mask_dsn(dsn) or "(from PG* environment)",
              cfg.schema, cfg.connection_mode, cfg.max_connections, cfg.procs, cfg.pool_size,
              f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
              "off: polling every --poll-interval")

@@ -91,8 +91,8 @@ KNOBS: tuple[Knob, ...] = (
          "PgBouncer), on (PgBouncer >= 1.21 with max_prepared_statements > 0), off.", "MODE"),
     Knob("listen_dsn", str, "Direct (non-pooled) DSN for LISTEN; behind PgBouncer without "
          "one, workers poll only.", "DSN"),
-    Knob("pool_size", int, "Database connections per worker process (plus one for LISTEN). "
-         "Total cap: procs x (pool_size + 1).", "N"),
+    Knob("pool_size", int, "Database connections per worker process (plus one for the "
+         "heartbeat and one for LISTEN). Total cap: procs x (pool_size + 2).", "N"),
     Knob("history_interval", str, "Width of a history partition: day, week or month.",
          "UNIT"),
     Knob("history_ahead", int, "History partitions created ahead of time.", "N"),
@@ -213,8 +213,9 @@ class Config:
 
     @property
     def max_connections(self) -> int:
-        """Most connections this runtime opens: every process's pool plus its LISTEN."""
-        return self.procs * (self.pool_size + (1 if self.listen else 0))
+        """Most connections this runtime opens: every process's pool, its heartbeat
+        connection and its LISTEN."""
+        return self.procs * (self.pool_size + 1 + (1 if self.listen else 0))
 
     def queue_specs(self) -> dict[str, QueueSpec]:
         """Declared queues: those of kestrel.queue() in code, overridden by --queue-limits."""

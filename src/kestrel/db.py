@@ -123,6 +123,18 @@ async def heartbeat(
     return {row[0]: bool(row[1]) for row in await cur.fetchall()}
 
 
+def heartbeat_sync(
+    conn: psycopg.Connection[Any], q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
+    lease_s: float,
+) -> dict[uuid.UUID, bool]:
+    """:func:`heartbeat` for the worker's heartbeat thread."""
+    cur = conn.execute(
+        q.heartbeat,
+        {"ids": [h[0] for h in held], "epochs": [h[1] for h in held], "lease_s": lease_s},
+    )
+    return {row[0]: bool(row[1]) for row in cur.fetchall()}
+
+
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
     """Checkpoint *writes* in one statement; results are in the order of *writes*."""
     cur = await conn.execute(

@@ -21,15 +21,15 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import psycopg
-from psycopg_pool import PoolTimeout
 
 from kestrel import codec, db, metrics
 from kestrel.config import Config
@@ -192,6 +192,8 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
         self._releasing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._hb_stop = threading.Event()
         self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
                                   prepared=cfg.prepared_statements)
         self._listen_dsn = cfg.notify_dsn(dsn)
@@ -304,12 +306,15 @@ class Worker:
 
     async def run(self) -> None:
         """Run until :meth:`stop` is called, then drain and return."""
+        self._loop = asyncio.get_running_loop()
         await self._pool.open(wait=False)
         await self._register()
+        heartbeat = threading.Thread(target=self._heartbeat_thread, name="kestrel-heartbeat",
+                                     daemon=True)
+        heartbeat.start()
         side = [
             asyncio.create_task(self._checkpoints.run(), name="checkpoint-writer"),
             asyncio.create_task(self._completions.run(), name="completion-writer"),
-            asyncio.create_task(self._heartbeat_loop(), name="heartbeat"),
             asyncio.create_task(self._sweep_loop(), name="sweeper"),
             asyncio.create_task(self._maintenance_loop(), name="maintenance"),
             asyncio.create_task(self._stats_loop(), name="stats"),
@@ -334,6 +339,8 @@ class Worker:
             await claim
             await self._drain()
         finally:
+            self._hb_stop.set()
+            await asyncio.to_thread(heartbeat.join, self.cfg.heartbeat + 5)
             for t in side:
                 t.cancel()
             await asyncio.gather(*side, return_exceptions=True)
@@ -591,39 +598,66 @@ class Worker:
 
     # -- side tasks ---------------------------------------------------------------------------
 
-    async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.heartbeat)
-            await self.heartbeat_once()
-
-    async def heartbeat_once(self) -> None:
-        """Extend every held lease; cancel the executions whose lease is gone."""
-        snapshot = [h for h in self._held.values() if not h.lost]
+    def heartbeat_once(self, conn: psycopg.Connection[Any]) -> None:
+        """Extend every held lease in one statement (runs on the heartbeat thread); hand the
+        executions whose lease is gone to the event loop to abandon."""
+        snapshot = [h for h in list(self._held.values()) if not h.lost]
         if not snapshot or self._releasing:
             return
         sent = time.monotonic()
-        try:
-            async with self._pool.connection(timeout=self.cfg.heartbeat) as conn:
-                owned = await db.heartbeat(
-                    conn, self._q, held=[(h.claimed.id, h.claimed.epoch) for h in snapshot],
-                    lease_s=self.cfg.lease)
-        except (*TRANSIENT, PoolTimeout) as exc:
-            log.warning("heartbeat failed (%s); leases are trusted until they run out",
-                        type(exc).__name__)
-            return
+        owned = db.heartbeat_sync(conn, self._q, held=[(h.claimed.id, h.claimed.epoch)
+                                                       for h in snapshot],
+                                  lease_s=self.cfg.lease)
+        gone = []
         for h in snapshot:
             if h.claimed.id in owned:
                 h.trusted_until = sent + self.cfg.lease
-                h.cancel_requested = h.cancel_requested or owned[h.claimed.id]
-            elif self._held.get(h.claimed.id) is h and not h.finishing:
-                h.lost = True
-                self.stats.lost += 1
-                metrics.get().leases_lost.inc()
-                metrics.get().fenced.labels("heartbeat").inc()
-                log.warning("lease on %s was lost (expired or re-claimed); abandoning it",
-                            h.claimed.id)
-                if h.task is not None:
-                    h.task.cancel()
+                if owned[h.claimed.id]:
+                    h.cancel_requested = True
+            else:
+                gone.append(h)
+        if gone and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._abandon, gone)
+
+    def _abandon(self, gone: list[_Held]) -> None:
+        for h in gone:
+            if self._held.get(h.claimed.id) is not h or h.finishing or h.lost:
+                continue  # finished or parked meanwhile: the row left on our own write
+            h.lost = True
+            self.stats.lost += 1
+            metrics.get().leases_lost.inc()
+            metrics.get().fenced.labels("heartbeat").inc()
+            log.warning("lease on %s was lost (expired or re-claimed); abandoning it",
+                        h.claimed.id)
+            if h.task is not None:
+                h.task.cancel()
+
+    def _heartbeat_thread(self) -> None:
+        """Heartbeats from a thread and a connection of their own, so that a step blocking
+        the event loop (CPU-bound code in an ``async def``) does not let its lease lapse and
+        a second worker run the same step alongside it (FAULTS F8). The price: a step that
+        never returns holds its lease for as long as the process lives."""
+        conn: psycopg.Connection[Any] | None = None
+        backoff = Backoff(base=0.2, cap=self.cfg.heartbeat)
+        while not self._hb_stop.wait(self.cfg.heartbeat if not backoff.failures
+                                     else backoff.next_delay()):
+            try:
+                if conn is None:
+                    conn = psycopg.connect(
+                        self.dsn, autocommit=True, application_name="kestrel-heartbeat",
+                        prepare_threshold=0 if self.cfg.prepared_statements else None,
+                        connect_timeout=max(1, int(self.cfg.heartbeat)))
+                self.heartbeat_once(conn)
+                backoff.reset()
+            except psycopg.Error as exc:
+                log.warning("heartbeat failed (%s); leases are trusted until they run out",
+                            type(exc).__name__)
+                backoff.failures += 1
+                if conn is not None:
+                    conn.close()
+                    conn = None
+        if conn is not None:
+            conn.close()
 
     async def _sweep_loop(self) -> None:
         while True:

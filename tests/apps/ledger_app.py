@@ -255,3 +255,17 @@ async def hold(seconds: float) -> None:
 async def busy(ctx: kestrel.Context, seconds: float) -> None:
     await ctx.step(hold, seconds)
 
+
+
+@kestrel.step(name="hog")
+async def hog_step(seconds: float) -> int:
+    """CPU-bound code in an async step: blocks the event loop for *seconds*."""
+    ledger("start")
+    time.sleep(seconds)  # noqa: ASYNC251 - blocking the loop is the point of this step
+    ledger()
+    return 1
+
+
+@kestrel.workflow(name="hog")
+async def hog(ctx: kestrel.Context, seconds: float) -> int:
+    return int(await ctx.step(hog_step, seconds))

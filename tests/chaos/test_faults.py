@@ -127,12 +127,22 @@ def test_d11_no_kestrel_backend_idles_inside_a_transaction(
 @pytest.fixture
 def private_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """A PostgreSQL of this test's own, which it may restart or crash."""
+    import shutil
+    import subprocess
     import tempfile
+
+    from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
     data = Path(tempfile.mkdtemp(prefix="kestrel-chaos-")) / "data"
     dsn, server = embedded.start(data)
     yield dsn, data
     server.cleanup()
+    # After pg_ctl restarts pgserver no longer knows the postmaster: stop it here.
+    try:
+        pg_ctl(["-w", "-m", "fast", "stop"], pgdata=data, user="pgserver", timeout=60)
+    except subprocess.CalledProcessError:
+        pass  # already stopped
+    shutil.rmtree(data.parent, ignore_errors=True)
 
 
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
@@ -238,3 +248,21 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
     asyncio.run(main())
     rows = q(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions")
     assert sorted(r[0] for r in rows) == ["running", "running"]  # the completed one is gone
+
+
+def test_f8_a_step_blocking_the_event_loop_keeps_its_lease(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """The step blocks its worker's event loop for 3 s, six heartbeat periods and past the
+    2 s lease. Heartbeats come from their own thread, so the lease holds: nobody re-claims
+    it and the body never runs twice at once."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    handles = [client.submit(app.hog, 3.0) for _ in range(2)]
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log"):
+        for h in handles:
+            assert client.result(h.id, timeout=30) == 1
+    entries = app.read_ledger(ledger_path)
+    for h in handles:
+        mine = [e for e in entries if e["execution_id"] == str(h.id)]
+        assert [e["kind"] for e in mine] == ["start", "body"]  # B(s) = 1, no overlap
+        assert client.get(h.id).attempts == 1  # never requeued
