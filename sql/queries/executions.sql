@@ -106,9 +106,13 @@ WITH finished(id, epoch, status, result, error) AS (
       FROM removed
     RETURNING id
 ), told AS (
+    -- A parent finishing in this same statement needs no word (and its row, deleted here,
+    -- must not also be updated by the same command). Reading all of `removed` first also
+    -- lets the DELETE finish before any parent row is touched.
     SELECT __schema__.child_finished(parent_id, id, final_status, final_result, final_error)
       FROM removed
      WHERE parent_id IS NOT NULL
+       AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
     -- Their checkpoints follow them into step_history (one statement for the whole batch).
     SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved

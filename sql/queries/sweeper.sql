@@ -41,8 +41,11 @@ WITH expired AS (
       FROM poisoned
     RETURNING id, parent_id, error
 ), told AS (
+    -- Not to a parent quarantined by this same statement (its row is deleted here).
     SELECT __schema__.child_finished(parent_id, id, 'quarantined', NULL, error)
-      FROM quarantined WHERE parent_id IS NOT NULL
+      FROM quarantined
+     WHERE parent_id IS NOT NULL
+       AND parent_id NOT IN (SELECT id FROM poisoned)
 ), archived AS (
     SELECT __schema__.archive_steps(array_agg(id)) AS n FROM quarantined
 )
@@ -79,8 +82,11 @@ WITH late AS (
       FROM removed
     RETURNING id, parent_id, error
 ), told AS (
+    -- Not to a parent failed by this same statement (its row is deleted here).
     SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)
-      FROM moved WHERE parent_id IS NOT NULL
+      FROM moved
+     WHERE parent_id IS NOT NULL
+       AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
     SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
 )

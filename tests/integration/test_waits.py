@@ -8,6 +8,7 @@ import random
 import signal
 from pathlib import Path
 
+import psycopg
 import pytest
 
 import kestrel
@@ -294,3 +295,42 @@ def test_deadline_fails_running_and_waiting_executions(
         ex = client.get(h.id)
         assert ex.status is kestrel.Status.FAILED and ex.error is not None
         assert ex.error["type"].endswith("DeadlineExceeded")
+
+
+def test_parent_and_child_finishing_in_one_statement(pg_dsn: str, schema: str) -> None:
+    """A parent and its child completed (or quarantined) by the same statement: the child's
+    word to its parent must not touch the parent row the statement is deleting."""
+    import uuid as _uuid
+
+    from kestrel import db
+    from kestrel.sql import queries
+    from kestrel.types import Finish, Status
+
+    qs = queries(schema)
+    parent = _uuid.uuid4()
+    q(pg_dsn, schema, "SELECT {s}.submit('quick', '[1]', 'default', 0, NULL, %s)", [parent])
+    q(pg_dsn, schema, "SELECT {s}.submit('quick', '[2]', 'default', 0, NULL, NULL, %s)",
+      [parent])
+    q(pg_dsn, schema, "SELECT {s}.submit('quick', '[3]', 'default', 0, NULL, NULL, %s)",
+      [parent])
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as c:
+            db.configure_connection(c)
+            claimed = await db.claim_batch(c, qs, owner="w", queues=["default"], limit=10,
+                                           lease_s=1)
+            assert len(claimed) == 3
+            first_two = [x for x in claimed if x.id == parent][:1] + [
+                x for x in claimed if x.id != parent][:1]
+            done = await db.complete_batch(c, qs, [
+                Finish(x.id, x.epoch, Status.COMPLETED, "1", None) for x in first_two])
+            assert len(done) == 2
+            # The third (a child of a finished parent) is quarantined by a sweep.
+            await c.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'1 minute\'')
+            swept = await db.reenqueue_expired(c, qs, limit=10, max_attempts=1)
+            assert swept.quarantined == 1
+
+    asyncio.run(main())
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history") == 3
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 0
