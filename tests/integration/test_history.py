@@ -156,7 +156,10 @@ def test_dropping_an_old_partition_under_traffic_blocks_nothing(
     gaps = q1(pg_dsn, schema, "SELECT max(gap) FROM (SELECT finished_at - lag(finished_at) "
               "OVER (ORDER BY finished_at) AS gap FROM {s}.workflow_history "
               "WHERE workflow = 'three_steps') g")
-    assert gaps.total_seconds() < 1.0, f"completions stalled for {gaps}"
+    # Upkeep's DDL waits at most lock_timeout (200 ms) and holds its locks for milliseconds;
+    # 2 s leaves room for a loaded CI machine while still catching a hot path stuck behind
+    # DDL (which would stall until the reader's transaction ended).
+    assert gaps.total_seconds() < 2.0, f"completions stalled for {gaps}"
     assert client.counts()["completed"] == 2000
 
 
