@@ -91,6 +91,12 @@ SUSPECT_AFTER = 2
 """Claims without finishing after which an execution is a suspect (see claim_batch)."""
 
 
+def _claimed(row: Sequence[Any]) -> Claimed:
+    """A row of claim_batch or claim_limited (both return the same columns)."""
+    return Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]), row[6], row[7],
+                   row[8], row[9], row[10], row[11], row[12])
+
+
 async def claim_batch(
     conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int,
     lease_s: float, take_suspect: bool = True,
@@ -105,11 +111,7 @@ async def claim_batch(
         {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
          "suspect_after": SUSPECT_AFTER, "take_suspect": take_suspect},
     )
-    return [
-        Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]), row[6], row[7],
-                row[8], row[9], row[10], row[11], row[12])
-        for row in await cur.fetchall()
-    ]
+    return [_claimed(row) for row in await cur.fetchall()]
 
 
 async def heartbeat(
@@ -438,8 +440,7 @@ async def claim_limited(
         cur = await conn.execute(q.claim_limited, {"queue": queue, "owner": owner,
                                                    "limit": limit, "lease_s": lease_s})
         rows = await cur.fetchall()
-    return [Claimed(r[0], r[1], r[2], r[3], r[4], _recorded(r[5]), r[6], r[7], r[8], r[9],
-                    r[10], r[11], r[12]) for r in rows]
+    return [_claimed(r) for r in rows]
 
 
 def upsert_queue_limit_sync(conn: psycopg.Connection[Any], q: Queries, *, queue: str,
