@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-fast soak bench-micro lint typecheck check clean
+.PHONY: help venv run test test-fast soak bench-soak bench-micro lint typecheck check clean
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -24,8 +24,13 @@ test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again throug
 	$(BIN)/pytest -q --benchmark-disable tests bench/micro
 	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
 
-soak: $(STAMP) ## the fault scenarios at length (Hypothesis soak profiles, chaos), then a 1M-workflow audit run
-	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/property tests/chaos
+SOAK_MINUTES ?= 30
+
+soak: $(STAMP) ## faults at length: Hypothesis soak profiles, then SOAK_MINUTES (30) of the nemesis with the ledger audit
+	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/property
+	$(BIN)/python -m tests.chaos.soak --minutes $(SOAK_MINUTES) --out .soak
+
+bench-soak: $(STAMP) ## a million workflows through the runtime: hot tables stay flat (BENCHMARKS.md)
 	$(BIN)/python -m bench.soak --workflows 1000000
 
 bench-micro: $(STAMP) ## pytest-benchmark micro-benchmarks of the hot path, timed

@@ -20,6 +20,8 @@ import asyncio
 import logging
 import os
 import random
+import re
+import signal
 import socket
 import threading
 import time
@@ -49,21 +51,46 @@ Out = TypeVar("Out")
 TRANSIENT = (psycopg.OperationalError, psycopg.errors.AdminShutdown, OSError)
 
 
-_FAILPOINTS = {
-    name: int(times or 1)
-    for name, _, times in (part.partition(":") for part in
-                           os.environ.get("KESTREL_FAILPOINTS", "").split(",") if part)
-}
+def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
+    """``name[=mode][:N]`` items, comma-separated: mode is ``raise`` (the default), ``exit``
+    or ``sleep(SECONDS)``; N is how many times it fires in each process (default 1)."""
+    points: dict[str, list[Any]] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        head, _, times = item.partition(":")
+        name, _, mode = head.partition("=")
+        mode = mode or "raise"
+        match = re.fullmatch(r"raise|exit|sleep\((\d+(?:\.\d+)?)\)", mode)
+        if name not in FAILPOINTS or match is None or not (times or "1").isdigit():
+            raise ValueError(f"KESTREL_FAILPOINTS: cannot read {item!r}; expected "
+                             f"NAME[=raise|exit|sleep(SECONDS)][:N] with NAME one of "
+                             f"{', '.join(FAILPOINTS)}")
+        points[name] = [mode.partition("(")[0], float(match.group(1) or 0), int(times or 1)]
+    return points
+
+
+# Where the fault suite can inject a fault. ``raise`` at an ``after_*`` point is Temporal's
+# ExecuteAndTimeout: the statement committed, the worker hears an error instead of the reply.
+FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
+              "after_checkpoint_commit_before_ack", "before_complete")
+_FAILPOINTS = _parse_failpoints(os.environ.get("KESTREL_FAILPOINTS", ""))
 
 
 def failpoint(name: str) -> None:
-    """Fault injection for the fault suite, off unless ``KESTREL_FAILPOINTS`` names *name*
-    (``name:N`` fires N times). It raises the error a lost reply would: the write committed,
-    the worker never heard."""
-    left = _FAILPOINTS.get(name, 0)
-    if left > 0:
-        _FAILPOINTS[name] = left - 1
-        raise psycopg.OperationalError(f"failpoint {name}: reply lost after commit")
+    """Fault injection for the fault suite, off unless ``KESTREL_FAILPOINTS`` names *name*.
+    ``raise`` raises the error a lost connection would; ``exit`` kills this process with
+    SIGKILL (no cleanup, as a crash); ``sleep(S)`` blocks the whole process for S seconds."""
+    point = _FAILPOINTS.get(name)
+    if point is None or point[2] <= 0:
+        return
+    point[2] -= 1
+    mode, seconds = point[0], point[1]
+    log.warning("failpoint %s fired (%s)", name, mode)
+    if mode == "exit":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    raise psycopg.OperationalError(f"failpoint {name}: connection lost")
 
 
 class Backoff:
@@ -435,6 +462,7 @@ class Worker:
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got
+            failpoint("after_claim_commit")
         m = metrics.get()
         m.claim_seconds.observe(time.monotonic() - sent)
         if claimed:
@@ -570,6 +598,7 @@ class Worker:
     async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
         started = time.monotonic()
         async with self._pool.connection() as conn:
+            failpoint("before_checkpoint_commit")
             saved = await db.save_steps(conn, self._q, writes)
             failpoint("after_checkpoint_commit_before_ack")
             m = metrics.get()
@@ -590,6 +619,7 @@ class Worker:
     async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
         started = time.monotonic()
         async with self._pool.connection() as conn:
+            failpoint("before_complete")
             done = await db.complete_batch(conn, self._q, finishes)
         m = metrics.get()
         m.completion_seconds.observe(time.monotonic() - started)

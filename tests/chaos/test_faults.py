@@ -54,7 +54,7 @@ def test_f3_lost_commit_reply_returns_the_stored_output(
     with runtime(pg_dsn, schema, procs=1, log=log,
                  env={"KESTREL_FAILPOINTS": "after_checkpoint_commit_before_ack:3"}):
         wait_until(lambda: finished_count(pg_dsn, schema) == 30, timeout=60, what="30")
-    assert log.read_text().count("failpoint after_checkpoint_commit_before_ack") == 3
+    assert log.read_text().count("failpoint after_checkpoint_commit_before_ack fired") == 3
     assert audit(pg_dsn, schema, 30, ledger_path) == 0  # B(s) = 1: no body ran again
 
 
