@@ -134,3 +134,24 @@ def kill(pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def audit(dsn: str, schema: str, n: int, ledger: Path) -> int:
+    """The post-run audit: nothing lost, nothing recorded twice, nothing divergent.
+    Returns the extra body runs (ledger rows beyond checkpoints)."""
+    lost = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_executions")
+    assert lost == 0, f"{lost} executions never finished"
+    assert finished_count(dsn, schema) == n
+    dup = q1(dsn, schema, "SELECT count(*) FROM (SELECT 1 FROM {s}.workflow_steps "
+             "GROUP BY execution_id, step_id HAVING count(*) > 1) d")
+    assert dup == 0
+    divergent = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_history WHERE status <> "
+                   "'completed' OR result <> to_jsonb((args->>0)::int * 30 + 3)")
+    assert divergent == 0
+    recorded = q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_steps")
+    assert recorded == 3 * n
+    from tests.apps import ledger_app as app
+
+    runs = len([e for e in app.read_ledger(ledger) if e["kind"] == "body"])
+    assert runs >= recorded
+    return int(runs - recorded)

@@ -107,6 +107,22 @@ async def poison(ctx: kestrel.Context) -> None:
     await ctx.step(die)
 
 
+@kestrel.step(name="crash")
+def crash(how: str) -> None:
+    """A step that takes its whole process down, every time: os._exit or a segfault."""
+    ledger()
+    if how == "exit":
+        os._exit(1)
+    import ctypes
+
+    ctypes.string_at(0)  # SIGSEGV: a read of address 0
+
+
+@kestrel.workflow(name="crasher")
+async def crasher(ctx: kestrel.Context, how: str) -> None:
+    await ctx.step(crash, how)
+
+
 _failures: dict[str, int] = {}
 
 
