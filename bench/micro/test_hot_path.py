@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -78,8 +77,7 @@ def test_checkpoint_flush_of_64(benchmark: Any, pg_dsn: str, schema: str, conn: 
 
     def flush() -> int:
         k = next(step)
-        now = datetime.now(UTC)
-        writes = [StepWrite(c.id, c.epoch, k, "s", output, None, 1, now) for c in claimed]
+        writes = [StepWrite(c.id, c.epoch, k, "s", output, None, 1, 0.001) for c in claimed]
         saved = loop.run_until_complete(db.save_steps(conn, q, writes))
         return sum(s.inserted for s in saved)
 

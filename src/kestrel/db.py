@@ -149,7 +149,7 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
             "outputs": [w.output for w in writes],
             "errors": [w.error for w in writes],
             "attempts": [w.attempt for w in writes],
-            "started": [w.started_at for w in writes],
+            "ran": [w.ran_s for w in writes],
         },
     )
     by_key = {(r[0], r[1]): r for r in await cur.fetchall()}

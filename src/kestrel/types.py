@@ -68,7 +68,9 @@ class StepWrite:
     output: str | None
     error: str | None
     attempt: int
-    started_at: datetime
+    # How long the body ran, by this process's monotonic clock. The database derives
+    # started_at from its own clock, so a worker's skewed wall clock never reaches a row.
+    ran_s: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
 from uuid import UUID
 
@@ -277,6 +277,8 @@ class Context:
     _next_step: int = field(default=0, init=False)
     nondeterminism: NonDeterminismError | None = field(default=None, init=False)
     cancelled: bool = field(default=False, init=False)
+    # This process's monotonic clock when the claim's reply (and its db_now) arrived.
+    _claimed_at: float = field(default_factory=time.monotonic, init=False)
 
     @property
     def execution_id(self) -> UUID:
@@ -311,7 +313,6 @@ class Context:
         if recorded is not None:
             return self._replay(step_id, spec.name, recorded)
         self._check_can_start()
-        started = datetime.now(UTC)
         clock = time.perf_counter()
         output: str | None = None
         error: str | None = None
@@ -342,15 +343,16 @@ class Context:
                     raise LeaseLost(f"lease of {self.execution_id} expired during a retry") from exc
                 attempt += 1
         m = metrics.get()
-        m.step_seconds.labels(*labels).observe(time.perf_counter() - clock)
+        ran = time.perf_counter() - clock
+        m.step_seconds.labels(*labels).observe(ran)
         m.step_runs.labels(*labels, "error" if error else "ok").inc()
-        return await self._record(step_id, spec.name, output, error, attempt, started)
+        return await self._record(step_id, spec.name, output, error, attempt, ran)
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,
-                      attempt: int, started: datetime) -> Any:
+                      attempt: int, ran_s: float) -> Any:
         saved = await self.writer.save_step(
             StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
-                      attempt, started)
+                      attempt, ran_s)
         )
         if saved.cancelled:
             self._cancel()
@@ -433,7 +435,7 @@ class Context:
         c = self.claimed
         if self._wait_is_over(step_id):
             await self._record(step_id, _SLEEP, codec.encode({"slept": True}, what="sleep"),
-                               None, 1, datetime.now(UTC))
+                               None, 1, 0.0)
             return
         await self._park(step_id, _SLEEP, seconds, None)
         # Not parked: the row is no longer ours to park (a newer claim, or our own park
@@ -478,7 +480,7 @@ class Context:
                     break
                 if self._wait_is_over(step_id):
                     output = codec.encode({"received": False, "payload": None}, what="signal")
-                    await self._record(step_id, step_name, output, None, 1, datetime.now(UTC))
+                    await self._record(step_id, step_name, output, None, 1, 0.0)
                     return Signal(name, None, timed_out=True)
                 # No signal yet: park. If one arrived since we looked, park refuses and we
                 # look again.
@@ -553,10 +555,15 @@ class Context:
     # -- deterministic helpers ----------------------------------------------------------------
 
     async def now(self) -> datetime:
-        """The current time, recorded: a replay returns the same instant."""
+        """The current time by the database clock, recorded: a replay returns the same
+        instant. It is the claim's database time plus the monotonic time since, so a
+        worker's skewed or jumping wall clock does not leak in and it costs no round trip."""
 
         async def read() -> str:
-            return datetime.now(UTC).isoformat()
+            base = self.claimed.db_now
+            if base is None:
+                return datetime.now(UTC).isoformat()
+            return (base + timedelta(seconds=time.monotonic() - self._claimed_at)).isoformat()
 
         return datetime.fromisoformat(await self._internal("kestrel.now", read))
 

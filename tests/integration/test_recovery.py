@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import psycopg
@@ -127,8 +126,7 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
             (fresh,) = await db.claim_batch(conn, qs, owner="healthy", queues=["default"],
                                             limit=10, lease_s=30)
             assert fresh.epoch == zombie.epoch + 1
-            write = StepWrite(h.id, zombie.epoch, 0, "add", "999", None, 1,
-                              datetime.now(UTC))
+            write = StepWrite(h.id, zombie.epoch, 0, "add", "999", None, 1, 0.0)
             (saved,) = await db.save_steps(conn, qs, [write])
             assert not saved.owned and not saved.inserted
             assert await db.heartbeat(conn, qs, held=[(h.id, zombie.epoch)], lease_s=30) == {}
@@ -156,12 +154,11 @@ def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: st
             db.configure_connection(conn)
             (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
                                         lease_s=30)
-            now = datetime.now(UTC)
             (first,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "10",
-                                                                None, 1, now)])
+                                                                None, 1, 0.0)])
             assert first.owned and first.inserted and first.recorded.output == 10
             (again,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "77",
-                                                                None, 1, now)])
+                                                                None, 1, 0.0)])
             assert again.owned and not again.inserted and again.recorded.output == 10
 
     asyncio.run(main())

@@ -16,7 +16,6 @@ import asyncio
 import os
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -192,7 +191,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         if w.eid is None or w.pending is None:
             return
         k, out = w.pending
-        write = StepWrite(w.eid, w.epoch, k, "add", str(out), None, 1, datetime.now(UTC))
+        write = StepWrite(w.eid, w.epoch, k, "add", str(out), None, 1, 0.0)
         (saved,) = self.run(db.save_steps(self.conn, self.q, [write]))
         current = self.sql("SELECT lease_epoch, status FROM {s}.workflow_executions "
                            "WHERE id = %s", [w.eid])
