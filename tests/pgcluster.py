@@ -23,10 +23,19 @@ import psycopg
 from tests.pgbouncer import free_port
 
 
-def _bin(name: str) -> str:
+def embedded_bindir() -> Path:
+    """The binaries in pgserver's wheel (built without OpenSSL)."""
     import pgserver  # type: ignore[import-untyped]
 
-    return str(Path(pgserver.__file__).parent / "pginstall" / "bin" / name)
+    return Path(pgserver.__file__).parent / "pginstall" / "bin"
+
+
+def system_bindir() -> Path:
+    """The distribution's PostgreSQL (built with OpenSSL), for what pgserver's lacks: TLS.
+    .ci/run installs it (Debian: postgresql-15)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"))
+    assert found, "no system PostgreSQL under /usr/lib/postgresql: .ci/run installs it"
+    return found[-1].parent
 
 
 def _run_as() -> str | None:
@@ -45,7 +54,9 @@ class Cluster:
     ``conf`` lines go to postgresql.conf; ``hba`` replaces pg_hba.conf when given."""
 
     def __init__(self, name: str = "kestrel", *, conf: dict[str, str] | None = None,
-                 hba: Iterable[str] | None = None, init: bool = True) -> None:
+                 hba: Iterable[str] | None = None, init: bool = True,
+                 bindir: Path | None = None) -> None:
+        self.bindir = bindir or embedded_bindir()
         self.user = _run_as()
         self.root = Path(tempfile.mkdtemp(prefix=f"{name}-"))
         os.chmod(self.root, 0o777)
@@ -65,8 +76,8 @@ class Cluster:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def _cmd(self, exe: str, *args: str, timeout: float = 120) -> str:
-        out = subprocess.run([_bin(exe), *args], user=self.user, cwd=self.root, check=True,
-                             capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run([str(self.bindir / exe), *args], user=self.user, cwd=self.root,
+                             check=True, capture_output=True, text=True, timeout=timeout)
         return out.stdout
 
     def configure(self, conf: dict[str, str], hba: Iterable[str] | None = None) -> None:
@@ -120,7 +131,7 @@ class Cluster:
 
     def replica(self, name: str = "replica") -> Cluster:
         """A streaming standby of this server (pg_basebackup -R), configured, not started."""
-        other = Cluster(name, init=False)
+        other = Cluster(name, init=False, bindir=self.bindir)
         self._cmd("pg_basebackup", "-D", str(other.data), "-h", "127.0.0.1", "-p",
                   str(self.port), "-U", "postgres", "-X", "stream", "-R", "--no-sync")
         # The copied settings name the primary's port and socket folder: override them.

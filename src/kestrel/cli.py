@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import psycopg
+
 from kestrel import log as kestrel_log
 from kestrel.config import KNOBS, Config, load, mask_dsn, tls_warning
 from kestrel.errors import ConfigError, KestrelError
@@ -168,6 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KestrelError, ValueError) as exc:
         print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
         return 1
+    except psycopg.OperationalError as exc:
+        # Unreachable, refused, or not the server the DSN verifies (sslmode=verify-full):
+        # libpq's own words, which never carry the password.
+        print(f"kestrel-runtime {command}: cannot connect to the database: {exc}",
+              file=sys.stderr)
+        return 1
 
 
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
@@ -227,7 +235,6 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
 
 def check_schema_current(dsn: str, schema: str) -> None:
     """Raise MigrationError unless *schema* is at the migration this code needs."""
-    import psycopg
 
     from kestrel.errors import MigrationError
     from kestrel.migrate import current_version
@@ -243,7 +250,6 @@ def check_schema_current(dsn: str, schema: str) -> None:
 
 def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:
     """One synchronous partition upkeep round (before forking, and for `partitions`)."""
-    import psycopg
 
     from kestrel import db
     from kestrel.sql import queries
@@ -255,7 +261,6 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
 
 
 def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
-    import psycopg
 
     from kestrel import db
     from kestrel.sql import queries

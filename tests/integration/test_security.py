@@ -3,6 +3,9 @@ partition upkeep belong to the owner."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -58,3 +61,73 @@ def test_runtime_role_without_ddl_rights(direct_dsn: str, schema: str, tmp_path:
             r = pgsql.Identifier(role)
             conn.execute(pgsql.SQL("DROP OWNED BY {}").format(r))
             conn.execute(pgsql.SQL("DROP ROLE {}").format(r))
+
+
+def _tls_files(folder: Path, hostname: str) -> dict[str, Path]:
+    """A private CA and a server certificate for *hostname* signed by it (openssl CLI)."""
+    ca_key, ca, key, csr, cert = (folder / n for n in
+                                  ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+
+    def ssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+        "/CN=kestrel test CA", "-keyout", str(ca_key), "-out", str(ca))
+    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={hostname}",
+        "-keyout", str(key), "-out", str(csr))
+    ext = folder / "san.ext"
+    ext.write_text(f"subjectAltName = DNS:{hostname}\n")
+    ssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+        "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(cert))
+    return {"ca": ca, "key": key, "cert": cert}
+
+
+def test_s6_tls_only_server_with_another_hostname_is_refused_under_verify_full(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A server that accepts TLS only, whose certificate names db.kestrel.test. Reached as
+    127.0.0.1 under sslmode=verify-full the runtime refuses it (the certificate is for
+    someone else) before writing anything; reached by its name it works."""
+    from kestrel.cli import main
+    from tests.pgcluster import Cluster, system_bindir
+
+    cluster = Cluster("kestrel-tls", bindir=system_bindir(), hba=[
+        "local all all trust",
+        "hostssl all all 127.0.0.1/32 trust",
+        "hostnossl all all 0.0.0.0/0 reject",
+    ])
+    try:
+        files = _tls_files(cluster.root, "db.kestrel.test")
+        if cluster.user:
+            shutil.chown(files["key"], cluster.user)
+            shutil.chown(files["cert"], cluster.user)
+        os.chmod(files["key"], 0o600)
+        cluster.configure({"ssl": "on", "ssl_cert_file": f"'{files['cert']}'",
+                           "ssl_key_file": f"'{files['key']}'"})
+        cluster.start()
+        base = f"port={cluster.port} user=postgres dbname=postgres connect_timeout=5"
+        verify = f"sslmode=verify-full sslrootcert={files['ca']}"
+
+        def migrate(dsn: str) -> tuple[int, str]:
+            code = main(["migrate", "--dsn", dsn, "--schema", "tls_check"])
+            out, err = capsys.readouterr()
+            return code, out + err
+
+        code, text = migrate(f"host=127.0.0.1 {base} {verify}")
+        assert code != 0
+        assert "cannot connect to the database" in text
+        assert 'server certificate for "db.kestrel.test"' in text
+        assert 'does not match host name "127.0.0.1"' in text
+        code, text = migrate(f"host=127.0.0.1 {base} sslmode=disable")
+        assert code != 0 and "no encryption" in text  # TLS only: plaintext is rejected
+        # Nothing was written by the refused attempts.
+        named = f"host=db.kestrel.test hostaddr=127.0.0.1 {base} {verify}"
+        with psycopg.connect(named) as conn:
+            assert conn.info.pgconn.ssl_in_use
+            assert conn.execute("SELECT count(*) FROM pg_namespace WHERE nspname = "
+                                "'tls_check'").fetchone() == (0,)
+        # The same server by the name its certificate carries: verified, and it works.
+        code, text = migrate(named)
+        assert code == 0, text
+    finally:
+        cluster.destroy()
