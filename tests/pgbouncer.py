@@ -49,6 +49,7 @@ listen_addr = 127.0.0.1
 listen_port = {self.port}
 unix_socket_dir =
 auth_type = trust
+admin_users = {user}
 auth_file = {workdir / 'users.txt'}
 pool_mode = transaction
 default_pool_size = {pool_size}
@@ -83,6 +84,14 @@ pidfile = {workdir / 'pgbouncer.pid'}
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def admin(self, command: str) -> None:
+        """A command on the admin console (PAUSE, RESUME, RECONNECT, ...). The console
+        speaks only the simple query protocol: a client-side-binding cursor uses it."""
+        admin = self.dsn.rsplit("/", 1)[0] + "/pgbouncer"
+        with psycopg.connect(admin, autocommit=True,
+                             cursor_factory=psycopg.ClientCursor) as conn:
+            conn.execute(command)
 
     def restart(self) -> None:
         self.kill()

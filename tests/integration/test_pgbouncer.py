@@ -8,7 +8,7 @@ from pathlib import Path
 import psycopg
 
 from tests.apps import ledger_app as app
-from tests.helpers import finished_count, q, q1, runtime, submit_many, wait_until
+from tests.helpers import audit, finished_count, q, q1, runtime, submit_many, wait_until
 from tests.pgbouncer import PgBouncer
 
 
@@ -37,6 +37,35 @@ def test_pgbouncer_restart_mid_run_loses_and_duplicates_nothing(
               "'completed' OR result <> to_jsonb((args->>0)::int * 30 + 3)") == 0
     runs = len(app.read_ledger(ledger_path))
     assert 6000 <= runs <= 6000 + 2 * 64  # bodies re-run only for checkpoints in flight
+
+
+def test_pgbouncer_pause_and_resume_mid_run(
+    direct_dsn: str, schema: str, tmp_path: Path, ledger_path: Path
+) -> None:
+    """D7: PAUSE holds every server connection back for longer than the lease; the runtime
+    waits (its leases run out, so it starts no new steps), then carries on after RESUME."""
+    bouncer = PgBouncer(direct_dsn, pool_size=4)
+    n = 1000
+    log = tmp_path / "rt.log"
+    try:
+        submit_many(direct_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
+        args = ["--connection-mode", "pgbouncer", "--listen-dsn", direct_dsn,
+                "--concurrency", "32"]
+        with runtime(bouncer.dsn, schema, procs=2, args=args, log=log):
+            wait_until(lambda: finished_count(direct_dsn, schema) >= 200, timeout=60,
+                       what="work under way")
+            bouncer.admin("PAUSE")
+            held = finished_count(direct_dsn, schema)
+            time.sleep(3)  # past the 2 s lease
+            assert finished_count(direct_dsn, schema) == held  # really paused
+            bouncer.admin("RESUME")
+            wait_until(lambda: finished_count(direct_dsn, schema) == n, timeout=120,
+                       interval=0.5, what="every workflow after RESUME")
+    finally:
+        bouncer.stop()
+    text = log.read_text()
+    assert "prepared statement" not in text and "worker crashed" not in text
+    assert audit(direct_dsn, schema, n, ledger_path) <= 2 * 32
 
 
 def test_no_session_state_is_left_on_pooled_connections(
