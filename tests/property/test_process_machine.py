@@ -28,7 +28,7 @@ from tests.apps import ledger_app as app
 from tests.helpers import APP, FAST, ROOT, q, wait_until, worker_pids
 
 settings.register_profile(
-    "process-ci", max_examples=2, stateful_step_count=6, deadline=None, derandomize=True,
+    "process-ci", max_examples=4, stateful_step_count=8, deadline=None, derandomize=True,
     suppress_health_check=list(HealthCheck))
 settings.register_profile(
     "process-soak", max_examples=30, stateful_step_count=20, deadline=None,
@@ -43,17 +43,23 @@ class ProcessMachine(RuleBasedStateMachine):
         self.dsn, self.schema, tmp = ENV["dsn"], ENV["schema"], ENV["tmp"]
         q(self.dsn, self.schema, "TRUNCATE {s}.workflow_executions, {s}.operation_outputs, "
           "{s}.workflow_history, {s}.step_history, {s}.idempotency_keys")
-        self.ledger = Path(tmp) / f"ledger-{uuid.uuid4().hex}.jsonl"
+        q(self.dsn, self.schema, "UPDATE {s}.clock_offset SET offset_by = '0'")
+        self.tmp = Path(tmp)
+        self.ledger = self.tmp / f"ledger-{uuid.uuid4().hex}.jsonl"
+        self._start_runtime()
+        self.client = SyncClient(self.dsn, schema=self.schema, pool_size=0)
+        self.expected: dict[uuid.UUID, int] = {}
+        self.epochs: dict[uuid.UUID, int] = {}
+        self.kills = 0
+
+    def _start_runtime(self) -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), KESTREL_TEST_LEDGER=str(self.ledger))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", self.dsn, "--schema",
              self.schema, "--procs", "2", *FAST, "--max-attempts", "10"],
-            env=env, cwd=ROOT, start_new_session=True,
-            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "rt.log", "ab"))  # noqa: SIM115
+            env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
+            stderr=open(self.tmp / "rt.log", "ab"))  # noqa: SIM115
         wait_until(lambda: len(worker_pids(self.proc.pid)) == 2, timeout=20, what="workers")
-        self.client = SyncClient(self.dsn, schema=self.schema, pool_size=0)
-        self.expected: dict[uuid.UUID, int] = {}
-        self.kills = 0
 
     def teardown(self) -> None:
         if not hasattr(self, "proc"):
@@ -65,7 +71,8 @@ class ProcessMachine(RuleBasedStateMachine):
                          "GROUP BY execution_id, step_id")
             assert all(r[0] == 1 for r in per_step)
             bodies = [e for e in app.read_ledger(self.ledger) if e["kind"] == "body"]
-            recorded = sum(1 for _ in per_step)
+            recorded = q(self.dsn, self.schema, "SELECT count(*) FROM {s}.workflow_steps "
+                         "WHERE step_name <> 'kestrel.sleep'")[0][0]
             # Each kill or freeze can cost at most the bodies in flight in that process.
             assert recorded <= len(bodies) <= recorded + 64 * self.kills
         finally:
@@ -76,13 +83,38 @@ class ProcessMachine(RuleBasedStateMachine):
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    @rule(n=st.integers(0, 99), slow=st.booleans())
-    def submit(self, n: int, slow: bool) -> None:
-        if slow:
+    @rule(n=st.integers(0, 99), kind=st.sampled_from(["fast", "slow", "sleeper"]))
+    def submit(self, n: int, kind: str) -> None:
+        if kind == "slow":
             h = self.client.submit(app.slow_middle, n, 1.0)
+            self.expected[h.id] = app.model(n)
+        elif kind == "sleeper":  # a durable 5 s sleep between two steps
+            h = self.client.submit(app.sleeper, n, 5.0)
+            self.expected[h.id] = app.model_step(n, 0) + app.model_step(n, 1)
         else:
             h = self.client.submit(app.three_steps, n)
-        self.expected[h.id] = app.model(n)
+            self.expected[h.id] = app.model(n)
+
+    @rule(graceful=st.booleans())
+    def restart_the_runtime(self, graceful: bool) -> None:
+        """SIGTERM (drain, release) or SIGKILL (children die with their parent) the
+        supervisor, then start a new one."""
+        if graceful:
+            self.proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.kills += 2
+        self.proc.wait(timeout=30)
+        self._start_runtime()
+
+    @rule(seconds=st.sampled_from([1, 5, 30]))
+    def advance_time(self, seconds: int) -> None:
+        """Move the database clock: leases it passes expire at once (their holders are
+        fenced, their bodies may run again) and sleeps it passes are due."""
+        q(self.dsn, self.schema, "UPDATE {s}.clock_offset SET offset_by = offset_by + "
+          "make_interval(secs => %s)", [seconds])
+        if seconds > 1:
+            self.kills += 2
 
     @rule()
     def kill_a_worker_mid_step(self) -> None:
@@ -122,13 +154,29 @@ class ProcessMachine(RuleBasedStateMachine):
         time.sleep(0.5)
 
     @invariant()
+    def epochs_never_go_back_and_timers_never_run_early(self) -> None:
+        if not hasattr(self, "expected"):
+            return
+        rows = q(self.dsn, self.schema, "SELECT id, lease_epoch, status = 'running' AND "
+                 "wake_at > {s}.kestrel_now() FROM {s}.workflow_executions UNION ALL "
+                 "SELECT id, lease_epoch, false FROM {s}.workflow_history")
+        for eid, epoch, early in rows:
+            assert not early
+            assert epoch >= self.epochs.get(eid, 0)
+            self.epochs[eid] = epoch
+
+    @invariant()
     def recorded_values_are_the_models(self) -> None:
         if not hasattr(self, "expected"):
             return
         for eid, step, out in q(self.dsn, self.schema, "SELECT execution_id, step_id, output "
                                 "FROM {s}.workflow_steps"):
-            args = self.client.get(eid).args
-            assert out == app.model_step(args[0], step)
+            ex = self.client.get(eid)
+            if ex.workflow == "sleeper" and step == 1:
+                assert out == {"slept": True}
+                continue
+            step = 1 if ex.workflow == "sleeper" and step == 2 else step
+            assert out == app.model_step(ex.args[0], step)
 
 
 @pytest.fixture
