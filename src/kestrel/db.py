@@ -55,6 +55,9 @@ async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None
     configure_connection(conn)
 
 
+POOL_WAIT_S = 2.0
+
+
 def make_pool(dsn: str, *, max_size: int, name: str,
               prepared: bool = True) -> AsyncConnectionPool[Any]:
     """Create (not open) this process's pool. Call only after fork: pools don't survive it.
@@ -77,7 +80,17 @@ def make_pool(dsn: str, *, max_size: int, name: str,
         # No check at checkout: it costs a round trip on every statement (16% of a worker's
         # CPU in a profile). A connection that broke fails its statement with
         # OperationalError, which every caller retries; the pool discards it on return.
-        reconnect_timeout=0,  # keep retrying forever: workers pause, they don't die
+        #
+        # Reconnecting after an outage: psycopg_pool's own retries back off 1, 2, 4, 8 s...
+        # (a five-minute outage would leave minutes between attempts), so it gets one attempt
+        # (reconnect_timeout=0 gives up after it) and the callers do the retrying: a new
+        # connection is attempted whenever a caller asks for one and none is there. A
+        # caller that asked during the outage must not wait out psycopg_pool's 30 s default
+        # for an attempt that already failed, or the process sits idle long after the
+        # database is back: it gives up after POOL_WAIT_S (PoolTimeout is an
+        # OperationalError), backs off, and asks again, which tries a new connection.
+        reconnect_timeout=0,
+        timeout=POOL_WAIT_S,
     )
 
 

@@ -21,7 +21,15 @@ from kestrel import embedded
 from kestrel.client import SyncClient
 from kestrel.migrate import migrate
 from tests.apps import ledger_app as app
-from tests.helpers import audit, finished_count, q, runtime, submit_many, wait_until
+from tests.helpers import (
+    audit,
+    finished_count,
+    q,
+    runtime,
+    submit_many,
+    wait_until,
+    worker_pids,
+)
 
 KESTREL_BACKENDS = ("SELECT pid, application_name FROM pg_stat_activity "
                     "WHERE application_name IN ('kestrel-worker', 'kestrel-listen')")
@@ -160,16 +168,20 @@ def test_d1_d2_postgres_restarts_mid_run(
     assert extra <= 2 * 64 * restarts
 
 
-def test_d10_lock_timeout_is_retried_and_nothing_crashes(
-    pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+@pytest.mark.parametrize(("setting", "error"), [("lock_timeout", "LockNotAvailable"),
+                                                ("statement_timeout", "QueryCanceled")])
+def test_d10_lock_and_statement_timeouts_are_retried_and_nothing_crashes(
+    pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path,
+    setting: str, error: str
 ) -> None:
     """An outside session holds ACCESS EXCLUSIVE on the hot table for 3 s while the runtime
-    runs with lock_timeout = 200 ms: its statements fail with 55P03, are retried, and every
-    workflow completes once the lock is gone; no worker dies."""
+    runs with lock_timeout (or statement_timeout) = 200 ms: its statements fail with 55P03
+    (57014), are retried, and every workflow completes once the lock is gone; no worker
+    dies."""
     n = 300
     submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
     sep = "&" if "?" in direct_dsn else "?"
-    dsn = f"{direct_dsn}{sep}options=-c%20lock_timeout%3D200"
+    dsn = f"{direct_dsn}{sep}options=-c%20{setting}%3D200"
     log = tmp_path / "rt.log"
     with runtime(dsn, schema, procs=2, log=log):
         wait_until(lambda: finished_count(pg_dsn, schema) >= 20, timeout=30, what="progress")
@@ -180,7 +192,7 @@ def test_d10_lock_timeout_is_retried_and_nothing_crashes(
         wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=60,
                    what="every workflow after the lock")
     text = log.read_text()
-    assert "LockNotAvailable" in text  # the timeout was hit and retried
+    assert error in text  # the timeout was hit and retried
     assert "restarting in" not in text and "worker crashed" not in text
     assert audit(pg_dsn, schema, n, ledger_path) <= 2 * 64
 
@@ -247,3 +259,113 @@ def test_f8_a_step_blocking_the_event_loop_keeps_its_lease(
         mine = [e for e in entries if e["execution_id"] == str(h.id)]
         assert [e["kind"] for e in mine] == ["start", "body"]  # B(s) = 1, no overlap
         assert client.get(h.id).attempts == 1  # never requeued
+
+
+def test_d4_polling_alone_starts_every_execution_within_the_poll_interval(
+    pg_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    """No LISTEN at all (--listen no): each execution still starts within poll_interval
+    (jittered by up to 20 %) plus scheduling slack."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    args = ["--listen", "no", "--poll-interval", "1.0"]
+    with runtime(pg_dsn, schema, procs=1, args=args, log=tmp_path / "rt.log"):
+        handles = []
+        for n in range(8):
+            handles.append(client.submit(app.quick, n))
+            time.sleep(0.37)  # arrivals at every phase of the poll cycle
+        for n, h in enumerate(handles):
+            assert h.result(timeout=10) == app.model_step(n, 0)
+    assert "LISTEN" not in (tmp_path / "rt.log").read_text().split("started:")[-1]
+    for h in handles:
+        ex = client.get(h.id)
+        assert ex.started_at is not None
+        assert (ex.started_at - ex.created_at).total_seconds() < 1.2 + 0.5
+
+
+def test_d5_a_worker_partitioned_past_its_lease_is_fenced_and_recovers_at_once(
+    direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """Runtime A reaches the database through a PgBouncer of its own; runtime B directly.
+    Killing A's PgBouncer for 4 s (twice the lease) cuts A off alone: A stops starting
+    steps once its leases are untrusted, B's sweeper requeues A's executions and B runs
+    them. After the heal A's stale writes are fenced, A is working again within seconds
+    (not after a pool timeout), nothing is recorded twice and every result is the model's.
+    """
+    from tests.pgbouncer import PgBouncer, free_port
+
+    n = 3000  # enough that B alone cannot finish it all before A is back
+    submit_many(direct_dsn, schema, "slow_middle", "jsonb_build_array(i, 0.3)", n)
+    bouncer = PgBouncer(direct_dsn, pool_size=8)
+    port = free_port()
+    a_args = ["--connection-mode", "pgbouncer", "--listen", "no", "--metrics-port", str(port)]
+    try:
+        with runtime(bouncer.dsn, schema, procs=1, args=a_args, log=tmp_path / "a.log") as a:
+            a_pids = set(wait_until(lambda: worker_pids(a.pid), timeout=20, what="A's worker"))
+            wait_until(lambda: any(e["pid"] in a_pids for e in app.read_ledger(ledger_path)),
+                       timeout=30, what="A at work")
+            with runtime(direct_dsn, schema, procs=1, log=tmp_path / "b.log"):
+                bouncer.kill()
+                time.sleep(4.0)
+                bouncer.start()
+                healed = time.time()
+                wait_until(lambda: any(e["pid"] in a_pids and e["t"] > healed + 0.5
+                                       for e in app.read_ledger(ledger_path)),
+                           timeout=8, what="A to run steps again after the heal")
+                wait_until(lambda: finished_count(direct_dsn, schema) == n, timeout=120,
+                           interval=0.5, what="every workflow")
+            fenced = urllib_metric(port, "kestrel_fenced_writes_total")
+    finally:
+        bouncer.stop()
+    assert fenced >= 1  # A's writes for executions B took over changed nothing
+    text = (tmp_path / "a.log").read_text()
+    assert "was lost" in text  # A learned of it from its own heartbeat
+    assert "worker crashed" not in text and "restarting in" not in text
+    assert audit(direct_dsn, schema, n, ledger_path) <= 64
+
+
+def urllib_metric(port: int, name: str) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
+
+
+def test_database_unreachable_past_the_lease_then_back_resumes_within_seconds(
+    direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """Every kestrel backend terminated and no new connection allowed for 4 s (all of the
+    runtime cut off at once). Every caller is then waiting for a pool connection whose
+    reconnection attempt already failed; they must not wait out a pool timeout (30 s by
+    psycopg_pool's default) once the database is back."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    n = 3000
+    submit_many(direct_dsn, schema, "slow_middle", "jsonb_build_array(i, 0.3)", n)
+    parts = urlsplit(direct_dsn)
+    db = parts.path.lstrip("/") or "postgres"
+    admin = urlunsplit(parts._replace(path="/template1"))
+    with runtime(direct_dsn, schema, procs=2, log=tmp_path / "rt.log"):
+        wait_until(lambda: finished_count(direct_dsn, schema) >= 60, timeout=60,
+                   what="work under way")
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS false')
+            try:
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                             "application_name IN ('kestrel-worker', 'kestrel-listen')")
+                time.sleep(4.0)
+            finally:
+                conn.execute(f'ALTER DATABASE "{db}" ALLOW_CONNECTIONS true')
+        healed = time.time()
+        # Both processes at work again within a few seconds of the heal.
+        wait_until(lambda: len({e["pid"] for e in app.read_ledger(ledger_path)
+                                if e["t"] > healed + 0.5}) == 2,
+                   timeout=8, what="both workers to run steps again")
+        wait_until(lambda: finished_count(direct_dsn, schema) == n, timeout=180,
+                   interval=0.5, what="every workflow")
+    text = (tmp_path / "rt.log").read_text()
+    assert "worker crashed" not in text and "restarting in" not in text
+    assert audit(direct_dsn, schema, n, ledger_path) <= 2 * 64
