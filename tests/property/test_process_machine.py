@@ -31,7 +31,7 @@ settings.register_profile(
     "process-ci", max_examples=4, stateful_step_count=8, deadline=None, derandomize=True,
     suppress_health_check=list(HealthCheck))
 settings.register_profile(
-    "process-soak", max_examples=30, stateful_step_count=20, deadline=None,
+    "process-soak", max_examples=10, stateful_step_count=15, deadline=None,
     suppress_health_check=list(HealthCheck))
 
 ENV: dict[str, Any] = {}

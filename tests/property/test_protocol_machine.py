@@ -46,7 +46,7 @@ settings.register_profile(
     "ci", max_examples=40, stateful_step_count=40, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 settings.register_profile(
-    "soak", max_examples=2000, stateful_step_count=80, deadline=None,
+    "soak", max_examples=300, stateful_step_count=80, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
