@@ -48,6 +48,15 @@ def _run_as() -> str | None:
     return "pgserver"
 
 
+def _alive(pid: int) -> bool:
+    """A live process, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 class Cluster:
     """One PostgreSQL server on 127.0.0.1:*port* with trust authentication for local tests.
 
@@ -103,18 +112,20 @@ class Cluster:
 
     def kill9(self) -> None:
         """SIGKILL the postmaster and every backend at once, as a machine failure would (a
-        backend left behind would hold the shared memory and stop the next start)."""
+        backend left behind would hold the shared memory and stop the next start). The
+        postmaster is stopped first so that it forks no backend between the listing and
+        the kill."""
         pid = int((self.data / "postmaster.pid").read_text().split()[0])
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                  text=True).stdout.split()
-        for p in [pid, *map(int, children)]:
+        os.kill(pid, signal.SIGSTOP)
+        children = [int(c) for c in subprocess.run(["pgrep", "-P", str(pid)],
+                                                   capture_output=True, text=True).stdout.split()]
+        for p in [pid, *children]:
             try:
                 os.kill(p, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (self.running() or any(
-                os.path.exists(f"/proc/{c}") for c in children)):
+        while time.monotonic() < deadline and any(_alive(p) for p in [pid, *children]):
             time.sleep(0.05)
 
     def promote(self) -> None:
@@ -123,9 +134,7 @@ class Cluster:
     def running(self) -> bool:
         """Whether this cluster's postmaster is alive (not merely named in postmaster.pid)."""
         try:
-            pid = int((self.data / "postmaster.pid").read_text().split()[0])
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split()[2] != "Z"
+            return _alive(int((self.data / "postmaster.pid").read_text().split()[0]))
         except (FileNotFoundError, IndexError, ValueError):
             return False
 

@@ -6,12 +6,14 @@
 -- ON CONFLICT DO NOTHING keeps the first committed output. Returns, per input row, whether
 -- the writer still owns the execution and the output that is now recorded.
 --
--- started_at is the database clock less the seconds the body ran (the worker's monotonic
--- clock): a worker whose wall clock is skewed or jumps never writes its time into a row.
-WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s) AS (
+-- started_at and finished_at are the database clock less the seconds since the body started
+-- and ended (the worker's monotonic clock): a worker whose wall clock is skewed or jumps
+-- never writes its time into a row.
+WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
+           waited_s) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(step_ids)s::integer[],
                          %(names)s::text[], %(outputs)s::jsonb[], %(errors)s::jsonb[],
-                         %(attempts)s::integer[], %(ran)s::float8[])
+                         %(attempts)s::integer[], %(ran)s::float8[], %(waited)s::float8[])
 ), owned AS (
     SELECT e.id, e.lease_epoch, e.cancel_requested
       FROM __schema__.workflow_executions AS e
@@ -20,9 +22,11 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
        FOR SHARE OF e
 ), inserted AS (
     INSERT INTO __schema__.operation_outputs
-           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at)
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
     SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
-           __schema__.kestrel_now() - make_interval(secs => i.ran_s)
+           __schema__.kestrel_now() - make_interval(secs => i.ran_s),
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
       FROM input AS i
       JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
      -- A cancelled execution records nothing more: it stops at this step boundary.

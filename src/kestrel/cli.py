@@ -171,10 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
         return 1
     except psycopg.OperationalError as exc:
-        # Unreachable, refused, or not the server the DSN verifies (sslmode=verify-full):
-        # libpq's own words, which never carry the password.
-        print(f"kestrel-runtime {command}: cannot connect to the database: {exc}",
-              file=sys.stderr)
+        # libpq's and the server's own words, which never carry the password. No SQLSTATE
+        # (or class 08, 28): unreachable, refused, or not the server the DSN verifies.
+        state = exc.sqlstate or ""
+        what = ("cannot connect to the database" if state[:2] in ("", "08", "28")
+                else "database error")
+        print(f"kestrel-runtime {command}: {what}: {exc}", file=sys.stderr)
         return 1
 
 
@@ -183,6 +185,10 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
 
     from kestrel.migrate import migrate
     from kestrel.supervisor import Supervisor
+
+    # Importing the worker reads KESTREL_FAILPOINTS: a malformed value stops the start here
+    # (ValueError) rather than in every forked worker, restart after restart.
+    import kestrel.worker  # noqa: F401
 
     if not cfg.app:
         raise ConfigError("invalid setting --app / KESTREL_APP: name the module(s) that "

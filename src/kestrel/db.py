@@ -8,6 +8,7 @@ caller learns it from what comes back.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Sequence
 from datetime import datetime
@@ -57,6 +58,26 @@ async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None
 
 POOL_WAIT_S = 2.0
 
+# Unless the DSN says otherwise: a connection attempt gives up after 5 s (libpq's default is
+# to wait for the OS, minutes against a host that drops packets), and a peer that stops
+# answering is noticed by TCP keepalives within ~25 s idle, or within 30 s of unacknowledged
+# data (tcp_user_timeout), instead of a statement hanging for the OS's retransmission limit.
+# Ignored on Unix sockets.
+LINK_DEFAULTS = {"connect_timeout": "5", "keepalives": "1", "keepalives_idle": "10",
+                 "keepalives_interval": "5", "keepalives_count": "3",
+                 "tcp_user_timeout": "30000"}
+
+
+def link_params(dsn: str) -> dict[str, Any]:
+    """LINK_DEFAULTS less whatever *dsn* sets itself."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        given = {}
+    return {k: v for k, v in LINK_DEFAULTS.items() if k not in given}
+
 
 def make_pool(dsn: str, *, max_size: int, name: str,
               prepared: bool = True) -> AsyncConnectionPool[Any]:
@@ -73,7 +94,7 @@ def make_pool(dsn: str, *, max_size: int, name: str,
         max_size=max_size,
         kwargs={"autocommit": True, "prepare_threshold": 0 if prepared else None,
                 # Operators can tell kestrel's backends apart in pg_stat_activity.
-                "application_name": "kestrel-worker"},
+                "application_name": "kestrel-worker", **link_params(dsn)},
         configure=configure_connection_async,
         name=name,
         open=False,
@@ -82,13 +103,14 @@ def make_pool(dsn: str, *, max_size: int, name: str,
         # OperationalError, which every caller retries; the pool discards it on return.
         #
         # Reconnecting after an outage: psycopg_pool's own retries back off 1, 2, 4, 8 s...
-        # (a five-minute outage would leave minutes between attempts), so it gets one attempt
-        # (reconnect_timeout=0 gives up after it) and the callers do the retrying: a new
-        # connection is attempted whenever a caller asks for one and none is there. A
-        # caller that asked during the outage must not wait out psycopg_pool's 30 s default
-        # for an attempt that already failed, or the process sits idle long after the
-        # database is back: it gives up after POOL_WAIT_S (PoolTimeout is an
-        # OperationalError), backs off, and asks again, which tries a new connection.
+        # (a five-minute outage would leave minutes between attempts), so it gives up at
+        # once (reconnect_timeout=0: after its first retry) and the callers do the retrying:
+        # a new connection is attempted whenever a caller asks for one, none is there and
+        # no attempt is in flight (each bounded by connect_timeout). A caller that asked
+        # during the outage must not wait out psycopg_pool's 30 s default for an attempt
+        # that already failed, or the process sits idle long after the database is back:
+        # it gives up after POOL_WAIT_S (PoolTimeout is an OperationalError), backs off,
+        # and asks again, which tries a new connection.
         reconnect_timeout=0,
         timeout=POOL_WAIT_S,
     )
@@ -152,6 +174,7 @@ def heartbeat_sync(
 
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
     """Checkpoint *writes* in one statement; results are in the order of *writes*."""
+    now = time.monotonic()
     cur = await conn.execute(
         q.save_steps_batch,
         {
@@ -162,7 +185,8 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
             "outputs": [w.output for w in writes],
             "errors": [w.error for w in writes],
             "attempts": [w.attempt for w in writes],
-            "ran": [w.ran_s for w in writes],
+            "ran": [w.ran_s + max(0.0, now - w.ended_at) for w in writes],
+            "waited": [max(0.0, now - w.ended_at) for w in writes],
         },
     )
     by_key = {(r[0], r[1]): r for r in await cur.fetchall()}

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import enum
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -68,9 +69,12 @@ class StepWrite:
     output: str | None
     error: str | None
     attempt: int
-    # How long the body ran, by this process's monotonic clock. The database derives
-    # started_at from its own clock, so a worker's skewed wall clock never reaches a row.
+    # How long the body ran, and when it ended, by this process's monotonic clock. The
+    # database derives started_at and finished_at from its own clock at the write, so a
+    # worker's skewed wall clock never reaches a row and time spent waiting for the write
+    # (group commit, an outage) does not shift them.
     ran_s: float
+    ended_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,8 @@ _FAILPOINTS = _parse_failpoints(os.environ.get("KESTREL_FAILPOINTS", ""))
 def failpoint(name: str) -> None:
     """Fault injection for the fault suite, off unless ``KESTREL_FAILPOINTS`` names *name*.
     ``raise`` raises the error a lost connection would; ``exit`` kills this process with
-    SIGKILL (no cleanup, as a crash); ``sleep(S)`` blocks the whole process for S seconds."""
+    SIGKILL (no cleanup, as a crash); ``sleep(S)`` blocks the event loop for S seconds (the
+    heartbeat thread keeps the leases, as in a CPU-bound stall)."""
     point = _FAILPOINTS.get(name)
     if point is None or point[2] <= 0:
         return
@@ -512,7 +513,8 @@ class Worker:
 
     async def _execute(self, held: _Held) -> None:
         c = held.claimed
-        ctx = Context(c, c.workflow, self, self._executor, self.cfg.max_payload_bytes)
+        ctx = Context(c, c.workflow, self, self._executor, self.cfg.max_payload_bytes,
+                      claimed_mono=held.claimed_at)
         try:
             try:
                 finish = await self._run_workflow(ctx)
@@ -673,10 +675,11 @@ class Worker:
                                      else backoff.next_delay()):
             try:
                 if conn is None:
-                    conn = psycopg.connect(
-                        self.dsn, autocommit=True, application_name="kestrel-heartbeat",
-                        prepare_threshold=0 if self.cfg.prepared_statements else None,
-                        connect_timeout=max(1, int(self.cfg.heartbeat)))
+                    conn = psycopg.connect(self.dsn, **{
+                        **db.link_params(self.dsn), "autocommit": True,
+                        "application_name": "kestrel-heartbeat",
+                        "prepare_threshold": 0 if self.cfg.prepared_statements else None,
+                        "connect_timeout": max(1, int(self.cfg.heartbeat))})
                 self.heartbeat_once(conn)
                 backoff.reset()
             except psycopg.Error as exc:
@@ -832,7 +835,8 @@ class Worker:
             try:
                 assert self._listen_dsn is not None
                 conn = await psycopg.AsyncConnection.connect(
-                    self._listen_dsn, autocommit=True, application_name="kestrel-listen")
+                    self._listen_dsn, autocommit=True, application_name="kestrel-listen",
+                    **db.link_params(self._listen_dsn))
                 async with conn:
                     await db.listen(conn, self._q)
                     backoff.reset()

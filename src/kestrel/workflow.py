@@ -274,11 +274,12 @@ class Context:
     writer: Writer
     executor: Executor | None = None
     max_payload_bytes: int = codec.DEFAULT_MAX_PAYLOAD_BYTES
+    # This process's monotonic clock when the claim statement (whose db_now it carries) was
+    # sent: ctx.now() is db_now plus the monotonic time since.
+    claimed_mono: float = field(default_factory=time.monotonic)
     _next_step: int = field(default=0, init=False)
     nondeterminism: NonDeterminismError | None = field(default=None, init=False)
     cancelled: bool = field(default=False, init=False)
-    # This process's monotonic clock when the claim's reply (and its db_now) arrived.
-    _claimed_at: float = field(default_factory=time.monotonic, init=False)
 
     @property
     def execution_id(self) -> UUID:
@@ -563,7 +564,7 @@ class Context:
             base = self.claimed.db_now
             if base is None:
                 return datetime.now(UTC).isoformat()
-            return (base + timedelta(seconds=time.monotonic() - self._claimed_at)).isoformat()
+            return (base + timedelta(seconds=time.monotonic() - self.claimed_mono)).isoformat()
 
         return datetime.fromisoformat(await self._internal("kestrel.now", read))
 

@@ -47,10 +47,10 @@ FAULTS = ("kill_worker", "stop_worker", "kill_supervisor", "terminate_backends",
 
 
 class Soak:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, cluster: Cluster) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        self.cluster = Cluster("kestrel-soak", conf={"max_connections": "300"})
+        self.cluster = cluster
         self.cluster.start()
         self.dsn = self.cluster.dsn
         migrate(self.dsn, SCHEMA)
@@ -100,11 +100,13 @@ class Soak:
         slow_middle (its middle step sleeps, so kills land mid-step), even ones three_steps;
         both have the result n * 30 + 3."""
         chunk = max(1, self.args.rate // 5)
-        while not self.stop.is_set():
+        unsure = False  # the last chunk failed: it may have committed (a lost reply)
+        while not self.stop.is_set() or unsure:
             started = time.monotonic()
             try:
                 waiting = q1(self.dsn, SCHEMA, "SELECT count(*) FROM {s}.workflow_executions")
-                if waiting < self.args.backlog:
+                if waiting < self.args.backlog or unsure:
+                    unsure = True
                     first = self.submitted + 1
                     q(self.dsn, SCHEMA,
                       "SELECT CASE WHEN i %% 2 = 1 THEN {s}.submit('slow_middle', "
@@ -114,8 +116,11 @@ class Soak:
                       "FROM generate_series(%s::int, %s::int) AS i",
                       [first, first + chunk - 1])
                     self.submitted += chunk
+                    unsure = False
             except psycopg.OperationalError:
-                pass  # the database is restarting: the same ids go again (same keys)
+                # The database is restarting: the same ids go again, with the same keys, until
+                # they are known to be in (even after the stop, so none is left uncounted).
+                pass
             except Exception as exc:
                 self.error = f"submitter died: {exc!r}"
                 self.stop.set()
@@ -159,7 +164,7 @@ class Soak:
     def terminate_backends(self) -> None:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
-                         "application_name IN ('kestrel-worker', 'kestrel-listen') "
+                         "application_name LIKE 'kestrel-%%' "
                          "AND random() < 0.5")
 
     def pg_fast_restart(self) -> None:
@@ -189,8 +194,11 @@ class Soak:
             print(f"{(time.monotonic() - began) / 60:5.1f} min: {self.submitted} submitted, "
                   f"{done} finished, faults {dict(self.faults)}", flush=True)
         self.stop.set()
-        for t in threads:
-            t.join()
+        submitter, nemesis = threads
+        nemesis.join()
+        if not self.cluster.running():  # a fault that failed halfway left it down
+            self.cluster.start()
+        submitter.join()
         if self.proc is None or self.proc.poll() is not None:
             self.start_runtime()  # the nemesis may have been between kill and start
         quiesce = time.monotonic()
@@ -257,15 +265,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=int(time.time()), help="nemesis seed")
     p.add_argument("--out", default=".soak", help="folder for the ledger, log and audit")
     args = p.parse_args(argv)
-    soak = Soak(args)
-    print(f"soak: {args.minutes} min, {args.procs} procs, seed {args.seed}, "
-          f"PostgreSQL at {soak.dsn}, output in {args.out}", flush=True)
+    cluster = Cluster("kestrel-soak", conf={"max_connections": "300"})
     try:
-        result = soak.run()
+        soak = Soak(args, cluster)
+        print(f"soak: {args.minutes} min, {args.procs} procs, seed {args.seed}, "
+              f"PostgreSQL at {soak.dsn}, output in {args.out}", flush=True)
+        try:
+            result = soak.run()
+        finally:
+            soak.stop.set()
+            soak.stop_runtime()
+            soak.log.close()
     finally:
-        soak.stop.set()
-        soak.stop_runtime()
-        soak.cluster.destroy()
+        cluster.destroy()
     text = json.dumps(result, indent=2)
     (Path(args.out) / "audit.json").write_text(text + "\n")
     print(text)
