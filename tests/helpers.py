@@ -129,6 +129,27 @@ def run_worker_until(dsn: str, cfg: Config, done: Callable[[], bool], *,
     return asyncio.run(main())
 
 
+def alive(pid: int) -> bool:
+    """A live process, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def metric(port: int, name: str) -> float:
+    """The sum of every sample of *name* on a runtime's /metrics endpoint."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == name)
+
+
 def kill(pid: int, sig: int = signal.SIGKILL) -> None:
     try:
         os.kill(pid, sig)

@@ -18,8 +18,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import psycopg
-
+from tests.helpers import alive
 from tests.pgbouncer import free_port
 
 
@@ -46,15 +45,6 @@ def _run_as() -> str | None:
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "pgserver"], check=True)
     return "pgserver"
-
-
-def _alive(pid: int) -> bool:
-    """A live process, not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
 
 
 class Cluster:
@@ -125,7 +115,7 @@ class Cluster:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in [pid, *children]):
+        while time.monotonic() < deadline and any(alive(p) for p in [pid, *children]):
             time.sleep(0.05)
 
     def promote(self) -> None:
@@ -134,7 +124,7 @@ class Cluster:
     def running(self) -> bool:
         """Whether this cluster's postmaster is alive (not merely named in postmaster.pid)."""
         try:
-            return _alive(int((self.data / "postmaster.pid").read_text().split()[0]))
+            return alive(int((self.data / "postmaster.pid").read_text().split()[0]))
         except (FileNotFoundError, IndexError, ValueError):
             return False
 
@@ -150,18 +140,6 @@ class Cluster:
             f.write(f"primary_conninfo = 'host=127.0.0.1 port={self.port} user=postgres "
                     f"application_name=replica'\n")
         return other
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with psycopg.connect(self.dsn, connect_timeout=2) as conn:
-                    conn.execute("SELECT 1")
-                return
-            except psycopg.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
 
     def destroy(self) -> None:
         if self.running():

@@ -24,6 +24,7 @@ from tests.apps import ledger_app as app
 from tests.helpers import (
     audit,
     finished_count,
+    metric,
     q,
     runtime,
     submit_many,
@@ -313,7 +314,7 @@ def test_d5_a_worker_partitioned_past_its_lease_is_fenced_and_recovers_at_once(
                            timeout=8, what="A to run steps again after the heal")
                 wait_until(lambda: finished_count(direct_dsn, schema) == n, timeout=120,
                            interval=0.5, what="every workflow")
-            fenced = urllib_metric(port, "kestrel_fenced_writes_total")
+            fenced = metric(port, "kestrel_fenced_writes_total")
     finally:
         bouncer.stop()
     assert fenced >= 1  # A's writes for executions B took over changed nothing
@@ -321,17 +322,6 @@ def test_d5_a_worker_partitioned_past_its_lease_is_fenced_and_recovers_at_once(
     assert "was lost" in text  # A learned of it from its own heartbeat
     assert "worker crashed" not in text and "restarting in" not in text
     assert audit(direct_dsn, schema, n, ledger_path) <= 64
-
-
-def urllib_metric(port: int, name: str) -> float:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == name)
 
 
 def test_database_unreachable_past_the_lease_then_back_resumes_within_seconds(

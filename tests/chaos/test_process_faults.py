@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 import kestrel
 from kestrel.client import SyncClient
 from tests.apps import ledger_app as app
 from tests.helpers import (
+    alive,
     audit,
     finished_count,
     kill,
+    metric,
     q,
     q1,
     runtime,
@@ -38,14 +37,6 @@ T_REC = 2 + 0.5 + 0.2
 # A shared two-core CI machine may not schedule the survivors at once; this much slack on
 # top of T_rec is what separates "recovered by the sweeper" from "lost until a restart".
 SLACK = 2.5
-
-
-def metric(port: int, name: str) -> float:
-    """The sum of every sample of *name* on the runtime's /metrics endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
-    return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == name)
 
 
 def ledger(path: Path, **match: Any) -> list[dict[str, Any]]:
@@ -152,14 +143,6 @@ def test_f4_a_stopped_worker_past_its_lease_is_fenced_when_it_wakes(
     assert audit(pg_dsn, schema, 1, ledger_path) <= 1  # the zombie's body may have finished
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_f6_sigkill_of_the_supervisor_under_load(
     pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
@@ -172,7 +155,7 @@ def test_f6_sigkill_of_the_supervisor_under_load(
         kill(proc.pid, signal.SIGKILL)
         proc.wait()
         # PR_SET_PDEATHSIG: the orphans are told at once and exit.
-        wait_until(lambda: not any(_alive(p) for p in children), timeout=5,
+        wait_until(lambda: not any(alive(p) for p in children), timeout=5,
                    what="orphaned workers to exit")
     # No orphan is left holding a session (and so heartbeating).
     wait_until(lambda: q1(direct_dsn, schema, "SELECT count(*) FROM pg_stat_activity WHERE "

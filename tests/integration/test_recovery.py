@@ -17,6 +17,7 @@ from kestrel.sql import queries
 from kestrel.types import Finish, Status, StepWrite
 from tests.apps import ledger_app as app
 from tests.helpers import (
+    alive,
     finished_count,
     kill,
     q,
@@ -193,14 +194,6 @@ def test_sigterm_drains_and_releases_unfinished_work_at_once(
     assert steps.count(0) == 1  # the recorded step was replayed, not rerun
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def test_sigkill_of_the_supervisor_stops_its_children_and_work_resumes(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
@@ -213,7 +206,7 @@ def test_sigkill_of_the_supervisor_stops_its_children_and_work_resumes(
                    timeout=20, what="the slow step")
         kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        wait_until(lambda: not any(_alive(p) for p in children), timeout=5,
+        wait_until(lambda: not any(alive(p) for p in children), timeout=5,
                    what="orphaned workers to exit")
     assert q1(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions") in ("queued",
                                                                               "running")
