@@ -117,6 +117,13 @@ class Cluster:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(alive(p) for p in [pid, *children]):
             time.sleep(0.05)
+        # The dead postmaster may linger as a zombie until its parent (init) reaps it, and
+        # PostgreSQL takes a lock file naming a pid that still exists for a live server:
+        # remove the stale locks (data folder and socket), as an operator would.
+        if not alive(pid):
+            (self.data / "postmaster.pid").unlink(missing_ok=True)
+            for lock in self.sockets.glob(".s.PGSQL.*.lock"):
+                lock.unlink(missing_ok=True)
 
     def promote(self) -> None:
         self._cmd("pg_ctl", "-D", str(self.data), "-w", "-t", "60", "promote")

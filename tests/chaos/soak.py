@@ -62,6 +62,7 @@ class Soak:
         self.proc: subprocess.Popen[bytes] | None = None
         self.submitted = 0
         self.faults: collections.Counter[str] = collections.Counter()
+        self.missed: collections.Counter[str] = collections.Counter()
         self.stop = threading.Event()
         self.error: str | None = None
 
@@ -136,6 +137,7 @@ class Soak:
                 getattr(self, fault)()
                 self.faults[fault] += 1
             except Exception as exc:  # a fault that could not land (e.g. no worker yet)
+                self.missed[fault] += 1
                 print(f"  fault {fault} not injected: {exc!r}", flush=True)
 
     def _worker(self) -> int:
@@ -212,6 +214,7 @@ class Soak:
         result = self.audit()
         result.update(error=self.error, minutes=self.args.minutes, procs=self.args.procs,
                       seed=self.args.seed, faults=dict(self.faults),
+                      faults_not_injected=dict(self.missed),
                       quiesce_seconds=round(drained, 1))
         return result
 
