@@ -64,27 +64,40 @@ def submit_many(dsn: str, schema: str, workflow: str, args_sql: str, n: int) -> 
       [workflow, n])
 
 
+def start_runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | None = None,
+                  env: dict[str, str] | None = None, out: Any = subprocess.DEVNULL,
+                  app: str = APP) -> subprocess.Popen[bytes]:
+    """Start ``kestrel-runtime`` (the real supervisor and workers) in a session of its own;
+    its output goes to *out* (a file opened for writing, or DEVNULL)."""
+    cmd = [sys.executable, "-m", "kestrel", "--app", app, "--dsn", dsn, "--schema", schema,
+           "--procs", str(procs), *FAST, *(args or [])]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out,
+                            start_new_session=True)
+
+
+def stop_runtime(proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    """SIGTERM (drain) and wait; SIGKILL the whole session if it does not exit in time."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 @contextmanager
 def runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | None = None,
             env: dict[str, str] | None = None, log: Path | None = None, app: str = APP,
             ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``kestrel-runtime`` (the real supervisor and workers) for the block's duration."""
-    cmd = [sys.executable, "-m", "kestrel", "--app", app, "--dsn", dsn, "--schema", schema,
-           "--procs", str(procs), *FAST, *(args or [])]
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    """Run ``kestrel-runtime`` for the block's duration."""
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out,
-                            start_new_session=True)
+    proc = start_runtime(dsn, schema, procs=procs, args=args, env=env, out=out, app=app)
     try:
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_runtime(proc)
         if log:
             out.close()  # type: ignore[union-attr]
 

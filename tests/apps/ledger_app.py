@@ -36,11 +36,13 @@ def ledger(kind: str = "body", **extra: Any) -> None:
         os.close(fd)
 
 
-def read_ledger(path: str | Path) -> list[dict[str, Any]]:
+def read_ledger(path: str | Path, **match: Any) -> list[dict[str, Any]]:
+    """The ledger's entries, or those whose fields equal every *match* given."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    entries = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return [e for e in entries if all(e[k] == v for k, v in match.items())]
 
 
 def model_step(n: int, k: int) -> int:

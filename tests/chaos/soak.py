@@ -38,7 +38,7 @@ import psycopg
 
 from kestrel.migrate import migrate
 from tests.apps import ledger_app as app
-from tests.helpers import FAST, ROOT, finished_count, q, q1, worker_pids
+from tests.helpers import finished_count, q, q1, start_runtime, stop_runtime, worker_pids
 from tests.pgcluster import Cluster
 
 SCHEMA = "soak"
@@ -69,21 +69,13 @@ class Soak:
     # -- the system under test ----------------------------------------------------------------
 
     def start_runtime(self) -> None:
-        cmd = [sys.executable, "-m", "kestrel", "--app", "tests.apps.ledger_app",
-               "--dsn", self.dsn, "--schema", SCHEMA, "--procs", str(self.args.procs),
-               *FAST, "--max-attempts", "1000"]
-        env = dict(os.environ, PYTHONPATH=str(ROOT), KESTREL_TEST_LEDGER=str(self.ledger))
-        self.proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=self.log,
-                                     stderr=self.log, start_new_session=True)
+        self.proc = start_runtime(self.dsn, SCHEMA, procs=self.args.procs,
+                                  args=["--max-attempts", "1000"], out=self.log,
+                                  env={"KESTREL_TEST_LEDGER": str(self.ledger)})
 
     def stop_runtime(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        if self.proc:
+            stop_runtime(self.proc, timeout=60)
 
     def _query(self, fn: Any, default: Any = None) -> Any:
         """A harness query that rides out the database's own restarts."""

@@ -30,10 +30,6 @@ def fake_clock(folder: Path) -> str:
     return str(lib)
 
 
-def entries(path: Path, **match: Any) -> list[dict[str, Any]]:
-    return [e for e in app.read_ledger(path) if all(e[k] == v for k, v in match.items())]
-
-
 def test_d14_clock_skew_and_jumps_on_the_worker_host_change_no_decision(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
@@ -49,11 +45,11 @@ def test_d14_clock_skew_and_jumps_on_the_worker_host_change_no_decision(
     sleepers = [client.submit(app.sleeper, n, 8.0) for n in range(10, 13)]
     stamped = client.submit(app.deterministic)
     with runtime(pg_dsn, schema, procs=2, env=env, log=tmp_path / "rt.log"):
-        first = wait_until(lambda: entries(ledger_path, kind="start"), timeout=30,
+        first = wait_until(lambda: app.read_ledger(ledger_path, kind="start"), timeout=30,
                            what="a slow step to start")[0]
         assert 500 < first["t"] - time.time() < 700  # the skew reached the workers
         clock.write_text("-3000")  # jump back an hour
-        wait_until(lambda: len(entries(ledger_path, kind="body", name="slow_add")) == 3,
+        wait_until(lambda: len(app.read_ledger(ledger_path, kind="body", name="slow_add")) == 3,
                    timeout=30, what="the slow steps to finish after the jump back")
         clock.write_text("4200")  # and forward two hours
         for h in sleepers:
@@ -62,12 +58,12 @@ def test_d14_clock_skew_and_jumps_on_the_worker_host_change_no_decision(
         for n, h in enumerate(slow):
             assert h.result(timeout=30) == app.model(n)
         stamped.result(timeout=30)
-    bodies = entries(ledger_path, kind="body")
+    bodies = app.read_ledger(ledger_path, kind="body")
     assert any(e["t"] < time.time() - 2900 for e in bodies)  # the jump back happened
     assert any(e["t"] > time.time() + 4000 for e in bodies)  # and the jump forward
     for h in slow:  # no lease expired early: one claim, one run of the slow body
         assert client.get(h.id).attempts == 1
-        assert len(entries(ledger_path, kind="start", execution_id=str(h.id))) == 1
+        assert len(app.read_ledger(ledger_path, kind="start", execution_id=str(h.id))) == 1
     for h in sleepers:  # no timer fired early, by the database clock
         slept = q1(pg_dsn, schema, "SELECT extract(epoch FROM b.started_at - a.finished_at) "
                    "FROM {s}.step_history a, {s}.step_history b WHERE a.execution_id = %s "

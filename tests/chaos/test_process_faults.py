@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import kestrel
 from kestrel.client import SyncClient
@@ -39,17 +38,13 @@ T_REC = 2 + 0.5 + 0.2
 SLACK = 2.5
 
 
-def ledger(path: Path, **match: Any) -> list[dict[str, Any]]:
-    return [e for e in app.read_ledger(path) if all(e[k] == v for k, v in match.items())]
-
-
 def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_rec(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
     n = 24
     submit_many(pg_dsn, schema, "slow_middle", "jsonb_build_array(i, 2.0)", n)
     with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log"):
-        first = wait_until(lambda: ledger(ledger_path, kind="start"), timeout=30,
+        first = wait_until(lambda: app.read_ledger(ledger_path, kind="start"), timeout=30,
                            what="a slow step body to start")
         victim = first[0]["pid"]
         time.sleep(0.3)  # let the victim start more of its claimed bodies
@@ -59,13 +54,13 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_re
                    what="every workflow after the kill")
     # The executions the kill hit mid-step: their slow body started in the victim and never
     # finished there (the victim can write nothing after the kill).
-    finished_there = {e["execution_id"] for e in ledger(ledger_path, kind="body", pid=victim,
-                                                       step_id=1)}
-    hit = {e["execution_id"]: e for e in ledger(ledger_path, kind="start", pid=victim)
+    finished_there = {e["execution_id"] for e in app.read_ledger(
+        ledger_path, kind="body", pid=victim, step_id=1)}
+    hit = {e["execution_id"]: e for e in app.read_ledger(ledger_path, kind="start", pid=victim)
            if e["execution_id"] not in finished_there}
     assert hit, "the kill landed between steps; the test did not test F1"
     for eid, old in hit.items():
-        reruns = [e for e in ledger(ledger_path, kind="start", execution_id=eid)
+        reruns = [e for e in app.read_ledger(ledger_path, kind="start", execution_id=eid)
                   if e["pid"] != victim]
         assert len(reruns) == 1  # B(s) <= 1 + k with k = 1
         rerun = reruns[0]
@@ -80,7 +75,7 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_re
         assert [(s, out) for s, _, out in steps] == [(k, app.model_step(n_arg, k))
                                                     for k in range(3)]
         assert steps[0][1] == old["epoch"] and steps[1][1] == old["epoch"] + 1
-        assert len(ledger(ledger_path, kind="body", execution_id=eid, step_id=0)) == 1
+        assert len(app.read_ledger(ledger_path, kind="body", execution_id=eid, step_id=0)) == 1
     assert audit(pg_dsn, schema, n, ledger_path) == 0  # killed bodies never reached "body"
 
 
@@ -96,7 +91,7 @@ def test_f2_sigkill_right_after_each_checkpoint_commit_never_reruns_a_recorded_s
                  env={"KESTREL_FAILPOINTS": "after_checkpoint_commit_before_ack=exit"}):
         assert h.result(timeout=90) == app.model(5)
     assert log.read_text().count("failpoint after_checkpoint_commit_before_ack fired") == 3
-    bodies = ledger(ledger_path, kind="body")
+    bodies = app.read_ledger(ledger_path, kind="body")
     assert [e["step_id"] for e in bodies] == [0, 1, 2]  # B(s) = 1: no recorded step reran
     assert len({e["pid"] for e in bodies}) == 3  # each in a fresh process
     assert [e["epoch"] for e in bodies] == [1, 2, 3]
@@ -112,7 +107,7 @@ def test_f4_a_stopped_worker_past_its_lease_is_fenced_when_it_wakes(
     port = free_port()
     with runtime(pg_dsn, schema, procs=1, args=["--metrics-port", str(port)],
                  log=tmp_path / "zombie.log") as zombie_rt:
-        (start,) = wait_until(lambda: ledger(ledger_path, kind="start"), timeout=30,
+        (start,) = wait_until(lambda: app.read_ledger(ledger_path, kind="start"), timeout=30,
                               what="the slow step")
         zombie = start["pid"]
         kill(zombie, signal.SIGSTOP)
@@ -120,7 +115,7 @@ def test_f4_a_stopped_worker_past_its_lease_is_fenced_when_it_wakes(
         try:
             with runtime(pg_dsn, schema, procs=1, log=tmp_path / "healthy.log"):
                 # The healthy runtime's sweeper requeues the expired lease and claims it.
-                rerun = wait_until(lambda: [e for e in ledger(ledger_path, kind="start")
+                rerun = wait_until(lambda: [e for e in app.read_ledger(ledger_path, kind="start")
                                             if e["pid"] != zombie], timeout=30,
                                    what="another worker to take the execution over")[0]
                 assert rerun["epoch"] == start["epoch"] + 1
@@ -134,9 +129,9 @@ def test_f4_a_stopped_worker_past_its_lease_is_fenced_when_it_wakes(
         wait_until(lambda: metric(port, "kestrel_fenced_writes_total") >= 1, timeout=10,
                    what="the zombie's fenced write")
         assert zombie in worker_pids(zombie_rt.pid)  # it lost a lease, not its life
-    late = [e for e in ledger(ledger_path, pid=zombie) if e["t"] > woke + 0.5]
+    late = [e for e in app.read_ledger(ledger_path, pid=zombie) if e["t"] > woke + 0.5]
     assert all(e["kind"] == "body" and e["step_id"] == 1 for e in late), late
-    assert not ledger(ledger_path, pid=zombie, step_id=2)  # never started the next step
+    assert not app.read_ledger(ledger_path, pid=zombie, step_id=2)  # never started the next step
     steps = q(pg_dsn, schema, "SELECT step_id, lease_epoch FROM {s}.step_history "
               "WHERE execution_id = %s ORDER BY step_id", [h.id])
     assert steps == [(0, start["epoch"]), (1, rerun["epoch"]), (2, rerun["epoch"])]
@@ -195,7 +190,7 @@ def test_f9_a_step_that_crashes_its_process_is_quarantined_and_the_rest_complete
         assert "max_attempts = 3" in ex.error["message"]
         # Its body ran on at most every claim; a claim shared with the other poison may have
         # died before this body started. Never again after quarantine.
-        runs = len(ledger(ledger_path, name="crash", execution_id=str(h.id)))
+        runs = len(app.read_ledger(ledger_path, name="crash", execution_id=str(h.id)))
         assert 1 <= runs <= 3
         crashes += runs
     # A restart per death, each after its slot's backoff, and no crash loop beyond that:

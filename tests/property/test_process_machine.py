@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kestrel.client import SyncClient
 from tests.apps import ledger_app as app
-from tests.helpers import APP, FAST, ROOT, q, wait_until, worker_pids
+from tests.helpers import q, start_runtime, stop_runtime, wait_until, worker_pids
 
 settings.register_profile(
     "process-ci", max_examples=4, stateful_step_count=8, deadline=None, derandomize=True,
@@ -54,12 +52,8 @@ class ProcessMachine(RuleBasedStateMachine):
         self.kills = 0
 
     def _start_runtime(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT), KESTREL_TEST_LEDGER=str(self.ledger))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kestrel", "--app", APP, "--dsn", self.dsn, "--schema",
-             self.schema, "--procs", "2", *FAST, "--max-attempts", "10"],
-            env=env, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL,
-            stderr=self.log)
+        self.proc = start_runtime(self.dsn, self.schema, args=["--max-attempts", "10"],
+                                  env={"KESTREL_TEST_LEDGER": str(self.ledger)}, out=self.log)
         wait_until(lambda: len(worker_pids(self.proc.pid)) == 2, timeout=20, what="workers")
 
     def teardown(self) -> None:
@@ -77,12 +71,7 @@ class ProcessMachine(RuleBasedStateMachine):
             # Each kill or freeze can cost at most the bodies in flight in that process.
             assert recorded <= len(bodies) <= recorded + 64 * self.kills
         finally:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+            stop_runtime(self.proc)
             self.log.close()
 
     @rule(n=st.integers(0, 99), kind=st.sampled_from(["fast", "slow", "sleeper"]))
