@@ -62,6 +62,38 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
     return data.decode()
 
 
+MAX_NAME_CHARS = 1024
+"""Longest name (signal, event key, step, workflow) accepted at any door."""
+
+
+def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> str:
+    """Return *text* if PostgreSQL can store it as ``text`` unchanged; raise otherwise.
+
+    Every door (client, SQL, CLI, ``ctx`` calls) checks names with this before anything is
+    sent, so one bad name fails only its own call, never a batch it would have shared.
+
+    Raises:
+        SerializationError: not a string, empty, too long, a NUL character or a lone
+            surrogate (neither can be stored in a UTF-8 database).
+    """
+    if not isinstance(text, str):
+        raise SerializationError(f"{what} must be a string, got {type(text).__name__}")
+    if not text:
+        raise SerializationError(f"{what} must not be empty")
+    if len(text) > max_chars:
+        raise SerializationError(f"{what} is {len(text)} characters, over the limit of "
+                                 f"{max_chars}")
+    if "\x00" in text:
+        raise SerializationError(f"{what} contains a NUL character, which PostgreSQL text "
+                                 "cannot store")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SerializationError(f"{what} contains a lone surrogate, which is not valid "
+                                 "UTF-8") from None
+    return text
+
+
 def printable(text: str, limit: int = 65536) -> str:
     """Return *text* made storable (no NUL, no lone surrogates) and at most *limit* chars.
 
