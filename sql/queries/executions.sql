@@ -8,6 +8,13 @@
 -- no second round trip. Due means queued, or waiting with wake_at passed (a sleep ended, a
 -- signal arrived, a wait timed out).
 --
+-- Only workflows this process registers (%(workflows)s) are claimed (all of them with
+-- %(any_workflow)s, for tests and tools that run no workflow code): a name no live worker
+-- knows (a typo, a rolling deploy) waits, visibly, for a worker that does (FAULTS P4).
+-- Arguments and checkpoints come back as JSON text, decoded per execution by the worker, so
+-- one value it cannot decode fails only its own execution (FAULTS P2); the checkpoints come
+-- from history_of(), which never loads more than %(max_history_bytes)s (FAULTS P3).
+--
 -- Suspects: an execution already claimed %(suspect_after)s times without finishing may be
 -- what keeps killing its workers (os._exit, a segfault, OOM). A process takes at most one
 -- suspect at a time (%(take_suspect)s is false while it holds one), so a poison execution
@@ -18,6 +25,7 @@ WITH suspect AS (
       FROM __schema__.workflow_executions
      WHERE status = 'queued'
        AND queue = ANY(%(queues)s::text[])
+       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
        AND attempts >= %(suspect_after)s
        AND %(take_suspect)s
      ORDER BY priority DESC, created_at
@@ -29,6 +37,7 @@ WITH suspect AS (
      WHERE status = 'waiting'
        AND wake_at <= __schema__.kestrel_now()
        AND queue = ANY(%(queues)s::text[])
+       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
      ORDER BY wake_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -37,6 +46,7 @@ WITH suspect AS (
       FROM __schema__.workflow_executions
      WHERE status = 'queued'
        AND queue = ANY(%(queues)s::text[])
+       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
        AND attempts < %(suspect_after)s
      ORDER BY priority DESC, created_at
      LIMIT %(limit)s
@@ -61,11 +71,8 @@ WITH suspect AS (
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
            e.signal_seq, e.deadline, e.cancel_requested, e.created_at
 )
-SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
-       (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
-                         ORDER BY o.step_id)
-          FROM __schema__.operation_outputs AS o
-         WHERE o.execution_id = c.id) AS steps,
+SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
+       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
        __schema__.kestrel_now() AS db_now, c.created_at
   FROM claimed AS c;
@@ -73,12 +80,23 @@ SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
 -- name: heartbeat
 -- Extend every lease this process holds in one statement. Ids missing from the result were
 -- lost (expired and swept, or re-claimed under a newer epoch): the worker drops them.
+-- Every statement that locks several execution rows locks them in id order (here, in the
+-- checkpoint batch, in completions with their parents and in release), so no two of them
+-- can deadlock however their batches overlap (FAULTS X3).
+WITH held(id, epoch) AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
+), locked AS (
+    SELECT e.id
+      FROM __schema__.workflow_executions AS e
+      JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
+     WHERE e.status = 'running'
+     ORDER BY e.id
+       FOR NO KEY UPDATE OF e
+)
 UPDATE __schema__.workflow_executions AS e
    SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-  FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[]) AS held(id, epoch)
- WHERE e.id = held.id
-   AND e.lease_epoch = held.epoch
-   AND e.status = 'running'
+  FROM locked
+ WHERE e.id = locked.id
 RETURNING e.id, e.cancel_requested;
 
 -- name: complete_batch
@@ -89,12 +107,25 @@ RETURNING e.id, e.cancel_requested;
 WITH finished(id, epoch, status, result, error) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(statuses)s::text[],
                          %(results)s::jsonb[], %(errors)s::jsonb[])
+), locked AS (
+    -- Every row this statement will change, the finishing executions and the parents they
+    -- tell, locked up front in id order (see heartbeat).
+    SELECT e.id
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id IN (SELECT id FROM finished
+                    UNION
+                    SELECT c.parent_id FROM __schema__.workflow_executions AS c
+                      JOIN finished AS f ON f.id = c.id
+                     WHERE c.parent_id IS NOT NULL)
+     ORDER BY e.id
+       FOR UPDATE OF e
 ), removed AS (
     DELETE FROM __schema__.workflow_executions AS e
      USING finished AS f
      WHERE e.id = f.id
        AND e.lease_epoch = f.epoch
        AND e.status = 'running'
+       AND e.id IN (SELECT id FROM locked)
  RETURNING e.*, f.status AS final_status, f.result AS final_result, f.error AS final_error
 ), moved AS (
     INSERT INTO __schema__.workflow_history
@@ -127,44 +158,39 @@ SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
 -- name: release_batch
 -- Give executions back to the queue without waiting for their leases to expire (drain on
 -- shutdown). The claim already counted as an attempt, so undo that count: a clean release
--- must not push a healthy execution toward quarantine.
+-- must not push a healthy execution toward quarantine. Locks in id order (see heartbeat).
+WITH held(id, epoch) AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
+), locked AS (
+    SELECT e.id
+      FROM __schema__.workflow_executions AS e
+      JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
+     WHERE e.status = 'running'
+     ORDER BY e.id
+       FOR NO KEY UPDATE OF e
+)
 UPDATE __schema__.workflow_executions AS e
    SET status = 'queued',
        lease_owner = NULL,
        lease_expires_at = NULL,
        attempts = greatest(e.attempts - 1, 0),
        updated_at = __schema__.kestrel_now()
-  FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[]) AS held(id, epoch)
- WHERE e.id = held.id
-   AND e.lease_epoch = held.epoch
-   AND e.status = 'running'
+  FROM locked
+ WHERE e.id = locked.id
 RETURNING e.id;
 
 -- name: park
--- Park a running execution at a wait: no lease, no slot, one row. It is claimed again at
--- wake_at, or earlier by a signal for what it waits for. A re-park of the same wait keeps
--- the original deadline. For a signal wait %(seen_seq)s is the signal_seq read when the
--- worker found no signal; if a signal arrived since, nothing is parked and the worker looks
--- again. attempts restarts at 0: a clean park is progress, not a lost worker.
-UPDATE __schema__.workflow_executions AS e
-   SET status = 'waiting',
-       lease_owner = NULL,
-       lease_expires_at = NULL,
-       attempts = 0,
-       waiting_for = %(waiting_for)s,
-       wait_deadline = CASE
-           WHEN e.wait_step IS NOT DISTINCT FROM %(step_id)s AND e.wait_deadline IS NOT NULL
-           THEN e.wait_deadline
-           ELSE __schema__.kestrel_now() + make_interval(secs => %(seconds)s) END,
-       wake_at = CASE
-           WHEN e.wait_step IS NOT DISTINCT FROM %(step_id)s AND e.wait_deadline IS NOT NULL
-           THEN e.wait_deadline
-           ELSE __schema__.kestrel_now() + make_interval(secs => %(seconds)s) END,
-       wait_step = %(step_id)s,
-       updated_at = __schema__.kestrel_now()
- WHERE e.id = %(id)s
-   AND e.lease_epoch = %(epoch)s
-   AND e.status = 'running'
-   AND NOT e.cancel_requested
-   AND (%(seen_seq)s::bigint IS NULL OR e.signal_seq = %(seen_seq)s::bigint)
-RETURNING e.wait_deadline;
+-- Park a running execution at a wait and say what happened: parked, cancelled, signalled or
+-- lost (see park_execution in migration 0006).
+SELECT __schema__.park_execution(%(id)s, %(epoch)s, %(step_id)s, %(waiting_for)s,
+                                 %(seconds)s, %(seen_seq)s::bigint);
+
+-- name: finished_readback
+-- After a completion whose reply was lost and whose retry found nothing to finish: which of
+-- these executions did finish under this epoch with this status (our own committed write),
+-- as opposed to being fenced by a newer claim (FAULTS X4).
+SELECT h.id
+  FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(statuses)s::text[])
+       AS f(id, epoch, status)
+  JOIN __schema__.workflow_history AS h
+    ON h.id = f.id AND h.lease_epoch = f.epoch AND h.status = f.status;

@@ -34,6 +34,7 @@ WITH lim AS (
     SELECT id
       FROM __schema__.workflow_executions
      WHERE queue = %(queue)s
+       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
        AND (status = 'queued'
             OR (status = 'waiting' AND wake_at <= __schema__.kestrel_now()))
      ORDER BY priority DESC, created_at
@@ -66,11 +67,8 @@ WITH lim AS (
        AND (SELECT count(*) FROM claimed) > 0
  RETURNING 1
 )
-SELECT c.id, c.workflow, c.args, c.lease_epoch, c.attempts,
-       (SELECT jsonb_agg(jsonb_build_array(o.step_id, o.step_name, o.output, o.error)
-                         ORDER BY o.step_id)
-          FROM __schema__.operation_outputs AS o
-         WHERE o.execution_id = c.id) AS steps,
+SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
+       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
        __schema__.kestrel_now() AS db_now, c.created_at
   FROM claimed AS c

@@ -19,6 +19,7 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
       FROM __schema__.workflow_executions AS e
       JOIN input AS i ON i.execution_id = e.id AND i.epoch = e.lease_epoch
      WHERE e.status = 'running'
+     ORDER BY e.id  -- lock order: see heartbeat
        FOR SHARE OF e
 ), inserted AS (
     INSERT INTO __schema__.operation_outputs
@@ -57,43 +58,10 @@ SELECT step_name, output, error
  WHERE execution_id = %(execution_id)s AND step_id = %(step_id)s;
 
 -- name: consume_signal
--- Take the oldest pending signal %(name)s for an execution this worker still owns and record
--- it as the checkpoint of the wait at %(step_id)s, in one statement: the signal is consumed
--- exactly when the checkpoint is written. Returns ownership, the cancel flag, the recorded
--- output (NULL when no signal is pending) and signal_seq for a following park.
-WITH owned AS (
-    SELECT e.id, e.signal_seq, e.cancel_requested
-      FROM __schema__.workflow_executions AS e
-     WHERE e.id = %(id)s AND e.lease_epoch = %(epoch)s AND e.status = 'running'
-       FOR SHARE OF e
-), pending AS (
-    SELECT s.id, s.payload
-      FROM __schema__.signals AS s, owned
-     WHERE s.execution_id = %(id)s AND s.name = %(name)s AND s.consumed_step IS NULL
-       AND NOT owned.cancel_requested
-     ORDER BY s.id
-     LIMIT 1
-       FOR UPDATE OF s SKIP LOCKED
-), used AS (
-    UPDATE __schema__.signals AS s
-       SET consumed_step = %(step_id)s, consumed_at = __schema__.kestrel_now()
-      FROM pending
-     WHERE s.id = pending.id
- RETURNING s.payload
-), recorded AS (
-    INSERT INTO __schema__.operation_outputs
-           (execution_id, step_id, step_name, output, attempt, lease_epoch, started_at)
-    SELECT %(id)s, %(step_id)s, %(step_name)s,
-           jsonb_build_object('received', true, 'payload', used.payload), 1, %(epoch)s,
-           __schema__.kestrel_now()
-      FROM used
-        ON CONFLICT (execution_id, step_id) DO NOTHING
-    RETURNING output
-)
-SELECT (SELECT count(*) FROM owned) > 0,
-       coalesce((SELECT cancel_requested FROM owned), false),
-       (SELECT output FROM recorded),
-       (SELECT signal_seq FROM owned);
+-- Take a pending signal into the wait's checkpoint, or learn signal_seq for a following park
+-- (see consume_signal in migration 0006: it locks, then looks, in two statements).
+SELECT owned, cancelled, output, signal_seq
+  FROM __schema__.consume_signal(%(id)s, %(epoch)s, %(step_id)s, %(name)s, %(step_name)s);
 
 -- name: set_event
 -- Publish an event value for callers following the execution (idempotent upsert; the step

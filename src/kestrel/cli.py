@@ -183,9 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     from psycopg.errors import InsufficientPrivilege, LockNotAvailable
 
-    # Importing the worker reads KESTREL_FAILPOINTS: a malformed value stops the start here
+    # Importing failpoints reads KESTREL_FAILPOINTS: a malformed value stops the start here
     # (ValueError) rather than in every forked worker, restart after restart.
-    import kestrel.worker  # noqa: F401
+    import kestrel.failpoints  # noqa: F401
     from kestrel.migrate import migrate
     from kestrel.supervisor import Supervisor
 

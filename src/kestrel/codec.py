@@ -20,6 +20,9 @@ from kestrel.errors import PayloadTooLarge, SerializationError
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 """Largest encoded argument list, step output or result accepted (16 MiB)."""
 
+MAX_HISTORY_BYTES = 128 * 1024 * 1024
+"""Default bound on the recorded checkpoints one claim loads per execution (128 MiB)."""
+
 # orjson writes U+0000 as \u0000; a literal backslash before "u0000" is written as \\u0000.
 # A NUL is an escape preceded by an even number (zero included) of backslashes.
 _NUL = re.compile(rb"(?<!\\)(?:\\\\)*\\u0000")

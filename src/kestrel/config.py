@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_HISTORY_BYTES
 from kestrel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -82,6 +82,9 @@ KNOBS: tuple[Knob, ...] = (
          "before releasing their leases.", "SECONDS"),
     Knob("max_payload_bytes", int, "Largest encoded argument list, step output or result.",
          "BYTES"),
+    Knob("max_history_bytes", int, "Most recorded step output one execution may load when "
+         "it is claimed (its history as text); past it the execution fails with "
+         "HistoryTooLarge instead of stalling its claims.", "BYTES"),
     Knob("listen", _bool, "Use LISTEN/NOTIFY for wake-ups (polling always runs too).",
          "BOOL"),
     Knob("connection_mode", str, "direct: a PostgreSQL server; pgbouncer: a pooler in "
@@ -131,6 +134,7 @@ class Config:
     max_attempts: int = 5
     drain_timeout: float = 30.0
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_history_bytes: int = MAX_HISTORY_BYTES
     listen: bool = True
     connection_mode: str = "direct"
     prepare: str = "auto"
@@ -189,6 +193,9 @@ class Config:
         parse_limits(self.queue_limits)  # raises ConfigError naming the bad part
         if self.max_payload_bytes < 1024:
             _bad("max_payload_bytes", self.max_payload_bytes, "must be at least 1024")
+        if not self.max_payload_bytes <= self.max_history_bytes <= 200 * 1024 * 1024:
+            _bad("max_history_bytes", self.max_history_bytes, "must be at least "
+                 "--max-payload-bytes and at most 200 MiB (PostgreSQL's jsonb limit is 256 MB)")
         if not 0 <= self.metrics_port <= 65535:
             _bad("metrics_port", self.metrics_port, "must be 0-65535")
         if self.log_level not in {"debug", "info", "warning", "error"}:

@@ -19,13 +19,16 @@ import psycopg
 from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from kestrel.codec import MAX_HISTORY_BYTES
 from kestrel.errors import (
     ConfigError,
     DuplicateExecution,
     ExecutionNotFound,
+    HistoryTooLarge,
     IdempotencyConflict,
     InvalidState,
     KestrelError,
+    UndecodableInput,
 )
 from kestrel.sql import Queries
 from kestrel.types import (
@@ -45,6 +48,36 @@ from kestrel.types import (
 )
 
 AnyConn = psycopg.AsyncConnection[Any]
+
+# SQLSTATEs that mean the server or the link went away, not that the statement is wrong.
+_GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether *exc* means "the database is unreachable right now": wait and try again.
+
+    Only connection-level failures are: class 08, a server shutting down, a connection
+    psycopg lost (an OperationalError with no SQLSTATE, a closed connection, a pool that gave
+    no connection in time) and OS-level socket errors. Every other error came back from a
+    statement that the server ran and refused; sending it again unchanged would most likely
+    fail the same way (a program limit, out of memory, a full disk, a statement timeout), so
+    callers retry those a bounded number of times and then isolate what caused them.
+    """
+    if isinstance(exc, OSError | psycopg.InterfaceError):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _GONE
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """Whether *exc* refuses a value as such (class 22 data exceptions, values psycopg
+    cannot send such as a NUL in text, or text it cannot encode): the same value fails
+    every time, whatever the database's state."""
+    if isinstance(exc, psycopg.DataError | UnicodeError):
+        return True
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("22")
 
 
 def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
@@ -127,16 +160,37 @@ SUSPECT_AFTER = 2
 
 
 def _claimed(row: Sequence[Any]) -> Claimed:
-    """A row of claim_batch or claim_limited (both return the same columns)."""
-    return Claimed(row[0], row[1], row[2], row[3], row[4], _recorded(row[5]), row[6], row[7],
-                   row[8], row[9], row[10], row[11], row[12])
+    """A row of claim_batch or claim_limited (both return the same columns). Arguments and
+    checkpoints arrive as JSON text and are decoded here, one execution at a time, so a value
+    that cannot be decoded fails that execution only (FAULTS P2)."""
+    broken: Exception | None = None
+    args: list[Any] = []
+    steps: dict[int, RecordedStep] = {}
+    try:
+        args = orjson.loads(row[2])
+        history = orjson.loads(row[5]) if row[5] is not None else None
+    except orjson.JSONDecodeError as exc:
+        broken = UndecodableInput(
+            f"the stored arguments or checkpoints of execution {row[0]} cannot be decoded "
+            f"unchanged ({exc}); submit them within JSON's double range and 64-bit integers")
+    else:
+        if isinstance(history, dict):
+            broken = HistoryTooLarge(
+                f"execution {row[0]} has {history.get('too_large')} bytes of recorded "
+                "checkpoints, over --max-history-bytes: it cannot be loaded to replay")
+        else:
+            steps = _recorded(history)
+    return Claimed(row[0], row[1], args, row[3], row[4], steps, row[6], row[7], row[8],
+                   row[9], row[10], row[11], row[12], broken)
 
 
 async def claim_batch(
     conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int,
-    lease_s: float, take_suspect: bool = True,
+    lease_s: float, workflows: Sequence[str] | None = None,
+    max_history_bytes: int = MAX_HISTORY_BYTES, take_suspect: bool = True,
 ) -> list[Claimed]:
-    """Claim up to *limit* queued executions with their recorded checkpoints.
+    """Claim up to *limit* queued executions of *workflows* (None: any) with their recorded
+    checkpoints.
 
     At most one of them is a suspect (claimed :data:`SUSPECT_AFTER` times before), and none
     when *take_suspect* is false.
@@ -144,7 +198,9 @@ async def claim_batch(
     cur = await conn.execute(
         q.claim_batch,
         {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
-         "suspect_after": SUSPECT_AFTER, "take_suspect": take_suspect},
+         "suspect_after": SUSPECT_AFTER, "take_suspect": take_suspect,
+         "workflows": list(workflows or ()), "any_workflow": workflows is None,
+         "max_history_bytes": max_history_bytes},
     )
     return [_claimed(row) for row in await cur.fetchall()]
 
@@ -206,13 +262,16 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
 async def park(
     conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
     seconds: float | None, seen_seq: int | None,
-) -> bool:
-    """Park the execution at a wait; False if it is no longer ours, was cancelled, or (for a
-    signal wait) a signal arrived since *seen_seq* was read."""
+) -> str:
+    """Park the execution at a wait. Returns ``parked`` (now, or by an earlier try whose
+    reply was lost), ``cancelled`` (a cancel was requested), ``signalled`` (a signal arrived
+    since *seen_seq* was read: look again) or ``lost`` (no longer ours)."""
     cur = await conn.execute(q.park, {"id": id, "epoch": epoch, "step_id": step_id,
                                       "waiting_for": waiting_for, "seconds": seconds,
                                       "seen_seq": seen_seq})
-    return await cur.fetchone() is not None
+    row = await cur.fetchone()
+    assert row is not None
+    return str(row[0])
 
 
 async def consume_signal(
@@ -263,6 +322,19 @@ async def complete_batch(
             "results": [f.result for f in finishes],
             "errors": [f.error for f in finishes],
         },
+    )
+    return {row[0] for row in await cur.fetchall()}
+
+
+async def finished_readback(
+    conn: AnyConn, q: Queries, finishes: Sequence[Finish]
+) -> set[uuid.UUID]:
+    """Of *finishes*, the ids that are in history under their epoch and status: our own
+    completion committed, though its reply was lost."""
+    cur = await conn.execute(
+        q.finished_readback,
+        {"ids": [f.execution_id for f in finishes], "epochs": [f.epoch for f in finishes],
+         "statuses": [f.status.value for f in finishes]},
     )
     return {row[0] for row in await cur.fetchall()}
 
@@ -466,7 +538,8 @@ async def queue_stats(conn: AnyConn, q: Queries) -> list[tuple[str, str, int, fl
 
 
 async def claim_limited(
-    conn: AnyConn, q: Queries, *, queue: str, owner: str, limit: int, lease_s: float
+    conn: AnyConn, q: Queries, *, queue: str, owner: str, limit: int, lease_s: float,
+    workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
 ) -> list[Claimed] | None:
     """Claim from a limited queue within its limits, in one transaction under the queue's row
     lock; None when another process holds that lock right now (try again later)."""
@@ -474,10 +547,25 @@ async def claim_limited(
         locked = await (await conn.execute(q.lock_queue_limit, {"queue": queue})).fetchone()
         if locked is None:
             return None
-        cur = await conn.execute(q.claim_limited, {"queue": queue, "owner": owner,
-                                                   "limit": limit, "lease_s": lease_s})
+        cur = await conn.execute(q.claim_limited, {
+            "queue": queue, "owner": owner, "limit": limit, "lease_s": lease_s,
+            "workflows": list(workflows or ()), "any_workflow": workflows is None,
+            "max_history_bytes": max_history_bytes})
         rows = await cur.fetchall()
     return [_claimed(r) for r in rows]
+
+
+async def upsert_queue_limit(conn: AnyConn, q: Queries, *, queue: str,
+                             concurrency: int | None, rate: int | None,
+                             period_s: float | None) -> None:
+    await conn.execute(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
+                                              "rate": rate, "period_s": period_s})
+
+
+async def upsert_schedule(conn: AnyConn, q: Queries, *, name: str, cron: str, workflow: str,
+                          last_tick: datetime) -> None:
+    await conn.execute(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
+                                           "last_tick": last_tick})
 
 
 def upsert_queue_limit_sync(conn: psycopg.Connection[Any], q: Queries, *, queue: str,

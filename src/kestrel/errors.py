@@ -94,3 +94,18 @@ class WorkflowFailed(KestrelError):
 
 class ChildFailed(WorkflowFailed):
     """A child execution awaited with ``ctx.child``/``ctx.wait_child`` did not complete."""
+
+
+class HistoryTooLarge(KestrelError):
+    """The execution's recorded history is larger than ``max_history_bytes``: it cannot be
+    loaded to replay, so it fails instead of stalling every claim that meets it."""
+
+
+class WriteRejected(KestrelError):
+    """The database refused one of this execution's writes as such (a value it cannot
+    store); the rest of its group commit went through. The execution fails with this."""
+
+
+class UndecodableInput(KestrelError):
+    """Stored arguments or checkpoints that the runtime cannot decode unchanged (e.g. a
+    number beyond float range submitted through SQL); the execution fails with this."""

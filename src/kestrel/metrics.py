@@ -84,6 +84,12 @@ class Metrics:
         self.fenced = Counter("kestrel_fenced_writes_total",
                               "Writes rejected because a newer claim owns the execution",
                               ["kind"])
+        self.stalls = Counter("kestrel_stalls_total",
+                              "Times a worker stopped extending its leases because its event "
+                              "loop or a writer made no progress for a whole lease")
+        self.rejected_writes = Counter("kestrel_rejected_writes_total",
+                                       "Writes the database refused for one execution, "
+                                       "isolated from the rest of their group commit", ["kind"])
         self.quarantined = Counter("kestrel_quarantined_total",
                                    "Executions quarantined after max_attempts lost workers")
         self.worker_restarts = Counter("kestrel_worker_restarts_total",

@@ -35,6 +35,7 @@ class Queries:
     complete_batch: str
     release_batch: str
     park: str
+    finished_readback: str
     save_steps_batch: str
     load_step: str
     consume_signal: str

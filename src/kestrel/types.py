@@ -56,6 +56,9 @@ class Claimed:
     cancel_requested: bool = False
     db_now: datetime | None = None
     created_at: datetime | None = None
+    # Why the claimed row cannot run at all (arguments or history it cannot decode, a history
+    # over the bound): the worker fails the execution with this instead of running it.
+    broken: Exception | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,16 @@
 """One worker process: claim executions, run them, group-commit their writes.
 
 Shape (DESIGN §3): a claim loop takes up to ``min(free slots, batch_size)`` executions per
-statement and runs each as an asyncio task. Their checkpoints and completions do not go to
-the database one by one: each goes into a :class:`Batcher`, which sends everything that is
-ready as one statement and one commit, while the workflows that wrote them wait for that
-commit. One heartbeat statement extends every lease the process holds. Side tasks: the
-heartbeat, a LISTEN connection for wake-ups (polling runs regardless), and the sweeper.
+statement and runs each as an asyncio task under a :class:`~kestrel.lease.Lease`. Their
+checkpoints and completions go through the writers (:mod:`kestrel.writer`), which send
+everything that is ready as one statement and one commit while the workflows that wrote them
+wait for that commit. The heartbeat thread (:mod:`kestrel.lease`) extends every lease in one
+statement while the process makes progress. The periodic services (:mod:`kestrel.services`)
+sweep, keep history partitions, start cron ticks, export stats and listen for wake-ups.
 
-Leases. A claim or heartbeat sent at monotonic time ``t`` makes the lease good until
-``t + lease`` on the database clock, which has started counting no earlier than ``t``. So
-until ``t + lease`` by this process's monotonic clock the lease is surely still ours;
-past that the execution may belong to someone else and no new step starts ("trusted until").
-Whatever a stale worker still sends is fenced by the epoch in the database.
+Structured concurrency: :meth:`Worker.run` is one task group of the claim loop and every
+service. A service that ends — by an error or by returning — ends the process with an error
+and the supervisor starts a new one (crash-only; leases recover the work).
 """
 
 from __future__ import annotations
@@ -20,173 +19,41 @@ import asyncio
 import logging
 import os
 import random
-import re
-import signal
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
-
-import psycopg
+from typing import Any, NoReturn, TypeVar
 
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.db import AnyConn
-from kestrel.errors import Cancelled, DeadlineExceeded, LeaseLost, UnknownWorkflow
-from kestrel.schedule import due_ticks, schedules
+from kestrel.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    KestrelError,
+    LeaseLost,
+    UnknownWorkflow,
+    WriteRejected,
+)
+from kestrel.failpoints import afailpoint, failpoint
+from kestrel.lease import Heartbeat, Lease, Leases
+from kestrel.schedule import schedules
+from kestrel.services import Listener, Scheduler, Stats, Sweeper, Upkeep
 from kestrel.sql import queries
 from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
-from kestrel.workflow import Context, Park, WorkflowFn, current_step, describe_error
+from kestrel.workflow import Context, Park, WorkflowFn, describe_error
+from kestrel.writer import Backoff, GroupCommit
 
 log = logging.getLogger("kestrel.worker")
 
-In = TypeVar("In")
 Out = TypeVar("Out")
 
-# Errors that mean "the database is unreachable right now": wait and retry, never crash.
-TRANSIENT = (psycopg.OperationalError, psycopg.errors.AdminShutdown, OSError)
 
-
-def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
-    """``name[=mode][:N]`` items, comma-separated: mode is ``raise`` (the default), ``exit``
-    or ``sleep(SECONDS)``; N is how many times it fires in each process (default 1)."""
-    points: dict[str, list[Any]] = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        head, _, times = item.partition(":")
-        name, _, mode = head.partition("=")
-        mode = mode or "raise"
-        match = re.fullmatch(r"raise|exit|sleep\((\d+(?:\.\d+)?)\)", mode)
-        if name not in FAILPOINTS or match is None or not (times or "1").isdigit():
-            raise ValueError(f"KESTREL_FAILPOINTS: cannot read {item!r}; expected "
-                             f"NAME[=raise|exit|sleep(SECONDS)][:N] with NAME one of "
-                             f"{', '.join(FAILPOINTS)}")
-        points[name] = [mode.partition("(")[0], float(match.group(1) or 0), int(times or 1)]
-    return points
-
-
-# Where the fault suite can inject a fault. ``raise`` at an ``after_*`` point is Temporal's
-# ExecuteAndTimeout: the statement committed, the worker hears an error instead of the reply.
-FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
-              "after_checkpoint_commit_before_ack", "before_complete")
-_FAILPOINTS = _parse_failpoints(os.environ.get("KESTREL_FAILPOINTS", ""))
-
-
-def failpoint(name: str) -> None:
-    """Fault injection for the fault suite, off unless ``KESTREL_FAILPOINTS`` names *name*.
-    ``raise`` raises the error a lost connection would; ``exit`` kills this process with
-    SIGKILL (no cleanup, as a crash); ``sleep(S)`` blocks the event loop for S seconds (the
-    heartbeat thread keeps the leases, as in a CPU-bound stall)."""
-    point = _FAILPOINTS.get(name)
-    if point is None or point[2] <= 0:
-        return
-    point[2] -= 1
-    mode, seconds = point[0], point[1]
-    log.warning("failpoint %s fired (%s)", name, mode)
-    if mode == "exit":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if mode == "sleep":
-        time.sleep(seconds)
-        return
-    raise psycopg.OperationalError(f"failpoint {name}: connection lost")
-
-
-class Backoff:
-    """Exponential backoff with full jitter, reset on success."""
-
-    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
-        self.base, self.cap, self.failures = base, cap, 0
-
-    def next_delay(self) -> float:
-        self.failures += 1
-        return random.uniform(0, min(self.cap, self.base * 2 ** self.failures))
-
-    def reset(self) -> None:
-        self.failures = 0
-
-
-class Batcher(Generic[In, Out]):
-    """Group commit: callers submit one item each; one flush sends all that are waiting.
-
-    While a flush is in flight new items queue up, so the batch size follows the load with
-    no timer and no added latency when idle. A transient database error retries the same
-    batch (the statements are idempotent: ON CONFLICT / epoch-guarded); callers keep waiting.
-    """
-
-    def __init__(
-        self, name: str, flush: Callable[[list[In]], Awaitable[list[Out]]], *, max_batch: int
-    ) -> None:
-        self.name = name
-        self._flush = flush
-        self._max_batch = max_batch
-        self._pending: list[tuple[In, asyncio.Future[Out]]] = []
-        self._wake = asyncio.Event()
-        self.flushes = 0
-        self.items = 0
-
-    async def submit(self, item: In) -> Out:
-        fut: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
-        self._pending.append((item, fut))
-        self._wake.set()
-        return await fut
-
-    async def run(self) -> None:
-        backoff = Backoff()
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                batch = self._pending[: self._max_batch]
-                del self._pending[: self._max_batch]
-                live = [(item, fut) for item, fut in batch if not fut.done()]
-                if not live:
-                    continue
-                while True:
-                    try:
-                        results = await self._flush([item for item, _ in live])
-                    except TRANSIENT as exc:
-                        delay = backoff.next_delay()
-                        log.warning("%s flush failed (%s: %s); retrying in %.2fs", self.name,
-                                    type(exc).__name__, str(exc).strip()[:200], delay)
-                        await asyncio.sleep(delay)
-                        continue
-                    except BaseException as exc:
-                        # Not transient: tell every waiter, then die (crash-only; the
-                        # supervisor restarts the process and leases recover the work).
-                        for _, fut in live:
-                            if fut.done():
-                                continue
-                            if isinstance(exc, asyncio.CancelledError):
-                                fut.cancel()
-                            else:
-                                fut.set_exception(exc)
-                        raise
-                    backoff.reset()
-                    break
-                self.flushes += 1
-                self.items += len(live)
-                for (_, fut), result in zip(live, results, strict=True):
-                    if not fut.done():
-                        fut.set_result(result)
-
-
-@dataclass(eq=False)
-class _Held:
-    claimed: Claimed
-    trusted_until: float
-    task: asyncio.Task[None] | None = None
-    lost: bool = False
-    cancel_requested: bool = False
-    # Set before the statement that ends this claim (complete, park): a heartbeat that then
-    # misses the row is seeing that statement's effect, not a lost lease.
-    finishing: bool = False
-    deadline_hit: bool = False
-    deadline_timer: asyncio.TimerHandle | None = None
-    claimed_at: float = 0.0
-    queue: str | None = None  # set for executions of limited queues (per-process counts)
+class ServiceEnded(RuntimeError):
+    """A worker service returned: services run for the life of the process."""
 
 
 @dataclass
@@ -202,26 +69,31 @@ class WorkerStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+def _write_size(w: StepWrite) -> int:
+    return len(w.output or "") + len(w.error or "") + len(w.name)
+
+
+def _finish_size(f: Finish) -> int:
+    return len(f.result or "") + len(f.error or "")
+
+
 class Worker:
     """Claim and run executions until :meth:`stop`; then drain."""
 
     def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
                  collect_queue_stats: bool = False, stats_interval: float = 5.0) -> None:
         self.cfg = cfg
-        self.collect_queue_stats = collect_queue_stats
-        self.stats_interval = stats_interval
         self.dsn = dsn
         self.id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
         self._workflows = workflows
+        self._names = sorted(workflows)
         self._q = queries(cfg.schema)
-        self._held: dict[uuid.UUID, _Held] = {}
+        self.leases = Leases()
         self._stopping = asyncio.Event()
         self._work = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
-        self._releasing = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._hb_stop = threading.Event()
+        self._loop_tick = time.monotonic()
         self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
                                   prepared=cfg.prepared_statements)
         self._listen_dsn = cfg.notify_dsn(dsn)
@@ -233,80 +105,88 @@ class Worker:
         self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
         self._schedules = [s for s in schedules().values() if s.workflow in workflows]
         self._limited_retry: dict[str, float] = {}
-        self._checkpoints: Batcher[StepWrite, StepSaved] = Batcher(
-            "checkpoint", self._flush_checkpoints, max_batch=1000)
-        self._completions: Batcher[Finish, bool] = Batcher(
-            "completion", self._flush_completions, max_batch=1000)
+        self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
+            "checkpoint", self._flush_checkpoints, size=_write_size)
+        self.completions: GroupCommit[Finish, bool] = GroupCommit(
+            "completion", self._flush_completions, size=_finish_size)
+        self.sweeper = Sweeper(self._pool, self._q, cfg, self._work.set)
+        self.upkeep = Upkeep(self._pool, self._q, cfg)
+        self.scheduler = Scheduler(self._pool, self._q, cfg, self._schedules)
+        self._stats = Stats(self._pool, self._q, workflows=self._names,
+                            collect_queues=collect_queue_stats, interval=stats_interval,
+                            running=lambda: len(self.leases))
+        self.heartbeat: Heartbeat | None = None
         self.stats = WorkerStats()
 
-    # -- the Writer protocol used by Context ------------------------------------------------
+    # -- what a Context asks of its worker (kestrel.workflow.Writer) --------------------------
 
     async def save_step(self, write: StepWrite) -> StepSaved:
-        return await self._checkpoints.submit(write)
+        return await self.checkpoints.submit(write)
 
-    def trusted(self, execution_id: uuid.UUID) -> bool:
-        held = self._held.get(execution_id)
-        return held is not None and not held.lost and time.monotonic() < held.trusted_until
-
-    def cancel_requested(self, execution_id: uuid.UUID) -> bool:
-        held = self._held.get(execution_id)
-        return held is not None and held.cancel_requested
-
-    async def _with_retries(self, claimed: Claimed, op: Callable[[AnyConn], Awaitable[Out]]
-                            ) -> Out:
+    async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
         """Run a workflow's own database call, retrying while the database is unreachable
         and the lease is still trusted (the calls are fenced or idempotent, so a retry after
-        a lost reply changes nothing twice)."""
+        a lost reply changes nothing twice). A statement the database refuses raises."""
         backoff = Backoff()
         while True:
             try:
                 async with self._pool.connection() as conn:
                     return await op(conn)
-            except TRANSIENT as exc:
-                if not self.trusted(claimed.id):
-                    raise LeaseLost(f"database unreachable past the lease of {claimed.id}"
-                                    ) from exc
+            except Exception as exc:
+                if not db.is_transient(exc):
+                    raise
+                if not lease.trusted():
+                    raise LeaseLost(f"database unreachable past the lease of "
+                                    f"{lease.claimed.id}") from exc
                 await asyncio.sleep(backoff.next_delay())
 
-    async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
-                   seconds: float | None, seen_seq: int | None) -> bool:
-        held = self._held.get(claimed.id)
-        if held is not None:
-            held.finishing = True
-        parked = await self._with_retries(claimed, lambda conn: db.park(
-            conn, self._q, id=claimed.id, epoch=claimed.epoch, step_id=step_id,
-            waiting_for=waiting_for, seconds=seconds, seen_seq=seen_seq))
-        if held is not None and not parked:
-            held.finishing = False
-        return parked
+    async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
+                   seconds: float | None, seen_seq: int | None) -> str:
+        lease.finish()  # a heartbeat that now misses the row is seeing our own park
 
-    async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
+        async def park(conn: AnyConn) -> str:
+            outcome = await db.park(conn, self._q, id=lease.claimed.id,
+                                    epoch=lease.claimed.epoch, step_id=step_id,
+                                    waiting_for=waiting_for, seconds=seconds,
+                                    seen_seq=seen_seq)
+            await afailpoint("after_park_commit")
+            return outcome
+
+        outcome = "lost"
+        try:
+            outcome = await self._with_retries(lease, park)
+        finally:
+            if outcome != "parked":
+                lease.unfinish()
+        return outcome
+
+    async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
-        return await self._with_retries(claimed, lambda conn: db.consume_signal(
-            conn, self._q, id=claimed.id, epoch=claimed.epoch, step_id=step_id, name=name,
+        c = lease.claimed
+        return await self._with_retries(lease, lambda conn: db.consume_signal(
+            conn, self._q, id=c.id, epoch=c.epoch, step_id=step_id, name=name,
             step_name=step_name))
 
-    async def set_event(self, claimed: Claimed, key: str, value: str) -> bool:
-        return await self._with_retries(claimed, lambda conn: db.set_event(
-            conn, self._q, id=claimed.id, epoch=claimed.epoch, key=key, value=value))
+    async def set_event(self, lease: Lease, key: str, value: str) -> bool:
+        c = lease.claimed
+        return await self._with_retries(lease, lambda conn: db.set_event(
+            conn, self._q, id=c.id, epoch=c.epoch, key=key, value=value))
 
-    async def submit_child(self, *, workflow: str, args: str, queue: str, priority: int,
-                           key: str, parent: uuid.UUID, timeout_s: float | None) -> uuid.UUID:
-        held = self._held[parent]
+    async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
+                           priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
         params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
-                                  idempotency_key=key, parent=parent, timeout_s=timeout_s)
+                                  idempotency_key=key, parent=lease.claimed.id,
+                                  timeout_s=timeout_s)
         child: uuid.UUID = await self._with_retries(
-            held.claimed, lambda conn: db.call(conn, self._q.submit, params, key=key))
+            lease, lambda conn: db.call(conn, self._q.submit, params, key=key))
         return child
 
-    async def send_signal(self, execution_id: uuid.UUID, name: str, payload: str | None,
-                          key: str) -> bool:
-        step = current_step()
-        held = self._held[step.execution_id]
+    async def send_signal(self, lease: Lease, execution_id: uuid.UUID, name: str,
+                          payload: str | None, key: str) -> bool:
         params = {"id": execution_id, "name": name, "payload": payload,
                   "idempotency_key": key}
         return bool(await self._with_retries(
-            held.claimed, lambda conn: db.call(conn, self._q.signal, params)))
+            lease, lambda conn: db.call(conn, self._q.signal, params)))
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -322,77 +202,111 @@ class Worker:
         """Write this process's queue limits and schedules (idempotent upserts)."""
         async with self._pool.connection() as conn:
             for spec in self._limited:
-                await conn.execute(self._q.upsert_queue_limit, {
-                    "queue": spec.name, "concurrency": spec.concurrency, "rate": spec.rate,
-                    "period_s": spec.period})
+                await db.upsert_queue_limit(conn, self._q, queue=spec.name,
+                                            concurrency=spec.concurrency, rate=spec.rate,
+                                            period_s=spec.period)
             if self._schedules:
                 now = await db.db_now(conn, self._q)
                 for sch in self._schedules:
-                    await conn.execute(self._q.upsert_schedule, {
-                        "name": sch.name, "cron": sch.cron.text, "workflow": sch.workflow,
-                        "last_tick": now})
+                    await db.upsert_schedule(conn, self._q, name=sch.name, cron=sch.cron.text,
+                                             workflow=sch.workflow, last_tick=now)
+
+    def services(self) -> dict[str, Callable[[], Coroutine[Any, Any, NoReturn]]]:
+        """The services this process runs for its whole life, by name."""
+        found: dict[str, Callable[[], Coroutine[Any, Any, NoReturn]]] = {
+            "checkpoint-writer": self.checkpoints.run,
+            "completion-writer": self.completions.run,
+            "sweeper": self.sweeper.run,
+            "upkeep": self.upkeep.run,
+            "stats": self._stats.run,
+            "ticker": self._tick,
+        }
+        if self._schedules:
+            found["scheduler"] = self.scheduler.run
+        if self.cfg.listen and self._listen_dsn is not None:
+            found["listener"] = Listener(self._listen_dsn, self._q, self._work.set).run
+        return found
 
     async def run(self) -> None:
-        """Run until :meth:`stop` is called, then drain and return."""
-        self._loop = asyncio.get_running_loop()
+        """Run until :meth:`stop` is called, then drain and return. Raises if a service ends."""
+        loop = asyncio.get_running_loop()
         await self._pool.open(wait=False)
         await self._register()
-        heartbeat = threading.Thread(target=self._heartbeat_thread, name="kestrel-heartbeat",
-                                     daemon=True)
-        heartbeat.start()
-        side = [
-            asyncio.create_task(self._checkpoints.run(), name="checkpoint-writer"),
-            asyncio.create_task(self._completions.run(), name="completion-writer"),
-            asyncio.create_task(self._sweep_loop(), name="sweeper"),
-            asyncio.create_task(self._maintenance_loop(), name="maintenance"),
-            asyncio.create_task(self._stats_loop(), name="stats"),
-        ]
-        if self._schedules:
-            side.append(asyncio.create_task(self._schedule_loop(), name="scheduler"))
-        listening = self.cfg.listen and self._listen_dsn is not None
-        if listening:
-            side.append(asyncio.create_task(self._listen_loop(), name="listener"))
+        self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q, lease_s=self.cfg.lease,
+                                   interval=self.cfg.heartbeat,
+                                   prepared=self.cfg.prepared_statements, loop=loop,
+                                   progressing=self._progressing)
+        self.heartbeat.start()
+        services = self.services()
         log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
                  "connections=%s prepared=%s", self.id, self.cfg.concurrency,
                  self.cfg.batch_size, ",".join(self.cfg.queues),
-                 "LISTEN/NOTIFY + polling" if listening else "polling only",
+                 "LISTEN/NOTIFY + polling" if "listener" in services else "polling only",
                  self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no")
-        claim = asyncio.create_task(self._claim_loop(), name="claim")
         try:
-            # Crash-only: if a side task dies, the worker dies, and the supervisor restarts it.
-            done, _ = await asyncio.wait([claim, *side], return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                if t is not claim and t.exception() is not None:
-                    raise t.exception()  # type: ignore[misc]
-            await claim
-            await self._drain()
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._service(name, fn), name=name)
+                         for name, fn in services.items()]
+                await self._claim_loop()
+                await self._drain()
+                for t in tasks:
+                    t.cancel()
         finally:
-            self._hb_stop.set()
-            await asyncio.to_thread(heartbeat.join, self.cfg.heartbeat + 5)
-            for t in side:
-                t.cancel()
-            await asyncio.gather(*side, return_exceptions=True)
-            claim.cancel()
+            for lease in self.leases:
+                if lease.task is not None:
+                    lease.task.cancel()
+            await self.heartbeat.stop()
             await self._pool.close()
             self._executor.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped: %s", self.id, self.stats)
 
+    @staticmethod
+    async def _service(name: str, fn: Callable[[], Coroutine[Any, Any, NoReturn]]) -> None:
+        try:
+            await fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException:
+            log.exception("worker service %s crashed; the worker exits", name)
+            raise
+        log.error("worker service %s returned; the worker exits", name)
+        raise ServiceEnded(f"worker service {name} returned")
+
+    async def _tick(self) -> NoReturn:
+        """Mark the event loop as running, for the heartbeat's watchdog."""
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(min(1.0, self.cfg.heartbeat / 2))
+
+    def _progressing(self) -> str | None:
+        """None while this process makes progress; else why not (heartbeat thread)."""
+        now = time.monotonic()
+        limit = self.cfg.lease
+        if now - self._loop_tick > limit:
+            return f"the event loop has not run for {now - self._loop_tick:.1f}s"
+        for writer in (self.checkpoints, self.completions):
+            stalled = writer.stalled_for(now)
+            if stalled > limit:
+                return f"the {writer.name} writer has made no progress for {stalled:.1f}s"
+        return None
+
     async def _drain(self) -> None:
-        tasks = [h.task for h in self._held.values() if h.task is not None]
+        tasks = [h.task for h in self.leases if h.task is not None]
         if tasks:
             log.info("draining %d running executions for up to %.1fs", len(tasks),
                      self._drain_timeout)
             if self._drain_timeout > 0:
                 await asyncio.wait(tasks, timeout=self._drain_timeout)
-        remaining = list(self._held.values())
+        remaining = list(self.leases)
         if not remaining:
             return
         for h in remaining:
             if h.task is not None:
                 h.task.cancel()
         await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
-        held = [(h.claimed.id, h.claimed.epoch) for h in remaining if not h.lost]
-        self._releasing = True  # the heartbeat must not report released rows as lost
+        held = [h.key for h in remaining if not h.lost]
+        if self.heartbeat is not None:
+            self.heartbeat.paused = True  # released rows are not lost leases
         if held:
             try:
                 async with self._pool.connection(timeout=5) as conn:
@@ -403,49 +317,56 @@ class Worker:
             else:
                 self.stats.released += len(released)
                 log.info("released %d executions back to the queue", len(released))
-        self._held.clear()
+        self.leases.clear()
 
     # -- claiming -----------------------------------------------------------------------------
 
     async def _claim_loop(self) -> None:
         backoff = Backoff()
         while not self._stopping.is_set():
-            free = self.cfg.concurrency - len(self._held)
+            free = self.cfg.concurrency - len(self.leases)
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
             try:
-                more = False
-                if self._unlimited:
-                    limit = min(free, self.cfg.batch_size)
-                    got = await self._claim(limit, None)
-                    more = got == limit
-                for spec in self._limited:
-                    # A limited queue that came back short (at its limit, empty, or busy
-                    # with another claimer) is tried again after a poll interval, so the
-                    # unlimited queues' claim loop does not pay for it on every round.
-                    if time.monotonic() < self._limited_retry.get(spec.name, 0.0):
-                        continue
-                    room = self.cfg.concurrency - len(self._held)
-                    if spec.per_process is not None:
-                        mine = sum(1 for h in self._held.values() if h.queue == spec.name)
-                        room = min(room, spec.per_process - mine)
-                    limit = min(room, self.cfg.batch_size)
-                    if limit > 0:
-                        got = await self._claim(limit, spec.name)
-                        more = more or got == limit
-                        if got < limit:
-                            self._limited_retry[spec.name] = time.monotonic() + (
-                                self.cfg.poll_interval * random.uniform(0.8, 1.2))
-            except TRANSIENT as exc:
+                more = await self._claim_round(free)
+            except Exception as exc:
                 delay = backoff.next_delay()
-                log.warning("claim failed (%s); retrying in %.2fs", type(exc).__name__, delay)
+                level = logging.WARNING if db.is_transient(exc) else logging.ERROR
+                log.log(level, "claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
+                        str(exc).strip()[:200], delay)
                 await self._sleep_unless_stopping(delay)
                 continue
             backoff.reset()
             if not more:
                 await self._wait_for_work()
+
+    async def _claim_round(self, free: int) -> bool:
+        """Claim into *free* slots; True if a claim came back full (claim again at once)."""
+        more = False
+        if self._unlimited:
+            limit = min(free, self.cfg.batch_size)
+            got = await self._claim(limit, None)
+            more = got == limit
+        for spec in self._limited:
+            # A limited queue that came back short (at its limit, empty, or busy with another
+            # claimer) is tried again after a poll interval, so the unlimited queues' claim
+            # loop does not pay for it on every round.
+            if time.monotonic() < self._limited_retry.get(spec.name, 0.0):
+                continue
+            room = self.cfg.concurrency - len(self.leases)
+            if spec.per_process is not None:
+                mine = sum(1 for h in self.leases if h.queue == spec.name)
+                room = min(room, spec.per_process - mine)
+            limit = min(room, self.cfg.batch_size)
+            if limit > 0:
+                got = await self._claim(limit, spec.name)
+                more = more or got == limit
+                if got < limit:
+                    self._limited_retry[spec.name] = time.monotonic() + (
+                        self.cfg.poll_interval * random.uniform(0.8, 1.2))
+        return more
 
     async def _claim(self, limit: int, queue: str | None) -> int:
         """One claim statement (of a limited *queue*, or of the unlimited ones); start what
@@ -456,10 +377,14 @@ class Worker:
             if queue is None:
                 claimed = await db.claim_batch(
                     conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
-                    lease_s=self.cfg.lease, take_suspect=not self._holds_suspect())
+                    lease_s=self.cfg.lease, workflows=self._names,
+                    max_history_bytes=self.cfg.max_history_bytes,
+                    take_suspect=not self._holds_suspect())
             else:
-                got = await db.claim_limited(conn, self._q, queue=queue, owner=self.id,
-                                             limit=limit, lease_s=self.cfg.lease)
+                got = await db.claim_limited(
+                    conn, self._q, queue=queue, owner=self.id, limit=limit,
+                    lease_s=self.cfg.lease, workflows=self._names,
+                    max_history_bytes=self.cfg.max_history_bytes)
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got
@@ -476,24 +401,28 @@ class Worker:
                 if c.db_now is not None and c.created_at is not None:
                     m.submit_to_start.labels(c.workflow).observe(
                         max(0.0, (c.db_now - c.created_at).total_seconds()))
-            held = _Held(c, trusted_until=sent + self.cfg.lease,
-                         cancel_requested=c.cancel_requested, claimed_at=sent, queue=queue)
-            self._held[c.id] = held
-            held.task = asyncio.create_task(self._execute(held), name=f"execution-{c.id}")
-            if c.deadline is not None and c.db_now is not None:
-                left = (c.deadline - c.db_now).total_seconds()
-                held.deadline_timer = asyncio.get_running_loop().call_later(
-                    max(left, 0.0), self._deadline_passed, held)
+            self._start(Lease(c, trusted_until=sent + self.cfg.lease, claimed_at=sent,
+                              queue=queue, cancel_requested=c.cancel_requested))
         return len(claimed)
 
-    def _deadline_passed(self, held: _Held) -> None:
-        if held.task is not None and not held.task.done():
-            held.deadline_hit = True
-            held.task.cancel()
+    def _start(self, lease: Lease) -> None:
+        c = lease.claimed
+        self.leases.add(lease)  # an older claim of the same id held here is lost (X5)
+        lease.task = asyncio.create_task(self._execute(lease), name=f"execution-{c.id}")
+        if c.deadline is not None and c.db_now is not None:
+            left = (c.deadline - c.db_now).total_seconds()
+            lease.deadline_timer = asyncio.get_running_loop().call_later(
+                max(left, 0.0), self._deadline_passed, lease)
+
+    def _deadline_passed(self, lease: Lease) -> None:
+        # A completion already on its way wins over the deadline (FAULTS X6).
+        if lease.task is not None and not lease.task.done() and not lease.finishing:
+            lease.deadline_hit = True
+            lease.task.cancel()
 
     def _holds_suspect(self) -> bool:
         # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.
-        return any(h.claimed.attempt > db.SUSPECT_AFTER for h in self._held.values())
+        return any(h.claimed.attempt > db.SUSPECT_AFTER for h in self.leases)
 
     async def _wait_for_work(self) -> None:
         self._work.clear()
@@ -511,96 +440,120 @@ class Worker:
 
     # -- running one execution ----------------------------------------------------------------
 
-    async def _execute(self, held: _Held) -> None:
-        c = held.claimed
-        ctx = Context(c, c.workflow, self, self._executor, self.cfg.max_payload_bytes,
-                      claimed_mono=held.claimed_at)
+    async def _execute(self, lease: Lease) -> None:
+        c = lease.claimed
+        ctx = Context(c, c.workflow, self, lease, self._executor, self.cfg.max_payload_bytes,
+                      claimed_mono=lease.claimed_at)
         try:
-            try:
-                finish = await self._run_workflow(ctx)
-            except asyncio.CancelledError:
-                if not held.deadline_hit or held.lost or self._stopping.is_set():
-                    raise
-                finish = self._failure(c, DeadlineExceeded(
-                    f"workflow {c.workflow!r} ran past its deadline {c.deadline}"))
-            if finish is None:
-                return
-            held.finishing = True
-            m = metrics.get()
-            if await self._completions.submit(finish):
-                if finish.status is Status.COMPLETED:
-                    self.stats.completed += 1
-                else:
-                    self.stats.failed += 1
-                m.finished.labels(c.workflow, finish.status.value).inc()
-                if c.db_now is not None and c.created_at is not None:
-                    # Database time at the claim plus what elapsed here since.
-                    took = (c.db_now - c.created_at).total_seconds() + (
-                        time.monotonic() - held.claimed_at)
-                    m.submit_to_finish.labels(c.workflow).observe(max(0.0, took))
-            else:
-                self.stats.fenced += 1
-                m.fenced.labels("completion").inc()
-                log.info("completion of %s was fenced: a newer claim owns it", c.id)
+            finish = await self._outcome(ctx, lease)
+            if finish is not None:
+                await self._finish(lease, finish)
         except asyncio.CancelledError:
-            if held.lost or self._stopping.is_set():
+            if lease.lost or self._stopping.is_set():
                 return  # lost: the new owner finishes it; stopping: _drain releases it
             raise
         finally:
-            if held.deadline_timer is not None:
-                held.deadline_timer.cancel()
-            # Identity check: after a lost lease this worker may hold a newer claim of the
-            # same execution under the same id.
-            if self._held.get(c.id) is held:
-                del self._held[c.id]
+            if lease.deadline_timer is not None:
+                lease.deadline_timer.cancel()
+            self.leases.remove(lease)
             self._slot_freed.set()
 
-    def _failure(self, c: Claimed, error: BaseException) -> Finish:
-        log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow,
-                 type(error).__name__, error)
-        return Finish(c.id, c.epoch, Status.FAILED, None,
-                      codec.encode(describe_error(error), what="workflow error"))
-
-    async def _run_workflow(self, ctx: Context) -> Finish | None:
+    async def _outcome(self, ctx: Context, lease: Lease) -> Finish | None:
+        """Run the workflow and map whatever happened to exactly one action: a Finish to
+        commit (completed, failed, cancelled), or None (parked, or dropped because the lease
+        is gone). A decision the runtime took (lease lost, cancelled, non-determinism, a
+        refused write) wins over whatever the workflow code did after it (FAULTS P6)."""
         c = ctx.claimed
-        fn = self._workflows.get(c.workflow)
-        if c.deadline is not None and c.db_now is not None and c.db_now >= c.deadline:
-            return self._failure(c, DeadlineExceeded(
-                f"workflow {c.workflow!r} passed its deadline {c.deadline}"))
+        outcome: BaseException | None = None
+        value: Any = None
         try:
+            if c.broken is not None:
+                raise c.broken
+            if c.deadline is not None and c.db_now is not None and c.db_now >= c.deadline:
+                raise DeadlineExceeded(f"workflow {c.workflow!r} passed its deadline "
+                                       f"{c.deadline}")
+            fn = self._workflows.get(c.workflow)
             if fn is None:
-                raise UnknownWorkflow(
-                    f"workflow {c.workflow!r} is not registered in worker {self.id} "
-                    f"(registered: {', '.join(sorted(self._workflows)) or 'none'})")
+                raise UnknownWorkflow(f"workflow {c.workflow!r} is not registered in worker "
+                                      f"{self.id}")
             value = await fn(ctx, *c.args)
-            if ctx.nondeterminism is not None:
-                raise ctx.nondeterminism
-            if ctx.cancelled:
-                raise Cancelled(f"execution {c.id} was cancelled")
-            result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
-                                  max_bytes=self.cfg.max_payload_bytes)
-            return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
         except Park:
             self.stats.parked += 1
             metrics.get().parked.labels(c.workflow).inc()
             return None
-        except LeaseLost as exc:
+        except asyncio.CancelledError:
+            if not lease.deadline_hit or lease.lost or self._stopping.is_set():
+                raise
+            outcome = DeadlineExceeded(f"workflow {c.workflow!r} ran past its deadline "
+                                       f"{c.deadline}")
+        except Exception as exc:
+            outcome = exc
+        outcome = ctx.decision or outcome
+        if isinstance(outcome, LeaseLost):
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
-            log.info("dropping %s: %s", c.id, exc)
+            log.info("dropping %s: %s", c.id, outcome)
             return None
+        if isinstance(outcome, Cancelled):
+            return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
+                {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
+        if outcome is None:
+            try:
+                result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
+                                      max_bytes=self.cfg.max_payload_bytes)
+            except KestrelError as exc:
+                return self._failure(c, exc)
+            return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+        return self._failure(c, outcome)
+
+    async def _finish(self, lease: Lease, finish: Finish) -> None:
+        c = lease.claimed
+        lease.finish()
+        m = metrics.get()
+        try:
+            done = await self.completions.submit(finish)
         except Exception as exc:
-            if ctx.nondeterminism is None and (ctx.cancelled or isinstance(exc, Cancelled)):
-                return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
-                    {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
-            return self._failure(c, ctx.nondeterminism or exc)
+            if not db.is_data_error(exc) or finish.status is Status.FAILED:
+                # Refused for a reason of the database's (a limit, its disk): this attempt
+                # ends here and counts; the sweeper retries it or quarantines it.
+                log.error("completion of %s refused (%s: %s); dropping this attempt", c.id,
+                          type(exc).__name__, str(exc).strip()[:200])
+                m.rejected_writes.labels("completion").inc()
+                return
+            m.rejected_writes.labels("completion").inc()
+            finish = self._failure(c, WriteRejected(
+                f"the database refused the result of workflow {c.workflow!r}: "
+                f"{type(exc).__name__}: {exc}"))
+            done = await self.completions.submit(finish)
+        if done:
+            if finish.status is Status.COMPLETED:
+                self.stats.completed += 1
+            else:
+                self.stats.failed += 1
+            m.finished.labels(c.workflow, finish.status.value).inc()
+            if c.db_now is not None and c.created_at is not None:
+                # Database time at the claim plus what elapsed here since.
+                took = (c.db_now - c.created_at).total_seconds() + (
+                    time.monotonic() - lease.claimed_at)
+                m.submit_to_finish.labels(c.workflow).observe(max(0.0, took))
+        else:
+            self.stats.fenced += 1
+            m.fenced.labels("completion").inc()
+            log.info("completion of %s was fenced: a newer claim owns it", c.id)
+
+    def _failure(self, c: Claimed, error: BaseException) -> Finish:
+        described = describe_error(error)
+        log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow, described["type"],
+                 described["message"][:500])
+        return Finish(c.id, c.epoch, Status.FAILED, None,
+                      codec.encode(described, what="workflow error"))
 
     # -- group-commit flushes -----------------------------------------------------------------
 
     async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
         started = time.monotonic()
         async with self._pool.connection() as conn:
-            failpoint("before_checkpoint_commit")
+            await afailpoint("before_checkpoint_commit")
             saved = await db.save_steps(conn, self._q, writes)
             failpoint("after_checkpoint_commit_before_ack")
             m = metrics.get()
@@ -621,233 +574,18 @@ class Worker:
     async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
         started = time.monotonic()
         async with self._pool.connection() as conn:
-            failpoint("before_complete")
+            await afailpoint("before_complete")
             done = await db.complete_batch(conn, self._q, finishes)
+            failpoint("after_complete_commit")
+            missing = [f for f in finishes if f.execution_id not in done]
+            if missing:
+                # Not finished by this statement: fenced by a newer claim, or finished by an
+                # earlier try whose reply was lost (FAULTS X4). History tells which.
+                done |= await db.finished_readback(conn, self._q, missing)
         m = metrics.get()
         m.completion_seconds.observe(time.monotonic() - started)
         m.completion_batch.observe(len(finishes))
         return [f.execution_id in done for f in finishes]
-
-    # -- side tasks ---------------------------------------------------------------------------
-
-    def heartbeat_once(self, conn: psycopg.Connection[Any]) -> None:
-        """Extend every held lease in one statement (runs on the heartbeat thread); hand the
-        executions whose lease is gone to the event loop to abandon."""
-        snapshot = [h for h in list(self._held.values()) if not h.lost]
-        if not snapshot or self._releasing:
-            return
-        sent = time.monotonic()
-        owned = db.heartbeat_sync(conn, self._q, held=[(h.claimed.id, h.claimed.epoch)
-                                                       for h in snapshot],
-                                  lease_s=self.cfg.lease)
-        gone = []
-        for h in snapshot:
-            if h.claimed.id in owned:
-                h.trusted_until = sent + self.cfg.lease
-                if owned[h.claimed.id]:
-                    h.cancel_requested = True
-            else:
-                gone.append(h)
-        if gone and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._abandon, gone)
-
-    def _abandon(self, gone: list[_Held]) -> None:
-        for h in gone:
-            if self._held.get(h.claimed.id) is not h or h.finishing or h.lost:
-                continue  # finished or parked meanwhile: the row left on our own write
-            h.lost = True
-            self.stats.lost += 1
-            metrics.get().leases_lost.inc()
-            metrics.get().fenced.labels("heartbeat").inc()
-            log.warning("lease on %s was lost (expired or re-claimed); abandoning it",
-                        h.claimed.id)
-            if h.task is not None:
-                h.task.cancel()
-
-    def _heartbeat_thread(self) -> None:
-        """Heartbeats from a thread and a connection of their own, so that a step blocking
-        the event loop (CPU-bound code in an ``async def``) does not let its lease lapse and
-        a second worker run the same step alongside it (FAULTS F8). The price: a step that
-        never returns holds its lease for as long as the process lives."""
-        conn: psycopg.Connection[Any] | None = None
-        backoff = Backoff(base=0.2, cap=self.cfg.heartbeat)
-        while not self._hb_stop.wait(self.cfg.heartbeat if not backoff.failures
-                                     else backoff.next_delay()):
-            try:
-                if conn is None:
-                    conn = psycopg.connect(self.dsn, **{
-                        **db.link_params(self.dsn), "autocommit": True,
-                        "application_name": "kestrel-heartbeat",
-                        "prepare_threshold": 0 if self.cfg.prepared_statements else None,
-                        "connect_timeout": max(1, int(self.cfg.heartbeat))})
-                self.heartbeat_once(conn)
-                backoff.reset()
-            except psycopg.Error as exc:
-                log.warning("heartbeat failed (%s); leases are trusted until they run out",
-                            type(exc).__name__)
-                backoff.failures += 1
-                if conn is not None:
-                    conn.close()
-                    conn = None
-        if conn is not None:
-            conn.close()
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.sweep_interval * random.uniform(0.5, 1.0))
-            try:
-                await self.sweep_once()
-            except TRANSIENT as exc:
-                log.warning("sweep failed (%s)", type(exc).__name__)
-
-    async def sweep_once(self) -> tuple[int, int]:
-        """Re-enqueue expired leases in bounded passes; return (requeued, quarantined)."""
-        requeued = quarantined = 0
-        limit = 500
-        while True:
-            async with self._pool.connection() as conn:
-                r = await db.reenqueue_expired(conn, self._q, limit=limit,
-                                               max_attempts=self.cfg.max_attempts)
-            requeued += r.requeued
-            quarantined += r.quarantined
-            if r.examined < limit:
-                break
-        while True:
-            async with self._pool.connection() as conn:
-                expired = await db.expire_deadlines(conn, self._q, limit=limit)
-            if expired:
-                log.info("failed %d queued or waiting executions past their deadline", expired)
-            if expired < limit:
-                break
-        if requeued:
-            metrics.get().leases_expired.inc(requeued)
-            log.info("sweeper re-enqueued %d executions with expired leases", requeued)
-            self._work.set()
-        if quarantined:
-            metrics.get().quarantined.inc(quarantined)
-            log.warning("sweeper quarantined %d executions that exhausted max_attempts=%d",
-                        quarantined, self.cfg.max_attempts)
-        return requeued, quarantined
-
-    async def _stats_loop(self) -> None:
-        """Every few seconds: this process's pool and running gauges; in the one process
-        chosen by the supervisor, queue depth from one cheap query for the whole fleet."""
-        m = metrics.get()
-        m.workers.set(1)
-        # Known label values start at 0, so a rate() over them has data before the first
-        # event (and absence means "no such thing", not "not happened yet").
-        for kind in ("checkpoint", "completion", "heartbeat"):
-            m.fenced.labels(kind)
-        for wf in self._workflows:
-            m.started.labels(wf)
-            for outcome in ("completed", "failed", "cancelled"):
-                m.finished.labels(wf, outcome)
-        known: set[tuple[str, str]] = set()
-        while True:
-            stats = self._pool.get_stats()
-            size, idle = stats.get("pool_size", 0), stats.get("pool_available", 0)
-            m.pool.labels("in_use").set(size - idle)
-            m.pool.labels("idle").set(idle)
-            m.pool.labels("waiting").set(stats.get("requests_waiting", 0))
-            m.running.set(len(self._held))
-            if self.collect_queue_stats:
-                try:
-                    async with self._pool.connection() as conn:
-                        rows = await db.queue_stats(conn, self._q)
-                except TRANSIENT:
-                    rows = None
-                if rows is not None:
-                    seen = set()
-                    for queue, status, count, oldest in rows:
-                        seen.add((queue, status))
-                        m.queue_depth.labels(queue, status).set(count)
-                        if status == "queued":
-                            m.oldest_queued.labels(queue).set(oldest)
-                    for queue, status in known - seen:
-                        m.queue_depth.labels(queue, status).set(0)
-                        if status == "queued":
-                            m.oldest_queued.labels(queue).set(0)
-                    known |= seen
-            await asyncio.sleep(self.stats_interval)
-
-    async def _schedule_loop(self) -> None:
-        while True:
-            try:
-                wait = await self.schedule_once()
-            except TRANSIENT as exc:
-                log.warning("scheduler round failed (%s)", type(exc).__name__)
-                wait = self.cfg.poll_interval
-            await asyncio.sleep(wait * random.uniform(0.9, 1.1))
-
-    async def schedule_once(self) -> float:
-        """Start every due tick this process wins; return seconds until the next tick."""
-        from datetime import timedelta
-
-        nearest = self.cfg.poll_interval
-        async with self._pool.connection() as conn:
-            now = await db.db_now(conn, self._q)
-            for sch in self._schedules:
-                last = await db.get_schedule(conn, self._q, name=sch.name)
-                if last is None:
-                    continue
-                for tick in due_ticks(sch.cron, last, now, sch.catch_up):
-                    iso = tick.isoformat()
-                    params = db.submit_params(
-                        workflow=sch.workflow, args=codec.encode([iso], what="tick"),
-                        queue=sch.queue, priority=0,
-                        idempotency_key=f"kestrel.cron:{sch.name}:{iso}")
-                    if not await db.start_tick(conn, self._q, name=sch.name, seen=last,
-                                               tick=tick, submit=params):
-                        break  # another process started it (and will start the rest)
-                    log.info("schedule %s: started the %s tick", sch.name, iso)
-                    last = tick
-                until = (sch.cron.next_after(max(last, now)) - now) / timedelta(seconds=1)
-                nearest = min(nearest, max(until, 0.05))
-        return nearest
-
-    async def _maintenance_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.maintenance_interval * random.uniform(0.5, 1.0))
-            try:
-                await self.maintain_once()
-            except (*TRANSIENT, psycopg.errors.LockNotAvailable) as exc:
-                # lock_timeout: something held the history table; try again next round.
-                log.warning("history partition upkeep skipped (%s)", type(exc).__name__)
-            except psycopg.errors.InsufficientPrivilege:
-                # A least-privilege runtime role: upkeep is the owner's job.
-                log.warning("history partition upkeep needs the schema owner's rights; run "
-                            "`kestrel-runtime partitions` as the owner (e.g. from cron)")
-                return
-
-    async def maintain_once(self) -> tuple[bool, int, int]:
-        """One partition upkeep round unless another process is doing it."""
-        async with self._pool.connection() as conn:
-            ran, created, dropped = await db.run_maintenance(
-                conn, self._q, interval=self.cfg.history_interval,
-                ahead=self.cfg.history_ahead, retention_days=self.cfg.history_retention_days)
-        if created or dropped:
-            log.info("history partitions: created %d, dropped %d", created, dropped)
-        return ran, created, dropped
-
-    async def _listen_loop(self) -> None:
-        backoff = Backoff(base=0.2, cap=10.0)
-        while True:
-            try:
-                assert self._listen_dsn is not None
-                conn = await psycopg.AsyncConnection.connect(
-                    self._listen_dsn, autocommit=True, application_name="kestrel-listen",
-                    **db.link_params(self._listen_dsn))
-                async with conn:
-                    await db.listen(conn, self._q)
-                    backoff.reset()
-                    self._work.set()  # anything submitted while we were not listening
-                    async for _ in conn.notifies():
-                        self._work.set()
-            except TRANSIENT as exc:
-                delay = backoff.next_delay()
-                log.warning("LISTEN connection lost (%s); polling until it is back in %.1fs",
-                            type(exc).__name__, delay)
-                await asyncio.sleep(delay)
 
 
 def run_worker(cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,

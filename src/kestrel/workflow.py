@@ -21,22 +21,26 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, Protocol, TypeVar, overload
 from uuid import UUID
 
-from kestrel import codec, metrics
+from kestrel import codec, db, metrics
 from kestrel.errors import (
     Cancelled,
     ChildFailed,
+    KestrelError,
     LeaseLost,
     NonDeterminismError,
     SerializationError,
     StepFailed,
+    WriteRejected,
 )
 from kestrel.types import Claimed, RecordedStep, SignalTaken, StepSaved, StepWrite
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
+
+    from kestrel.lease import Lease
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -158,10 +162,18 @@ def step(
 
 
 def _spec(fn: Callable[..., Any]) -> StepSpec:
+    """The step's name and retry policy. The name comes from code, never from ``repr()``:
+    it must be the same in every process (it is checked on replay) and it is a metric label,
+    so an address or a partial's arguments must never reach it (FAULTS P7)."""
     spec = getattr(fn, "__kestrel_step__", None)
     if isinstance(spec, StepSpec):
         return spec
-    return StepSpec(getattr(fn, "__qualname__", repr(fn)), RetryPolicy())
+    if isinstance(fn, functools.partial):
+        return _spec(fn.func)
+    name = getattr(fn, "__qualname__", None)
+    if not isinstance(name, str):  # a callable object: its class names it
+        name = type(fn).__qualname__
+    return StepSpec(name, RetryPolicy())
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,43 +201,45 @@ def current_step() -> StepInfo:
 
 
 def describe_error(exc: BaseException) -> dict[str, str]:
-    """Return the stored form of an exception: type, message and traceback."""
-    return {
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": codec.printable(str(exc), 8192),
-        "traceback": codec.printable("".join(traceback.format_exception(exc))),
-    }
+    """Return the stored form of an exception: type, message and traceback. Never raises,
+    whatever the exception's ``__str__`` does."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        message = str(exc)
+    except Exception as broken:
+        message = f"<str() of this {type(exc).__name__} raised {type(broken).__name__}>"
+    try:
+        trace = "".join(traceback.format_exception(exc))
+    except Exception:
+        trace = "".join(traceback.format_tb(exc.__traceback__)) + f"{kind}: {message}\n"
+    return {"type": kind, "message": codec.printable(message, 8192),
+            "traceback": codec.printable(trace)}
 
 
 class Writer(Protocol):
-    """What a Context needs from its worker: group commit, the lease clock, the database."""
+    """What a Context needs from its worker: group commit and the database, each call made
+    under the execution's :class:`~kestrel.lease.Lease` (its id *and* epoch)."""
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Checkpoint *write* in the next group commit; return what is now recorded."""
 
-    def trusted(self, execution_id: UUID) -> bool:
-        """Whether the lease on *execution_id* is surely still ours (worker's monotonic clock)."""
+    async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
+                   seconds: float | None, seen_seq: int | None) -> str:
+        """Park the execution at a wait: parked, cancelled, signalled or lost (db.park)."""
 
-    def cancel_requested(self, execution_id: UUID) -> bool:
-        """Whether a heartbeat has seen a cancel request for *execution_id*."""
-
-    async def park(self, claimed: Claimed, *, step_id: int, waiting_for: str,
-                   seconds: float | None, seen_seq: int | None) -> bool:
-        """Park the execution at a wait (see db.park)."""
-
-    async def consume_signal(self, claimed: Claimed, *, step_id: int, name: str,
+    async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
         """Consume a pending signal into the wait's checkpoint (see db.consume_signal)."""
 
-    async def set_event(self, claimed: Claimed, key: str, value: str) -> bool:
+    async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch."""
 
-    async def submit_child(self, *, workflow: str, args: str, queue: str, priority: int,
-                           key: str, parent: UUID, timeout_s: float | None) -> UUID:
+    async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
+                           priority: int, key: str, timeout_s: float | None) -> UUID:
         """Submit a child execution under an idempotency key."""
 
-    async def send_signal(self, execution_id: UUID, name: str, payload: str | None,
-                          key: str) -> bool:
+    async def send_signal(self, lease: Lease, execution_id: UUID, name: str,
+                          payload: str | None, key: str) -> bool:
         """Deliver a signal to another execution under an idempotency key."""
 
 
@@ -272,14 +286,17 @@ class Context:
     claimed: Claimed
     workflow: str
     writer: Writer
+    lease: Lease
     executor: Executor | None = None
     max_payload_bytes: int = codec.DEFAULT_MAX_PAYLOAD_BYTES
     # This process's monotonic clock when the claim statement (whose db_now it carries) was
     # sent: ctx.now() is db_now plus the monotonic time since.
     claimed_mono: float = field(default_factory=time.monotonic)
     _next_step: int = field(default=0, init=False)
-    nondeterminism: NonDeterminismError | None = field(default=None, init=False)
-    cancelled: bool = field(default=False, init=False)
+    # What the runtime decided about this attempt (lease lost, cancelled, non-determinism, a
+    # refused write). Sticky: every later ctx call raises it again, so workflow code that
+    # catches Exception cannot run or record another step (FAULTS P6).
+    decision: KestrelError | None = field(default=None, init=False)
 
     @property
     def execution_id(self) -> UUID:
@@ -332,7 +349,9 @@ class Context:
             except SerializationError as exc:
                 error = codec.encode(describe_error(exc), what="step error")
                 break
-            except (LeaseLost, asyncio.CancelledError):
+            except LeaseLost as exc:
+                self._decide(exc)
+            except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if attempt >= spec.retry.attempts or not isinstance(exc, spec.retry.retry_on):
@@ -340,8 +359,9 @@ class Context:
                     break
                 metrics.get().step_retries.labels(*labels).inc()
                 await asyncio.sleep(spec.retry.delay(attempt))
-                if not self.writer.trusted(self.execution_id):
-                    raise LeaseLost(f"lease of {self.execution_id} expired during a retry") from exc
+                if not self.lease.trusted():
+                    self._decide(LeaseLost(f"lease of {self.execution_id} expired during a "
+                                           "retry"))
                 attempt += 1
         m = metrics.get()
         ran = time.perf_counter() - clock
@@ -351,40 +371,61 @@ class Context:
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,
                       attempt: int, ran_s: float) -> Any:
-        saved = await self.writer.save_step(
-            StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
-                      attempt, ran_s)
-        )
+        write = StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
+                          attempt, ran_s)
+        try:
+            saved = await self.writer.save_step(write)
+        except Exception as exc:
+            # The database refused this checkpoint alone (the rest of its group commit went
+            # through). A value it cannot store fails the execution; a refusal of the
+            # database's own (a limit, its disk, a timeout) ends this attempt, which counts
+            # toward max_attempts, so a repeat ends in quarantine, never in a loop.
+            metrics.get().rejected_writes.labels("checkpoint").inc()
+            if db.is_data_error(exc):
+                self._decide(WriteRejected(
+                    f"the database refused the checkpoint of step {name!r}: "
+                    f"{type(exc).__name__}: {exc}"))
+            self._decide(LeaseLost(f"the database refused the checkpoint of step {name!r} "
+                                   f"({type(exc).__name__}); dropping this attempt"))
         if saved.cancelled:
             self._cancel()
         if not saved.owned:
-            raise LeaseLost(f"execution {self.execution_id} was claimed by a newer epoch")
+            self._decide(LeaseLost(f"execution {self.execution_id} was claimed by a newer "
+                                   "epoch"))
         assert saved.recorded is not None
         return self._replay(step_id, name, saved.recorded)
 
     def _take_position(self) -> int:
+        if self.decision is not None:
+            raise self.decision
         step_id = self._next_step
         self._next_step += 1
         return step_id
 
-    def _check_can_start(self) -> None:
-        if self.writer.cancel_requested(self.execution_id):
-            self._cancel()
-        if not self.writer.trusted(self.execution_id):
-            raise LeaseLost(f"lease of {self.execution_id} may have expired; not starting a step")
+    def _decide(self, decision: KestrelError) -> NoReturn:
+        """Record the runtime's decision about this attempt (the first one stands) and
+        raise it."""
+        if self.decision is None:
+            self.decision = decision
+        raise self.decision
 
-    def _cancel(self) -> None:
-        self.cancelled = True
-        raise Cancelled(f"execution {self.execution_id} was cancelled")
+    def _check_can_start(self) -> None:
+        if self.lease.cancel_requested:
+            self._cancel()
+        if not self.lease.trusted():
+            self._decide(LeaseLost(f"lease of {self.execution_id} may have expired; not "
+                                   "starting a step"))
+
+    def _cancel(self) -> NoReturn:
+        self._decide(Cancelled(f"execution {self.execution_id} was cancelled"))
 
     def _replay(self, step_id: int, name: str, recorded: RecordedStep) -> Any:
         if recorded.name != name:
-            self.nondeterminism = NonDeterminismError(
+            self._decide(NonDeterminismError(
                 f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
                 f"but the recorded history has {recorded.name!r} there; the workflow code "
                 "changed under a running execution"
-            )
-            raise self.nondeterminism
+            ))
         if recorded.error is not None:
             raise StepFailed(name, recorded.error.get("type", "Error"),
                              recorded.error.get("message", ""))
@@ -421,10 +462,17 @@ class Context:
         """Sleep durably until *when* (timezone-aware), by the database clock."""
         if when.tzinfo is None:
             raise ValueError("sleep_until needs a timezone-aware datetime")
-        now = self.claimed.db_now or datetime.now(UTC)
-        # Measured against the claim's database time; the target is then fixed in the row,
-        # so a replay never recomputes it.
+        # The database clock now: the claim's database time plus the monotonic time since
+        # (not the claim's time alone, which would add the time since the claim to the
+        # sleep). The target is then fixed in the row, so a replay never recomputes it.
+        now = self._db_now()
         await self._sleep(max(0.0, (when - now).total_seconds()))
+
+    def _db_now(self) -> datetime:
+        base = self.claimed.db_now
+        if base is None:
+            return datetime.now(UTC)
+        return base + timedelta(seconds=time.monotonic() - self.claimed_mono)
 
     async def _sleep(self, seconds: float) -> None:
         step_id = self._take_position()
@@ -439,9 +487,7 @@ class Context:
                                None, 1, 0.0)
             return
         await self._park(step_id, _SLEEP, seconds, None)
-        # Not parked: the row is no longer ours to park (a newer claim, or our own park
-        # committed and its reply was lost and the retry found it waiting already).
-        raise LeaseLost(f"execution {c.id} could not be parked: no longer owned")
+        self._decide(LeaseLost(f"execution {c.id} could not be parked: no longer owned"))
 
     def _wait_is_over(self, step_id: int) -> bool:
         c = self.claimed
@@ -449,12 +495,17 @@ class Context:
                 and c.db_now is not None and c.db_now >= c.wait_deadline)
 
     async def _park(self, step_id: int, waiting_for: str, seconds: float | None,
-                    seen_seq: int | None) -> bool:
-        parked = await self.writer.park(self.claimed, step_id=step_id, waiting_for=waiting_for,
-                                        seconds=seconds, seen_seq=seen_seq)
-        if parked:
+                    seen_seq: int | None) -> None:
+        """Park at a wait and unwind (Park); return only when a signal arrived meanwhile."""
+        outcome = await self.writer.park(self.lease, step_id=step_id, waiting_for=waiting_for,
+                                         seconds=seconds, seen_seq=seen_seq)
+        if outcome == "parked":
             raise Park(waiting_for)
-        return False
+        if outcome == "cancelled":
+            self._cancel()  # finished as cancelled now, not left to the sweeper (FAULTS X2)
+        if outcome != "signalled" or seen_seq is None:
+            self._decide(LeaseLost(f"execution {self.execution_id} could not be parked: "
+                                   "no longer owned"))
 
     async def wait_for_signal(self, name: str, timeout: float | None = None) -> Signal:
         """Wait durably for the signal *name*; return it, or a result with ``timed_out``.
@@ -464,18 +515,19 @@ class Context:
         """
         if timeout is not None and timeout < 0:
             raise ValueError("timeout must not be negative")
+        codec.check_text(name, what="signal name")
         step_name = _SIGNAL + name
         step_id = self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is None:
             self._check_can_start()
             while True:
-                taken = await self.writer.consume_signal(self.claimed, step_id=step_id,
+                taken = await self.writer.consume_signal(self.lease, step_id=step_id,
                                                          name=name, step_name=step_name)
                 if taken.cancelled:
                     self._cancel()
                 if not taken.owned:
-                    raise LeaseLost(f"execution {self.execution_id} is no longer ours")
+                    self._decide(LeaseLost(f"execution {self.execution_id} is no longer ours"))
                 if taken.output is not None:
                     recorded = RecordedStep(step_name, taken.output, None)
                     break
@@ -492,13 +544,14 @@ class Context:
     async def signal(self, execution_id: UUID | str, name: str, payload: Any = None
                      ) -> None:
         """Send signal *name* to another execution, exactly once however often this replays."""
+        codec.check_text(name, what="signal name")
         encoded = codec.encode(payload, what=f"payload of signal {name!r}",
                                max_bytes=self.max_payload_bytes)
         target = UUID(str(execution_id))
 
         async def send() -> bool:
             key = current_step().idempotency_key
-            return await self.writer.send_signal(target, name, encoded, key)
+            return await self.writer.send_signal(self.lease, target, name, encoded, key)
 
         await self._internal(f"kestrel.send_signal:{name}", send)
 
@@ -506,10 +559,11 @@ class Context:
 
     async def set_event(self, key: str, value: Any) -> None:
         """Publish *value* under *key* for callers (``Client.get_event``)."""
+        codec.check_text(key, what="event key")
         encoded = codec.encode(value, what=f"event {key!r}", max_bytes=self.max_payload_bytes)
 
         async def put() -> None:
-            if not await self.writer.set_event(self.claimed, key, encoded):
+            if not await self.writer.set_event(self.lease, key, encoded):
                 raise LeaseLost(f"execution {self.execution_id} is no longer ours")
 
         await self._internal(f"kestrel.set_event:{key}", put)
@@ -519,15 +573,15 @@ class Context:
     async def start_child(self, wf: WorkflowFn | str, *args: Any, queue: str = "default",
                           priority: int = 0, timeout: float | None = None) -> ChildHandle:
         """Start a child execution, exactly once however often this workflow replays."""
-        name = workflow_name(wf)
+        name = codec.check_text(workflow_name(wf), what="child workflow name")
         encoded = codec.encode(list(args), what=f"arguments of child workflow {name!r}",
                                max_bytes=self.max_payload_bytes)
 
         async def start() -> str:
             key = "kestrel.child:" + current_step().idempotency_key
             child = await self.writer.submit_child(
-                workflow=name, args=encoded, queue=queue, priority=priority, key=key,
-                parent=self.execution_id, timeout_s=timeout)
+                self.lease, workflow=name, args=encoded, queue=queue, priority=priority,
+                key=key, timeout_s=timeout)
             return str(child)
 
         child_id = await self._internal(f"kestrel.start_child:{name}", start)
@@ -561,10 +615,7 @@ class Context:
         worker's skewed or jumping wall clock does not leak in and it costs no round trip."""
 
         async def read() -> str:
-            base = self.claimed.db_now
-            if base is None:
-                return datetime.now(UTC).isoformat()
-            return (base + timedelta(seconds=time.monotonic() - self.claimed_mono)).isoformat()
+            return self._db_now().isoformat()
 
         return datetime.fromisoformat(await self._internal("kestrel.now", read))
 

@@ -8,6 +8,7 @@ import pytest
 
 import kestrel
 from kestrel.client import SyncClient
+from kestrel.workflow import _registry as workflow_registry
 from tests.apps import ledger_app as app
 from tests.helpers import config, finished_count, q, q1, run_worker_until
 
@@ -142,10 +143,24 @@ def test_live_run_returns_exactly_what_a_replay_returns(pg_dsn: str, schema: str
     assert live == {"big": 100000000000000000000, "tuple": [1, 2], "small": 0.1}
 
 
-def test_unknown_workflow_fails_with_a_clear_reason(pg_dsn: str, schema: str) -> None:
+def test_unknown_workflow_waits_for_a_worker_that_knows_it(pg_dsn: str, schema: str) -> None:
+    """P4: a name no worker registers (a typo, a rolling deploy) is never claimed or failed;
+    it waits until a worker that registers it appears, and then runs normally."""
     client = SyncClient(pg_dsn, schema=schema, pool_size=0)
-    h = client.submit("no_such_workflow", 1)
+    late = client.submit("arrives_in_the_next_deploy", 5)
+    known = client.submit(app.three_steps, 1)
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
-    ex = client.get(h.id)
-    assert ex.status is kestrel.Status.FAILED and ex.error is not None
-    assert "'no_such_workflow' is not registered" in ex.error["message"]
+    assert known.result(timeout=1) == app.model(1)
+    status, attempts, epoch = q(pg_dsn, schema, "SELECT status, attempts, lease_epoch FROM "
+                                "{s}.workflow_executions WHERE id = %s", [late.id])[0]
+    assert (status, attempts, epoch) == ("queued", 0, 0)
+
+    @kestrel.workflow(name="arrives_in_the_next_deploy")
+    async def next_deploy(ctx: kestrel.Context, n: int) -> int:
+        return n * 2
+
+    try:
+        run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 2)
+    finally:
+        workflow_registry.pop("arrives_in_the_next_deploy", None)
+    assert late.result(timeout=1) == 10

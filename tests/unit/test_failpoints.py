@@ -9,7 +9,7 @@ import sys
 import psycopg
 import pytest
 
-from kestrel import worker
+from kestrel import failpoints as worker
 from tests.helpers import ROOT
 
 

@@ -1,4 +1,4 @@
-"""Workflow registration, retry delays and the group-commit Batcher (no database)."""
+"""Workflow registration, retry delays and the group-commit writer (no database)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel.worker import Batcher
 from kestrel.workflow import RetryPolicy, registry, workflow_name
+from kestrel.writer import GroupCommit
 
 
 def _unique(prefix: str) -> str:
@@ -83,8 +83,8 @@ def test_workflow_name_of_non_workflow_raises() -> None:
         workflow_name(not_registered)
 
 
-async def _run_batcher(flush, items: list[int]) -> tuple[list[int], Batcher[int, int]]:
-    batcher: Batcher[int, int] = Batcher("test", flush, max_batch=1000)
+async def _run_batcher(flush, items: list[int]) -> tuple[list[int], GroupCommit[int, int]]:
+    batcher: GroupCommit[int, int] = GroupCommit("test", flush)
     runner = asyncio.create_task(batcher.run())
     try:
         results = await asyncio.wait_for(

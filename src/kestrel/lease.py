@@ -1,0 +1,226 @@
+"""Execution leases held by one worker process, and the heartbeat that keeps them.
+
+Inside a process an execution is identified by ``(id, epoch)``, never by its id alone: after
+an outage longer than the lease the same process may claim the same execution again, and the
+stale coroutine must never inherit the new claim (FAULTS X5). :class:`Lease` is the handle a
+running execution holds; :class:`Leases` is the process's table of them.
+
+Trust. A claim or heartbeat sent at monotonic time ``t`` makes the lease good until
+``t + lease`` on the database clock, which started counting no earlier than ``t``. So until
+``t + lease`` by this process's monotonic clock the lease is surely still ours; past that the
+execution may belong to someone else and no new step starts. Whatever a stale worker still
+sends is fenced by the epoch in the database.
+
+The heartbeat runs on a thread of its own with a connection of its own, so that a step
+blocking the event loop for a while (CPU-bound code in an ``async def``) does not let its
+lease lapse (FAULTS F8). It certifies progress, not just a live process: a watchdog stops
+extending the leases once the event loop or a writer has made no progress for a whole lease,
+so work stuck in a hung process is recovered by the sweeper (FAULTS L2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from kestrel import db, metrics
+from kestrel.sql import Queries
+from kestrel.types import Claimed
+from kestrel.writer import Backoff
+
+log = logging.getLogger("kestrel.lease")
+
+
+class LeaseState(enum.Enum):
+    """Where a claim is in this process."""
+
+    HELD = "held"
+    FINISHING = "finishing"  # the statement that ends the claim (complete, park) is on its way
+    LOST = "lost"  # expired, re-claimed or superseded: write nothing more
+
+
+@dataclass(eq=False)
+class Lease:
+    """One claim of one execution: ``(id, epoch)``, its trust clock and its task."""
+
+    claimed: Claimed
+    trusted_until: float
+    claimed_at: float
+    queue: str | None = None  # set for executions of limited queues (per-process counts)
+    state: LeaseState = LeaseState.HELD
+    cancel_requested: bool = False
+    deadline_hit: bool = False
+    task: asyncio.Task[None] | None = None
+    deadline_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def key(self) -> tuple[uuid.UUID, int]:
+        return self.claimed.id, self.claimed.epoch
+
+    @property
+    def lost(self) -> bool:
+        return self.state is LeaseState.LOST
+
+    @property
+    def finishing(self) -> bool:
+        return self.state is LeaseState.FINISHING
+
+    def trusted(self) -> bool:
+        """Whether the lease is surely still ours (this process's monotonic clock)."""
+        return self.state is not LeaseState.LOST and time.monotonic() < self.trusted_until
+
+    def finish(self) -> None:
+        if self.state is LeaseState.HELD:
+            self.state = LeaseState.FINISHING
+
+    def unfinish(self) -> None:
+        if self.state is LeaseState.FINISHING:
+            self.state = LeaseState.HELD
+
+    def lose(self, why: str) -> bool:
+        """Mark the lease lost and cancel its execution; False if it already was."""
+        if self.state is LeaseState.LOST:
+            return False
+        self.state = LeaseState.LOST
+        log.warning("lease on %s (epoch %d) was lost (%s); abandoning it", self.claimed.id,
+                    self.claimed.epoch, why)
+        if self.task is not None:
+            self.task.cancel()
+        return True
+
+
+class Leases:
+    """The claims this process holds, one current claim per execution id."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[uuid.UUID, Lease] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(list(self._by_id.values()))
+
+    def add(self, lease: Lease) -> None:
+        """Hold *lease*; an older claim of the same execution still held here is lost."""
+        old = self._by_id.get(lease.claimed.id)
+        if old is not None and old is not lease:
+            old.lose(f"re-claimed here under epoch {lease.claimed.epoch}")
+        self._by_id[lease.claimed.id] = lease
+
+    def remove(self, lease: Lease) -> None:
+        """Forget *lease* if it is still the current claim of its execution."""
+        if self._by_id.get(lease.claimed.id) is lease:
+            del self._by_id[lease.claimed.id]
+
+    def current(self, lease: Lease) -> bool:
+        return self._by_id.get(lease.claimed.id) is lease
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+
+class Heartbeat:
+    """The heartbeat thread: one statement extends every held lease, while the process
+    makes progress.
+
+    *progressing* is called on the thread before each beat and returns None while the
+    process makes progress, or why it does not.
+    """
+
+    def __init__(self, leases: Leases, *, dsn: str, q: Queries, lease_s: float,
+                 interval: float, prepared: bool, loop: asyncio.AbstractEventLoop,
+                 progressing: Callable[[], str | None]) -> None:
+        self._leases = leases
+        self._dsn = dsn
+        self._q = q
+        self._lease_s = lease_s
+        self._interval = interval
+        self._prepared = prepared
+        self._loop = loop
+        self._progressing = progressing
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kestrel-heartbeat",
+                                        daemon=True)
+        self.paused = False  # set while releasing: released rows are not lost leases
+        self.stalled: str | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, self._interval + 5)
+
+    def beat(self, conn: psycopg.Connection[Any]) -> None:
+        """Extend every held lease in one statement; hand the ones that are gone to the event
+        loop to abandon. Extends nothing while the process is not progressing."""
+        stalled = self._progressing()
+        if stalled is not None:
+            if self.stalled is None:
+                log.error("not extending leases: %s; the sweeper will recover this "
+                          "process's executions", stalled)
+                metrics.get().stalls.inc()
+            self.stalled = stalled
+            return
+        if self.stalled is not None:
+            log.warning("progress resumed; extending leases again")
+            self.stalled = None
+        snapshot = [h for h in self._leases if not h.lost]
+        if not snapshot or self.paused:
+            return
+        sent = time.monotonic()
+        owned = db.heartbeat_sync(conn, self._q, held=[h.key for h in snapshot],
+                                  lease_s=self._lease_s)
+        gone = []
+        for h in snapshot:
+            if h.claimed.id in owned:
+                h.trusted_until = sent + self._lease_s
+                if owned[h.claimed.id]:
+                    h.cancel_requested = True
+            else:
+                gone.append(h)
+        if gone:
+            self._loop.call_soon_threadsafe(self._abandon, gone)
+
+    def _abandon(self, gone: list[Lease]) -> None:
+        m = metrics.get()
+        for h in gone:
+            if not self._leases.current(h) or h.finishing or h.lost:
+                continue  # finished or parked meanwhile: the row left on our own write
+            h.lose("expired or re-claimed")
+            m.leases_lost.inc()
+            m.fenced.labels("heartbeat").inc()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        backoff = Backoff(base=0.2, cap=self._interval)
+        while not self._stop.wait(self._interval if not backoff.failures
+                                  else backoff.next_delay()):
+            try:
+                if conn is None:
+                    conn = psycopg.connect(self._dsn, **{
+                        **db.link_params(self._dsn), "autocommit": True,
+                        "application_name": "kestrel-heartbeat",
+                        "prepare_threshold": 0 if self._prepared else None,
+                        "connect_timeout": max(1, int(self._interval))})
+                self.beat(conn)
+                backoff.reset()
+            except psycopg.Error as exc:
+                log.warning("heartbeat failed (%s); leases are trusted until they run out",
+                            type(exc).__name__)
+                backoff.failures += 1
+                if conn is not None:
+                    conn.close()
+                    conn = None
+        if conn is not None:
+            conn.close()

@@ -1,0 +1,248 @@
+"""The periodic services of a worker process: sweeper, partition upkeep, scheduler, stats
+and the LISTEN connection.
+
+Each has one shape: ``run_once()`` does one round and returns what it did (tests and the
+stats use it); ``run()`` repeats it forever. A round that fails because the database is
+unreachable, or because one statement was refused, is logged and tried again next round: a
+periodic service never turns one bad round into a crash loop. Anything else escaping
+``run()`` — or ``run()`` returning at all — is a bug, and the worker's task group turns it
+into a crash of the whole process, which the supervisor restarts (FAULTS L1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel import codec, db, metrics
+from kestrel.config import Config
+from kestrel.failpoints import failpoint
+from kestrel.schedule import Schedule, due_ticks
+from kestrel.sql import Queries
+from kestrel.writer import Backoff
+
+log = logging.getLogger("kestrel.worker")
+
+Pool = AsyncConnectionPool[Any]
+
+
+async def _every(interval: Callable[[], float], round_: Callable[[], Any], what: str) -> NoReturn:
+    """Call *round_* forever, *interval()* seconds apart; log a round the database refused."""
+    while True:
+        await asyncio.sleep(interval())
+        try:
+            await round_()
+        except psycopg.Error as exc:
+            level = logging.WARNING if db.is_transient(exc) else logging.ERROR
+            log.log(level, "%s round failed (%s: %s)", what, type(exc).__name__,
+                    str(exc).strip()[:200])
+
+
+class Sweeper:
+    """Re-enqueue executions whose lease expired; quarantine those out of attempts; fail
+    queued and waiting executions past their deadline."""
+
+    def __init__(self, pool: Pool, q: Queries, cfg: Config, on_work: Callable[[], None]) -> None:
+        self._pool, self._q, self._cfg, self._on_work = pool, q, cfg, on_work
+
+    async def run(self) -> NoReturn:
+        await _every(lambda: self._cfg.sweep_interval * random.uniform(0.5, 1.0),
+                     self.run_once, "sweep")
+
+    async def run_once(self) -> tuple[int, int]:
+        """One sweep in bounded passes; return (requeued, quarantined)."""
+        failpoint("sweeper_round")
+        requeued = quarantined = 0
+        limit = 500
+        while True:
+            async with self._pool.connection() as conn:
+                r = await db.reenqueue_expired(conn, self._q, limit=limit,
+                                               max_attempts=self._cfg.max_attempts)
+            requeued += r.requeued
+            quarantined += r.quarantined
+            if r.examined < limit:
+                break
+        while True:
+            async with self._pool.connection() as conn:
+                expired = await db.expire_deadlines(conn, self._q, limit=limit)
+            if expired:
+                log.info("failed %d queued or waiting executions past their deadline", expired)
+            if expired < limit:
+                break
+        if requeued:
+            metrics.get().leases_expired.inc(requeued)
+            log.info("sweeper re-enqueued %d executions with expired leases", requeued)
+            self._on_work()
+        if quarantined:
+            metrics.get().quarantined.inc(quarantined)
+            log.warning("sweeper quarantined %d executions that exhausted max_attempts=%d",
+                        quarantined, self._cfg.max_attempts)
+        return requeued, quarantined
+
+
+class Upkeep:
+    """History partition upkeep (create ahead, drop past retention), one process at a time.
+
+    Under a least-privilege runtime role upkeep is the schema owner's job: the service then
+    stands down — it stays alive and idle, it does not return (FAULTS L1)."""
+
+    def __init__(self, pool: Pool, q: Queries, cfg: Config) -> None:
+        self._pool, self._q, self._cfg = pool, q, cfg
+        self.stood_down = False
+
+    async def run(self) -> NoReturn:
+        await _every(lambda: self._cfg.maintenance_interval * random.uniform(0.5, 1.0),
+                     self.run_once, "history partition upkeep")
+
+    async def run_once(self) -> tuple[bool, int, int]:
+        """One upkeep round unless another process is doing it (or this role may not)."""
+        if self.stood_down:
+            return False, 0, 0
+        try:
+            async with self._pool.connection() as conn:
+                ran, created, dropped = await db.run_maintenance(
+                    conn, self._q, interval=self._cfg.history_interval,
+                    ahead=self._cfg.history_ahead,
+                    retention_days=self._cfg.history_retention_days)
+        except psycopg.errors.LockNotAvailable:
+            # lock_timeout: something held the history table; try again next round.
+            log.warning("history partition upkeep skipped (a lock was busy)")
+            return False, 0, 0
+        except psycopg.errors.InsufficientPrivilege:
+            self.stood_down = True
+            log.warning("history partition upkeep needs the schema owner's rights; run "
+                        "`kestrel-runtime partitions` as the owner (e.g. from cron)")
+            return False, 0, 0
+        if created or dropped:
+            log.info("history partitions: created %d, dropped %d", created, dropped)
+        return ran, created, dropped
+
+
+class Scheduler:
+    """Start every due cron tick of the schedules this process knows, once across the fleet."""
+
+    def __init__(self, pool: Pool, q: Queries, cfg: Config, schedules: list[Schedule]) -> None:
+        self._pool, self._q, self._cfg, self._schedules = pool, q, cfg, schedules
+
+    async def run(self) -> NoReturn:
+        while True:
+            try:
+                wait = await self.run_once()
+            except psycopg.Error as exc:
+                log.warning("scheduler round failed (%s)", type(exc).__name__)
+                wait = self._cfg.poll_interval
+            await asyncio.sleep(wait * random.uniform(0.9, 1.1))
+
+    async def run_once(self) -> float:
+        """Start every due tick this process wins; return seconds until the next tick."""
+        nearest = self._cfg.poll_interval
+        async with self._pool.connection() as conn:
+            now = await db.db_now(conn, self._q)
+            for sch in self._schedules:
+                last = await db.get_schedule(conn, self._q, name=sch.name)
+                if last is None:
+                    continue
+                for tick in due_ticks(sch.cron, last, now, sch.catch_up):
+                    iso = tick.isoformat()
+                    params = db.submit_params(
+                        workflow=sch.workflow, args=codec.encode([iso], what="tick"),
+                        queue=sch.queue, priority=0,
+                        idempotency_key=f"kestrel.cron:{sch.name}:{iso}")
+                    if not await db.start_tick(conn, self._q, name=sch.name, seen=last,
+                                               tick=tick, submit=params):
+                        break  # another process started it (and will start the rest)
+                    log.info("schedule %s: started the %s tick", sch.name, iso)
+                    last = tick
+                until = (sch.cron.next_after(max(last, now)) - now) / timedelta(seconds=1)
+                nearest = min(nearest, max(until, 0.05))
+        return nearest
+
+
+class Stats:
+    """Every few seconds: this process's pool and running gauges; in the one process chosen
+    by the supervisor, queue depth from one cheap query for the whole fleet."""
+
+    def __init__(self, pool: Pool, q: Queries, *, workflows: list[str], collect_queues: bool,
+                 interval: float, running: Callable[[], int]) -> None:
+        self._pool, self._q = pool, q
+        self._workflows = workflows
+        self._collect_queues = collect_queues
+        self._interval = interval
+        self._running = running
+        self._known: set[tuple[str, str]] = set()
+
+    async def run(self) -> NoReturn:
+        m = metrics.get()
+        m.workers.set(1)
+        # Known label values start at 0, so a rate() over them has data before the first
+        # event (and absence means "no such thing", not "not happened yet").
+        for kind in ("checkpoint", "completion", "heartbeat"):
+            m.fenced.labels(kind)
+        for wf in self._workflows:
+            m.started.labels(wf)
+            for outcome in ("completed", "failed", "cancelled"):
+                m.finished.labels(wf, outcome)
+        while True:
+            await self.run_once()
+            await asyncio.sleep(self._interval)
+
+    async def run_once(self) -> None:
+        m = metrics.get()
+        stats = self._pool.get_stats()
+        size, idle = stats.get("pool_size", 0), stats.get("pool_available", 0)
+        m.pool.labels("in_use").set(size - idle)
+        m.pool.labels("idle").set(idle)
+        m.pool.labels("waiting").set(stats.get("requests_waiting", 0))
+        m.running.set(self._running())
+        if not self._collect_queues:
+            return
+        try:
+            async with self._pool.connection() as conn:
+                rows = await db.queue_stats(conn, self._q)
+        except psycopg.Error:
+            return
+        seen = set()
+        for queue, status, count, oldest in rows:
+            seen.add((queue, status))
+            m.queue_depth.labels(queue, status).set(count)
+            if status == "queued":
+                m.oldest_queued.labels(queue).set(oldest)
+        for queue, status in self._known - seen:
+            m.queue_depth.labels(queue, status).set(0)
+            if status == "queued":
+                m.oldest_queued.labels(queue).set(0)
+        self._known |= seen
+
+
+class Listener:
+    """LISTEN for submissions and wake-ups on a direct connection; polling runs regardless,
+    so a lost connection costs latency only."""
+
+    def __init__(self, dsn: str, q: Queries, on_work: Callable[[], None]) -> None:
+        self._dsn, self._q, self._on_work = dsn, q, on_work
+
+    async def run(self) -> NoReturn:
+        backoff = Backoff(base=0.2, cap=10.0)
+        while True:
+            try:
+                conn = await psycopg.AsyncConnection.connect(
+                    self._dsn, autocommit=True, application_name="kestrel-listen",
+                    **db.link_params(self._dsn))
+                async with conn:
+                    await db.listen(conn, self._q)
+                    backoff.reset()
+                    self._on_work()  # anything submitted while we were not listening
+                    async for _ in conn.notifies():
+                        self._on_work()
+            except (psycopg.Error, OSError) as exc:
+                delay = backoff.next_delay()
+                log.warning("LISTEN connection lost (%s); polling until it is back in %.1fs",
+                            type(exc).__name__, delay)
+                await asyncio.sleep(delay)
