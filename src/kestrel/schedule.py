@@ -4,8 +4,9 @@ Each tick starts exactly one execution across every process and host: the proces
 advances the schedule's ``last_tick`` row (compare-and-set) submits the tick, in the same
 transaction, under the idempotency key ``kestrel.cron:<name>:<tick>``. Ticks are computed on
 the database clock, in UTC. Ticks missed while nothing ran are skipped (only the latest due
-tick starts) unless the schedule says ``catch_up=True``, which starts each of them (at most
-``MAX_CATCH_UP``).
+tick starts) unless the schedule says ``catch_up=True``, which starts the most recent
+``MAX_CATCH_UP`` of them, oldest first. Either way the missed ticks are found by walking
+back from now, so a long outage costs no more than a short one.
 
 The format is standard (Vixie/Debian) cron, evaluated by ``cronsim``: five fields (minute
 hour day-of-month month day-of-week) with ``*``, lists, ranges, ``/step``, the names
@@ -24,7 +25,7 @@ so a worker never starts with a schedule it cannot compute.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TypeVar
@@ -165,6 +166,18 @@ class Cron:
                     return tick
         raise AssertionError(f"cron {self.text!r} passed parse() but has no next tick")
 
+    def ticks_back(self, t: datetime) -> Iterator[datetime]:
+        """Yield the ticks at or before *t*, newest first, in UTC."""
+        t = t.astimezone(UTC)
+        minute = t.replace(second=0, microsecond=0)
+        # Reverse iteration starts strictly before its start time: a minute after t's
+        # minute, so that t's own minute counts.
+        for tick_minute in CronSim(self.minutes, minute + _MINUTE, reverse=True):
+            for s in reversed(self.seconds):
+                tick = tick_minute + timedelta(seconds=s)
+                if tick <= t:
+                    yield tick
+
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
@@ -202,12 +215,18 @@ def schedules() -> dict[str, Schedule]:
 
 
 def due_ticks(cron: Cron, last_tick: datetime, now: datetime, catch_up: bool) -> list[datetime]:
-    """Ticks after *last_tick* up to *now*: all of them (bounded) or only the latest."""
+    """Return the ticks after *last_tick* up to *now*, oldest first: the latest only, or
+    with *catch_up* the latest ``MAX_CATCH_UP``.
+
+    Walks back from *now* and stops at *last_tick* or the limit, so the work is bounded by
+    the ticks returned, not by the length of the gap (a year of per-minute ticks is one
+    step, not half a million).
+    """
+    limit = MAX_CATCH_UP if catch_up else 1
     ticks: list[datetime] = []
-    t = cron.next_after(last_tick)
-    while t <= now:
-        ticks.append(t)
-        if len(ticks) > MAX_CATCH_UP:
-            ticks.pop(0)
-        t = cron.next_after(t)
-    return ticks if catch_up else ticks[-1:]
+    for tick in cron.ticks_back(now):
+        if tick <= last_tick or len(ticks) == limit:
+            break
+        ticks.append(tick)
+    ticks.reverse()
+    return ticks
