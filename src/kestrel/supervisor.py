@@ -2,21 +2,23 @@
 
 The parent never creates an event loop, a pool or a metric before forking: each child builds
 its own after fork, so no connection or loop state is shared across processes. The parent
-only waits for children, restarts a dead one with exponential backoff (a crash loop costs at
-most one fork per backoff period), and on SIGTERM/SIGINT forwards the signal and waits for the
-children to drain. Children get ``PR_SET_PDEATHSIG``: if the parent is SIGKILLed they are told
-at once, stop claiming, release their leases and exit.
+only waits for children, restarts a dead one (see :class:`RestartPlanner`: the backoff belongs
+to a crash-looping slot, never to the whole fleet), and on SIGTERM/SIGINT forwards the signal
+and waits for the children to drain. Children get ``PR_SET_PDEATHSIG``: if the parent is
+SIGKILLed they are told at once, stop claiming, release their leases and exit.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kestrel.config import Config
@@ -25,8 +27,123 @@ from kestrel.workflow import WorkflowFn
 log = logging.getLogger("kestrel.supervisor")
 
 PR_SET_PDEATHSIG = 1
-HEALTHY_AFTER_S = 10.0
-"""A child that lived this long resets its slot's backoff."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How long a dead worker's slot waits before the supervisor forks a new child for it.
+
+    A slot whose children die young, again and again, is crash looping: it waits
+    ``base_s * 2**(failures - 1)`` (equal-ish jitter, at most ``cap_s``), so a poison
+    execution that kills every worker that claims it costs at most one fork per backoff
+    period. A child that lived ``healthy_after_s`` resets its slot. And however many slots are
+    backing off, at least ``floor`` of them are running or restart within ``prompt_s`` of
+    their child's death: a fleet whose children are being killed from outside (OOM killer, an
+    operator, a chaos test) keeps working instead of every slot waiting out the cap at once.
+    """
+
+    base_s: float = 0.25
+    cap_s: float = 10.0
+    healthy_after_s: float = 10.0
+    prompt_s: float = 1.0
+    floor: int = 1
+
+    @classmethod
+    def for_procs(cls, procs: int) -> RestartPolicy:
+        """The default policy for *procs* workers: half of them (rounded up) kept running."""
+        return cls(floor=max(1, math.ceil(procs / 2)))
+
+    def backoff(self, failures: int, jitter: float) -> float:
+        """The wait after the *failures*-th quick death in a row; *jitter* in [0, 1]."""
+        raw = min(self.cap_s, self.base_s * 2.0 ** max(0, failures - 1))
+        return raw * (0.5 + 0.5 * jitter)
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One slot's restart, as decided when a child died (or when the floor pulled it in)."""
+
+    slot: int
+    delay: float
+    """Seconds from the decision until the slot's new child is forked."""
+    failures: int
+    """Quick deaths of this slot in a row (0: the child had lived long enough)."""
+    early: bool
+    """The floor cut the slot's backoff short to keep enough workers running."""
+
+
+@dataclass
+class _SlotState:
+    running: bool = False
+    started: float = 0.0
+    died: float = 0.0
+    failures: int = 0
+    restart_at: float = 0.0
+
+
+class RestartPlanner:
+    """The supervisor's restart decisions for *procs* slots, without processes or clocks:
+    the caller says when a slot's child started and exited, and asks which slots are due."""
+
+    def __init__(self, procs: int, policy: RestartPolicy | None = None, *,
+                 jitter: Callable[[], float] = random.random) -> None:
+        self.policy = policy or RestartPolicy.for_procs(procs)
+        self._jitter = jitter
+        self._slots = [_SlotState() for _ in range(procs)]
+
+    def failures(self, slot: int) -> int:
+        return self._slots[slot].failures
+
+    def restart_at(self, slot: int) -> float | None:
+        """When *slot* is due, or None while its child runs."""
+        state = self._slots[slot]
+        return None if state.running else state.restart_at
+
+    def started(self, slot: int, now: float) -> None:
+        state = self._slots[slot]
+        state.running, state.started = True, now
+
+    def exited(self, slot: int, now: float) -> list[Restart]:
+        """*slot*'s child died at *now*: schedule its restart. Returns that decision first,
+        then any other slot whose backoff the floor cut short as a result."""
+        p = self.policy
+        state = self._slots[slot]
+        lived = now - state.started
+        state.running, state.died = False, now
+        state.failures = 0 if lived >= p.healthy_after_s else state.failures + 1
+        delay = p.backoff(state.failures, self._jitter()) if state.failures else 0.0
+        state.restart_at = now + delay
+        mine = Restart(slot, delay, state.failures, early=False)
+        pulled = self._keep_floor(now)
+        if slot in pulled:
+            mine = Restart(slot, state.restart_at - now, state.failures, early=True)
+        return [mine, *(Restart(i, self._slots[i].restart_at - now, self._slots[i].failures,
+                                early=True) for i in pulled if i != slot)]
+
+    def due(self, now: float) -> list[int]:
+        """The dead slots whose restart time has come."""
+        return [i for i, s in enumerate(self._slots) if not s.running and now >= s.restart_at]
+
+    def _keep_floor(self, now: float) -> list[int]:
+        """Pull the earliest-due waiting slots in until ``floor`` slots are running or due
+        within ``prompt_s``; return the slots pulled in.
+
+        Promptly means ``prompt_s`` from *now*, when the fleet fell short, not from the pulled
+        slot's own death: a fleet where every child dies young forks about ``floor`` children
+        per ``prompt_s`` plus their short lives, never one on the heels of the last."""
+        p = self.policy
+        soon = now + p.prompt_s
+
+        def prompt(s: _SlotState) -> bool:
+            return s.running or s.restart_at <= max(soon, s.died + p.prompt_s)
+
+        short = p.floor - sum(1 for s in self._slots if prompt(s))
+        waiting = sorted((i for i, s in enumerate(self._slots) if not prompt(s)),
+                         key=lambda i: self._slots[i].restart_at)
+        pulled = waiting[:max(0, short)]
+        for i in pulled:
+            self._slots[i].restart_at = soon
+        return pulled
 
 
 @dataclass
@@ -34,8 +151,6 @@ class _Slot:
     index: int
     pid: int = 0
     started: float = 0.0
-    failures: int = 0
-    restart_at: float = 0.0
 
 
 def _set_parent_death_signal(expected_parent: int) -> None:
@@ -56,6 +171,7 @@ class Supervisor:
         self.dsn = dsn
         self.workflows = workflows
         self.slots = [_Slot(i) for i in range(cfg.procs)]
+        self.planner = RestartPlanner(cfg.procs)
         self.restarts = 0
         self._stopping = False
         self._signalled_children = False
@@ -121,9 +237,8 @@ class Supervisor:
                             _kill(slot.pid, signal.SIGKILL)
                     deadline = now + 5.0
             else:
-                for slot in self.slots:
-                    if not slot.pid and now >= slot.restart_at:
-                        self._spawn(slot)
+                for index in self.planner.due(now):
+                    self._spawn(self.slots[index])
             time.sleep(0.05)
 
     def _reap(self) -> None:
@@ -145,14 +260,17 @@ class Supervisor:
             if self._stopping:
                 log.info("worker %d exited (%s)", pid, _describe(code))
                 continue
-            lived = time.monotonic() - slot.started
-            slot.failures = 0 if lived > HEALTHY_AFTER_S else slot.failures + 1
-            delay = min(30.0, 0.25 * 2 ** slot.failures) * random.uniform(0.5, 1.0)
-            slot.restart_at = time.monotonic() + delay
+            now = time.monotonic()
+            lived = now - slot.started
+            mine, *pulled = self.planner.exited(slot.index, now)
             self.restarts += 1
             metrics.get().worker_restarts.inc()
-            log.warning("worker %d exited (%s) after %.1fs; restarting in %.2fs",
-                        pid, _describe(code), lived, delay)
+            log.warning("worker %d (slot %d) exited (%s) after %.1fs; restarting in %.2fs%s",
+                        pid, slot.index, _describe(code), lived, mine.delay, _why(mine))
+            for other in pulled:
+                log.warning("slot %d cut its backoff short: back in %.2fs to keep at least %d "
+                            "of %d workers running", other.slot, other.delay,
+                            self.planner.policy.floor, len(self.slots))
 
     def _spawn(self, slot: _Slot) -> None:
         parent = os.getpid()
@@ -178,6 +296,7 @@ class Supervisor:
                 os._exit(code)
         slot.pid = pid
         slot.started = time.monotonic()
+        self.planner.started(slot.index, slot.started)
         log.info("started worker %d (slot %d)", pid, slot.index)
 
 
@@ -186,6 +305,14 @@ def _kill(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _why(r: Restart) -> str:
+    if not r.failures:
+        return " (it had run long enough: backoff reset)"
+    if r.early:
+        return f" (quick death {r.failures} in a row; restarted early to keep workers running)"
+    return f" (quick death {r.failures} in a row)"
 
 
 def _describe(code: int) -> str:
