@@ -10,6 +10,7 @@ behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -30,6 +31,8 @@ from kestrel.errors import ConfigError, ExecutionNotFound, WorkflowFailed
 from kestrel.sql import queries
 from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
 from kestrel.workflow import WorkflowFn, workflow_name
+
+log = logging.getLogger("kestrel.client")
 
 _POOL_LOCK = threading.Lock()
 
@@ -109,6 +112,15 @@ class _Base:
         return {"id": _ident(execution_id), "name": name, "idempotency_key": key,
                 "payload": codec.encode(payload, what=f"payload of signal {name!r}",
                                         max_bytes=self._max_bytes)}
+
+
+def _count_submitted(workflow: str) -> None:
+    """Count a submission. Runs after the row committed, so it must never raise: a caller
+    that retried on the error would submit the work twice (bug 18)."""
+    try:
+        metrics.get().submitted.labels(workflow).inc()
+    except Exception:
+        log.exception("could not count a submission of %r in the metrics", workflow)
 
 
 def _outcome(ex: Execution) -> Any:
@@ -204,7 +216,7 @@ class Client(_Base):
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
         eid = await self._call(self._q.submit, params, idempotency_key, conn)
-        metrics.get().submitted.labels(params["workflow"]).inc()
+        _count_submitted(params["workflow"])
         return Handle(self, eid)
 
     async def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
@@ -397,7 +409,7 @@ class SyncClient(_Base):
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
         handle = SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
-        metrics.get().submitted.labels(params["workflow"]).inc()
+        _count_submitted(params["workflow"])
         return handle
 
     def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
