@@ -26,6 +26,8 @@ from kestrel.errors import (
     IdempotencyConflict,
     InvalidState,
     KestrelError,
+    PayloadTooLarge,
+    SerializationError,
 )
 from kestrel.sql import Queries
 from kestrel.types import (
@@ -308,6 +310,10 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
         return InvalidState(message)
     if exc.sqlstate == "KS006":
         return DuplicateExecution(message)
+    if exc.sqlstate == "KS007":
+        return SerializationError(message)
+    if exc.sqlstate == "KS008":
+        return PayloadTooLarge(message)
     return None
 
 
