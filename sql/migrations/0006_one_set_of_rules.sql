@@ -1,4 +1,5 @@
--- 0006: one set of rules at every door.
+-- 0006: one set of rules at every door, children that cannot outlive a cancel, retry that
+-- replays deterministically.
 --
 -- The Python client, the CLI, a worker starting a child and any other language all pass
 -- through submit() and signal(), so those functions are where the rules live (bug 17: the
@@ -11,6 +12,7 @@
 --   KS002 ConfigError       a setting: queue name, priority, timeout, delay, on_duplicate
 --   KS007 SerializationError a value that could not be stored or read back unchanged
 --   KS008 PayloadTooLarge   a JSON value over 16 MiB
+--   KS009 ParentCancelled   a child of a cancelled parent (submit, retry)
 
 -- A name or key: 1-1024 characters and at most 2048 bytes of UTF-8 (codec.check_text). The
 -- byte bound keeps every indexed name (history by workflow, pending signals by name, events
@@ -116,7 +118,12 @@ END
 $$;
 
 -- submit(): the same signature as 0004; every argument is checked before anything is
--- written.
+-- written. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
+-- the parent is being cancelled or has finished. The lock conflicts with cancel()'s FOR
+-- UPDATE and with the DELETE that finishes the parent, so either the child commits first and
+-- cancel() (which walks the tree after taking its locks) sees it, or cancel() commits first
+-- and this reads its flag. KEY SHARE does not conflict with the parent's heartbeats and
+-- checkpoints (NO KEY UPDATE), so a child start never stalls its own parent.
 CREATE OR REPLACE FUNCTION __schema__.submit(
     p_workflow text,
     p_args jsonb DEFAULT '[]',
@@ -135,6 +142,8 @@ DECLARE
     v_id uuid := coalesce(p_id, gen_random_uuid());
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_live uuid;
+    v_cancelling boolean;
+    v_status text;
 BEGIN
     PERFORM __schema__.check_name(p_workflow, 'workflow name');
     IF NOT __schema__.valid_queue_name(p_queue) THEN
@@ -166,6 +175,28 @@ BEGIN
     END IF;
     IF p_dedup_key IS NOT NULL THEN
         PERFORM __schema__.check_name(p_dedup_key, 'dedup key');
+    END IF;
+    IF p_parent IS NOT NULL THEN
+        SELECT e.cancel_requested INTO v_cancelling
+          FROM __schema__.workflow_executions AS e
+         WHERE e.id = p_parent
+           FOR KEY SHARE;
+        IF NOT FOUND THEN
+            SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
+             WHERE h.id = p_parent;
+            IF v_status = 'cancelled' THEN
+                RAISE EXCEPTION 'parent execution % was cancelled; it starts no children', p_parent
+                    USING ERRCODE = 'KS009';
+            ELSIF v_status IS NOT NULL THEN
+                RAISE EXCEPTION 'parent execution % has already finished (%)', p_parent, v_status
+                    USING ERRCODE = 'KS004';
+            END IF;
+            RAISE EXCEPTION 'no parent execution %', p_parent USING ERRCODE = 'KS003';
+        END IF;
+        IF v_cancelling THEN
+            RAISE EXCEPTION 'parent execution % is being cancelled; it starts no children',
+                p_parent USING ERRCODE = 'KS009';
+        END IF;
     END IF;
     IF p_idempotency_key IS NOT NULL THEN
         INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
@@ -255,5 +286,147 @@ BEGIN
     END IF;
     PERFORM pg_notify('kestrel.__schema_name__', 'signal');
     RETURN true;
+END
+$$;
+
+-- cancel(): 0005 found the tree and locked it in one statement, whose snapshot predates its
+-- locks: a child committed while the statement waited for a lock was never seen, and
+-- survived its cancelled parent (FAULTS X7). Now the walk is repeated, each time in a new
+-- statement whose snapshot is taken after the previous statement's locks were granted,
+-- until a walk finds no live member it has not locked. That is complete: a child submit
+-- holds KEY SHARE on its parent until it commits, which FOR UPDATE waits for, so every
+-- child of a locked node is either committed before the next walk (and seen by it) or not
+-- started until this transaction ends (and then refused). Each walk locks what it found in
+-- id order, as 0005 did (the order heartbeats and completions lock in); a second walk only
+-- finds something when a child was started during the first. The rest is 0005's.
+CREATE OR REPLACE FUNCTION __schema__.cancel(p_execution uuid) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text;
+    v_tree uuid[] := '{}';
+    v_more uuid[];
+    v_moved uuid[];
+    v_parents uuid[];
+BEGIN
+    LOOP
+        WITH RECURSIVE tree AS (
+            SELECT id FROM __schema__.workflow_executions WHERE id = p_execution
+            UNION
+            SELECT e.id FROM __schema__.workflow_executions AS e JOIN tree ON e.parent_id = tree.id
+        )
+        SELECT array_agg(l.id) INTO v_more
+          FROM (SELECT e.id FROM __schema__.workflow_executions AS e
+                  JOIN tree USING (id)
+                 WHERE e.id <> ALL (v_tree)
+                 ORDER BY e.id
+                   FOR UPDATE OF e) AS l;
+        EXIT WHEN v_more IS NULL;
+        v_tree := v_tree || v_more;
+    END LOOP;
+    WITH flagged AS (
+        UPDATE __schema__.workflow_executions AS e
+           SET cancel_requested = true
+         WHERE e.id = ANY (v_tree) AND e.status = 'running'
+    ), removed AS (
+        DELETE FROM __schema__.workflow_executions AS e
+         WHERE e.id = ANY (v_tree) AND e.status IN ('queued', 'waiting')
+     RETURNING e.*
+    ), moved AS (
+        INSERT INTO __schema__.workflow_history
+               (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+        SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
+               jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
+               idempotency_key, lease_epoch, attempts, created_at, started_at,
+               __schema__.kestrel_now(), parent_id, deadline
+          FROM removed
+        RETURNING id, parent_id
+    )
+    SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
+    IF v_moved IS NOT NULL THEN
+        PERFORM __schema__.child_finished(t.parent, t.child, 'cancelled', NULL,
+                    jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'))
+           FROM unnest(v_parents, v_moved) AS t(parent, child)
+          WHERE t.parent IS NOT NULL;
+        PERFORM __schema__.archive_steps(v_moved);
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_executions WHERE id = p_execution;
+    IF FOUND THEN
+        RETURN 'cancelling';
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_history WHERE id = p_execution;
+    IF FOUND THEN
+        RETURN v_status;
+    END IF;
+    RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+END
+$$;
+
+-- retry(): 0003 brought back every checkpoint without an error, also those recorded after
+-- the failed step. A workflow that caught StepFailed and took another branch then found the
+-- other branch's checkpoints at positions its re-run reaches by the first branch, and
+-- failed with NonDeterminismError (FAULTS X7). Now only the checkpoints before the first
+-- failed one come back; the rest are dropped and run again. A child whose parent was
+-- cancelled is not brought back (KS009), as submit() would not start it.
+CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text;
+    v_parent uuid;
+    v_cancelling boolean;
+BEGIN
+    SELECT parent_id INTO v_parent FROM __schema__.workflow_history
+     WHERE id = p_execution AND status IN ('failed', 'cancelled', 'quarantined');
+    IF v_parent IS NOT NULL THEN
+        SELECT e.cancel_requested INTO v_cancelling
+          FROM __schema__.workflow_executions AS e
+         WHERE e.id = v_parent
+           FOR KEY SHARE;
+        IF NOT FOUND THEN
+            SELECT h.status = 'cancelled' INTO v_cancelling
+              FROM __schema__.workflow_history AS h WHERE h.id = v_parent;
+        END IF;
+        IF v_cancelling THEN
+            RAISE EXCEPTION 'parent execution % was cancelled; retry the parent instead', v_parent
+                USING ERRCODE = 'KS009';
+        END IF;
+    END IF;
+    WITH removed AS (
+        DELETE FROM __schema__.workflow_history AS h
+         WHERE h.id = p_execution AND h.status IN ('failed', 'cancelled', 'quarantined')
+     RETURNING h.*
+    )
+    INSERT INTO __schema__.workflow_executions
+           (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
+            started_at, parent_id)
+    SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
+           started_at, parent_id
+      FROM removed;
+    IF FOUND THEN
+        WITH back AS (
+            DELETE FROM __schema__.step_history AS s
+             WHERE s.execution_id = p_execution
+         RETURNING s.*
+        )
+        INSERT INTO __schema__.operation_outputs
+               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                started_at, finished_at)
+        SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+               started_at, finished_at
+          FROM back
+         WHERE step_id < coalesce((SELECT min(step_id) FROM back WHERE error IS NOT NULL),
+                                  2147483647);
+        PERFORM pg_notify('kestrel.__schema_name__', 'retry');
+        RETURN;
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_executions WHERE id = p_execution;
+    IF NOT FOUND THEN
+        SELECT status INTO v_status FROM __schema__.workflow_history WHERE id = p_execution;
+    END IF;
+    IF v_status IS NULL THEN
+        RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+    END IF;
+    RAISE EXCEPTION 'execution % is %; only failed, cancelled or quarantined executions can be retried',
+        p_execution, v_status USING ERRCODE = 'KS005';
 END
 $$;

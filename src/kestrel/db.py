@@ -26,6 +26,7 @@ from kestrel.errors import (
     IdempotencyConflict,
     InvalidState,
     KestrelError,
+    ParentCancelled,
     PayloadTooLarge,
     SerializationError,
 )
@@ -314,6 +315,8 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
         return SerializationError(message)
     if exc.sqlstate == "KS008":
         return PayloadTooLarge(message)
+    if exc.sqlstate == "KS009":
+        return ParentCancelled(message)
     return None
 
 

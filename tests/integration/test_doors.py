@@ -1,4 +1,5 @@
-"""Every door takes hostile input and keeps one set of rules (bug 17, FAULTS P2).
+"""Every door takes hostile input and keeps one set of rules (bug 17, FAULTS P2); children
+cannot outlive a cancel and retry replays deterministically (FAULTS X7).
 
 The doors: the SQL functions called directly, the Python client (sync and async) and the
 CLI as a subprocess. On refusal every test counts rows: nothing may have been written.
@@ -12,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable
 from decimal import Decimal
@@ -20,12 +22,15 @@ from typing import Any
 import orjson
 import psycopg
 import pytest
+from psycopg import sql as pgsql
 
 import kestrel
-from kestrel import codec
+from kestrel import codec, db
 from kestrel.client import Client, SyncClient
 from kestrel.config import QUEUE_NAME
-from tests.helpers import ROOT, q, q1
+from kestrel.sql import queries
+from tests.apps import doors_app
+from tests.helpers import ROOT, config, q, q1, run_worker_until, wait_until
 
 MIB16 = 16 * 1024 * 1024
 SQL_LOOKING = ["'); DROP TABLE x; --", "$$ $tag$ \\ $1", 'say "hi"\nand\r\n\ttab',
@@ -390,3 +395,199 @@ def test_cli_refuses_hostile_input_in_one_line(pg_dsn: str, schema: str) -> None
         assert done.returncode == 0, done.stderr
         assert q(pg_dsn, schema, "SELECT name, payload FROM {s}.signals "
                  "WHERE execution_id = %s", [eid]) == [(text, text)]
+
+
+# -- X7: no child started concurrently with a cancel survives it ------------------------------
+
+SURVIVORS = """
+    SELECT count(*) FROM {s}.workflow_executions AS c
+     WHERE c.parent_id IS NOT NULL AND NOT c.cancel_requested
+       AND (EXISTS (SELECT 1 FROM {s}.workflow_history AS h
+                     WHERE h.id = c.parent_id AND h.status = 'cancelled')
+            OR EXISTS (SELECT 1 FROM {s}.workflow_executions AS p
+                        WHERE p.id = c.parent_id AND p.cancel_requested))"""
+
+
+def new_execution(dsn: str, schema: str, state: str, parent: Any = None) -> Any:
+    eid = q1(dsn, schema, "SELECT {s}.submit('node', '[]', 'nobody', p_parent => %s)",
+             [parent])
+    if state == "running":  # as a worker's claim leaves it
+        q(dsn, schema, "UPDATE {s}.workflow_executions SET status = 'running', "
+          "lease_epoch = 1, attempts = 1, lease_owner = 'test', "
+          "lease_expires_at = now() + interval '1 hour' WHERE id = %s", [eid])
+    return eid
+
+
+def blocked_or_done(dsn: str, pid: list[int], done: threading.Event) -> bool:
+    """Wait until the other connection waits for a row lock, or has finished (the old
+    code never waited)."""
+    def check() -> bool:
+        if done.is_set():
+            return True
+        if not pid:
+            return False
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                               [pid[0]]).fetchone()
+        return row is not None and row[0] == "Lock"
+    return bool(wait_until(check, timeout=30, what="the other transaction to block"))
+
+
+def in_thread(dsn: str, schema: str, text: str, params: list[Any],
+              ) -> tuple[threading.Thread, list[int], threading.Event, list[Any]]:
+    """Run *text* on its own autocommit connection in a thread; return what it got."""
+    pid: list[int] = []
+    done = threading.Event()
+    got: list[Any] = []
+
+    def run() -> None:
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                pid.append(conn.info.backend_pid)
+                stmt = pgsql.SQL(text).format(s=pgsql.Identifier(schema))  # type: ignore[arg-type]
+                got.append(conn.execute(stmt, params).fetchone())
+        except psycopg.Error as exc:
+            got.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, pid, done, got
+
+
+@pytest.mark.parametrize("parent_state", ["queued", "running"])
+def test_child_submitted_while_cancel_runs_is_cancelled_too(
+    pg_dsn: str, schema: str, parent_state: str
+) -> None:
+    """The child's transaction commits while cancel() waits: cancel must see it."""
+    parent = new_execution(pg_dsn, schema, parent_state)
+    with psycopg.connect(pg_dsn) as tx:
+        child = tx.execute(pgsql.SQL("SELECT {}.submit('child', '[]', 'nobody', "
+                                     "p_parent => %s)").format(pgsql.Identifier(schema)),
+                           [parent]).fetchone()
+        thread, pid, done, got = in_thread(pg_dsn, schema, "SELECT {s}.cancel(%s)", [parent])
+        blocked_or_done(pg_dsn, pid, done)
+        tx.commit()
+    thread.join(30)
+    assert child is not None and not isinstance(got[0], Exception), got
+    assert q1(pg_dsn, schema, SURVIVORS) == 0
+    assert q1(pg_dsn, schema, "SELECT status FROM {s}.workflow_history WHERE id = %s",
+              [child[0]]) == "cancelled"
+
+
+@pytest.mark.parametrize("parent_state", ["queued", "running"])
+def test_child_submitted_against_an_open_cancel_is_refused(
+    pg_dsn: str, schema: str, parent_state: str
+) -> None:
+    """cancel() commits while the child's submit waits: the submit must see the cancel."""
+    parent = new_execution(pg_dsn, schema, parent_state)
+    with psycopg.connect(pg_dsn) as tx:
+        tx.execute(pgsql.SQL("SELECT {}.cancel(%s)").format(pgsql.Identifier(schema)),
+                   [parent])
+        thread, pid, done, got = in_thread(
+            pg_dsn, schema, "SELECT {s}.submit('child', '[]', 'nobody', p_parent => %s)",
+            [parent])
+        blocked_or_done(pg_dsn, pid, done)
+        tx.commit()
+    thread.join(30)
+    assert q1(pg_dsn, schema, SURVIVORS) == 0
+    assert isinstance(got[0], psycopg.Error) and got[0].sqlstate == "KS009", got
+    # Submitting later is refused the same way, as the typed error through the client code.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+            pytest.raises(kestrel.ParentCancelled):
+        db.call_sync(conn, queries(schema).submit, db.submit_params(
+            workflow="child", args="[]", queue="nobody", priority=0, idempotency_key=None,
+            parent=parent))
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.executions "
+              "WHERE workflow = 'child'") == 0
+
+
+def test_grandchild_submitted_while_cancel_runs_is_cancelled_too(
+    pg_dsn: str, schema: str
+) -> None:
+    parent = new_execution(pg_dsn, schema, "running")
+    child = new_execution(pg_dsn, schema, "running", parent)
+    with psycopg.connect(pg_dsn) as tx:
+        grandchild = tx.execute(pgsql.SQL("SELECT {}.submit('grandchild', '[]', 'nobody', "
+                                          "p_parent => %s)").format(pgsql.Identifier(schema)),
+                                [child]).fetchone()
+        thread, pid, done, got = in_thread(pg_dsn, schema, "SELECT {s}.cancel(%s)", [parent])
+        blocked_or_done(pg_dsn, pid, done)
+        tx.commit()
+    thread.join(30)
+    assert got == [("cancelling",)]
+    assert q1(pg_dsn, schema, SURVIVORS) == 0
+    assert grandchild is not None
+    assert q1(pg_dsn, schema, "SELECT status FROM {s}.workflow_history WHERE id = %s",
+              [grandchild[0]]) == "cancelled"
+
+
+def test_children_of_finished_or_unknown_parents_are_refused(pg_dsn: str, schema: str) -> None:
+    finished = new_execution(pg_dsn, schema, "queued")
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'running' WHERE id = %s",
+      [finished])
+    q(pg_dsn, schema, "WITH d AS (DELETE FROM {s}.workflow_executions WHERE id = %s "
+      "RETURNING *) INSERT INTO {s}.workflow_history (id, workflow, queue, priority, status, "
+      "args, lease_epoch, attempts, created_at, finished_at) SELECT id, workflow, queue, "
+      "priority, 'completed', args, lease_epoch, attempts, created_at, now() FROM d",
+      [finished])
+    before = written(pg_dsn, schema)
+    for parent, state in ((finished, "KS004"), (uuid.uuid4(), "KS003")):
+        err = sql_refusal(pg_dsn, schema, "SELECT {s}.submit('child', '[]', p_parent => %s)",
+                          [parent])
+        assert err.sqlstate == state and "parent" in str(err)
+    assert written(pg_dsn, schema) == before
+
+
+# -- X7: retry brings back only the checkpoints before the first failed step ----------------
+
+def test_retry_drops_the_checkpoints_after_the_first_failed_step(
+    pg_dsn: str, schema: str
+) -> None:
+    eid = q1(pg_dsn, schema, "SELECT {s}.submit('wf', '[]', 'nobody')")
+    q(pg_dsn, schema, """
+        INSERT INTO {s}.operation_outputs
+               (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at)
+        SELECT %s, s, 'step' || s, CASE WHEN s = 2 THEN NULL ELSE to_jsonb(s) END,
+               CASE WHEN s = 2 THEN '{{"type": "E", "message": "m"}}'::jsonb END, 1, 1, now()
+          FROM generate_series(0, 4) AS s""", [eid])
+    assert q1(pg_dsn, schema, "SELECT {s}.cancel(%s)", [eid]) == "cancelled"
+    q(pg_dsn, schema, "UPDATE {s}.workflow_history SET status = 'failed' WHERE id = %s", [eid])
+    q(pg_dsn, schema, "SELECT {s}.retry(%s)", [eid])
+    assert q(pg_dsn, schema, "SELECT step_id, output FROM {s}.operation_outputs "
+             "WHERE execution_id = %s ORDER BY step_id", [eid]) == [(0, 0), (1, 1)]
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.step_history") == 0
+
+
+def test_retry_after_a_caught_step_failure_replays_deterministically(
+    pg_dsn: str, schema: str
+) -> None:
+    """The workflow caught StepFailed, ran a fallback step, then failed; the retry must
+    not find the fallback's checkpoint where its first branch goes on."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    cfg = config(schema)
+    doors_app.service["up"] = False
+    h = client.submit(doors_app.branching)
+    run_worker_until(pg_dsn, cfg, lambda: client.get(h.id).status.terminal)
+    assert client.get(h.id).status is kestrel.Status.FAILED
+    doors_app.service["up"] = True
+    client.retry(h.id)
+    run_worker_until(pg_dsn, cfg, lambda: client.get(h.id).status.terminal)
+    ex = client.get(h.id)
+    assert ex.status is kestrel.Status.COMPLETED, ex.error
+    assert ex.result == "finished after served"
+
+
+def test_retry_of_a_child_of_a_cancelled_parent_is_refused(pg_dsn: str, schema: str) -> None:
+    parent = new_execution(pg_dsn, schema, "running")
+    child = new_execution(pg_dsn, schema, "queued", parent)
+    assert q1(pg_dsn, schema, "SELECT {s}.cancel(%s)", [parent]) == "cancelling"
+    assert q1(pg_dsn, schema, "SELECT status FROM {s}.workflow_history WHERE id = %s",
+              [child]) == "cancelled"
+    before = written(pg_dsn, schema)
+    with pytest.raises(kestrel.InvalidState) as info:
+        SyncClient(pg_dsn, schema=schema, pool_size=0).retry(child)
+    assert isinstance(info.value, kestrel.ParentCancelled)
+    assert written(pg_dsn, schema) == before
+    assert q1(pg_dsn, schema, SURVIVORS) == 0
