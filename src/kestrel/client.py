@@ -84,7 +84,7 @@ class _Base:
                        delay: float | None = None, start_at: datetime | None = None,
                        dedup_key: str | None = None, on_duplicate: str = "return",
                        ) -> dict[str, Any]:
-        # The rules of the SQL function (migration 0006), checked here before a round trip.
+        # The rules of the SQL function (migration 0007), checked here before a round trip.
         name = codec.check_text(workflow_name(wf), what="workflow name")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
             raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "

@@ -75,7 +75,7 @@ def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> s
 
     Every door (client, SQL, CLI, ``ctx`` calls) checks names with this before anything is
     sent, so one bad name fails only its own call, never a batch it would have shared. The
-    SQL functions apply the same rule (``check_name`` in migration 0006).
+    SQL functions apply the same rule (``check_name`` in migration 0007).
 
     Raises:
         SerializationError: not a string, empty, too long (characters, or bytes of UTF-8

@@ -1,4 +1,4 @@
--- 0006: one set of rules at every door, children that cannot outlive a cancel, retry that
+-- 0007: one set of rules at every door, children that cannot outlive a cancel, retry that
 -- replays deterministically.
 --
 -- The Python client, the CLI, a worker starting a child and any other language all pass
