@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     common = _common()
     parser = argparse.ArgumentParser(
         prog="kestrel-runtime",
+        # Options of a subcommand (submit --queue) are seen by this parser too: a prefix
+        # match against its own (--queues, --queue-limits) would refuse them as ambiguous.
+        allow_abbrev=False,
         parents=[common],
         description="Durable workflows on PostgreSQL. Without a subcommand, run the "
                     "supervisor and --procs worker processes (e.g. kestrel-runtime --procs 16 "

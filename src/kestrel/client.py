@@ -10,6 +10,7 @@ behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -31,7 +32,12 @@ from kestrel.sql import queries
 from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
 from kestrel.workflow import WorkflowFn, workflow_name
 
+log = logging.getLogger("kestrel.client")
+
 _POOL_LOCK = threading.Lock()
+
+MAX_SECONDS = 3_155_760_000
+"""Longest timeout or delay accepted (100 years), as in the SQL function."""
 
 POLL_CAP_S = 1.0
 """Longest gap between checks while waiting, in case a notification is lost."""
@@ -78,13 +84,18 @@ class _Base:
                        delay: float | None = None, start_at: datetime | None = None,
                        dedup_key: str | None = None, on_duplicate: str = "return",
                        ) -> dict[str, Any]:
-        name = workflow_name(wf)
-        if not name or len(name) > 1024:
-            raise ConfigError("workflow name must be 1-1024 characters")
-        if not QUEUE_NAME.fullmatch(queue):
-            raise ConfigError(f"invalid queue name {queue!r}: 1-128 of A-Z a-z 0-9 _ . : -")
-        if timeout is not None and not timeout > 0:
-            raise ConfigError(f"timeout must be positive, got {timeout}")
+        # The rules of the SQL function (migration 0007), checked here before a round trip.
+        name = codec.check_text(workflow_name(wf), what="workflow name")
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "
+                              "_ . : -")
+        if (isinstance(priority, bool) or not isinstance(priority, int)
+                or not -(2**31) <= priority < 2**31):
+            raise ConfigError(f"priority must be an integer in [-2^31, 2^31 - 1], got "
+                              f"{_shown(priority)}")
+        if timeout is not None and not 0 < timeout <= MAX_SECONDS:
+            raise ConfigError(f"timeout must be positive and at most {MAX_SECONDS} seconds "
+                              f"(100 years), got {timeout}")
         if delay is not None and start_at is not None:
             raise ConfigError("give delay or start_at, not both")
         if start_at is not None:
@@ -92,10 +103,16 @@ class _Base:
                 raise ConfigError("start_at must be timezone-aware")
             # Relative to this machine's clock; the database clock then holds the wake time.
             delay = max(0.0, (start_at - datetime.now(start_at.tzinfo)).total_seconds())
-        if delay is not None and delay < 0:
-            raise ConfigError(f"delay must not be negative, got {delay}")
+        if delay is not None and not 0 <= delay <= MAX_SECONDS:
+            raise ConfigError(f"delay must be between 0 and {MAX_SECONDS} seconds (100 "
+                              f"years), got {delay}")
         if on_duplicate not in ("return", "reject"):
-            raise ConfigError(f"on_duplicate must be return or reject, not {on_duplicate!r}")
+            raise ConfigError(f"on_duplicate must be return or reject, not "
+                              f"{_shown(on_duplicate)}")
+        if key is not None:
+            codec.check_text(key, what="idempotency key")
+        if dedup_key is not None:
+            codec.check_text(dedup_key, what="dedup key")
         encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
                                max_bytes=self._max_bytes)
         return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
@@ -104,11 +121,27 @@ class _Base:
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:
-        if not name:
-            raise ConfigError("signal name must not be empty")
+        codec.check_text(name, what="signal name")
+        if key is not None:
+            codec.check_text(key, what="idempotency key")
         return {"id": _ident(execution_id), "name": name, "idempotency_key": key,
                 "payload": codec.encode(payload, what=f"payload of signal {name!r}",
                                         max_bytes=self._max_bytes)}
+
+
+def _shown(value: object) -> str:
+    """*value* for an error message: printable whatever it holds, and short."""
+    text = ascii(value)
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def _count_submitted(workflow: str) -> None:
+    """Count a submission. Runs after the row committed, so it must never raise: a caller
+    that retried on the error would submit the work twice (bug 18)."""
+    try:
+        metrics.get().submitted.labels(workflow).inc()
+    except Exception:
+        log.exception("could not count a submission of %r in the metrics", workflow)
 
 
 def _outcome(ex: Execution) -> Any:
@@ -196,15 +229,21 @@ class Client(_Base):
         *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
         live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
 
+        The rules are those of the SQL function ``submit`` (one set at every door), checked
+        here before the round trip; nothing is written when one is broken.
+
         Raises:
-            SerializationError: an argument cannot round-trip through JSON (nothing written).
+            ConfigError: an invalid queue name, priority, timeout, delay or on_duplicate.
+            SerializationError: the workflow name or a key is empty, too long or holds NUL
+                or a lone surrogate; an argument cannot round-trip through JSON.
+            PayloadTooLarge: the encoded arguments are over ``max_payload_bytes``.
             IdempotencyConflict: *idempotency_key* belongs to an execution with other args.
             DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject".
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
         eid = await self._call(self._q.submit, params, idempotency_key, conn)
-        metrics.get().submitted.labels(params["workflow"]).inc()
+        _count_submitted(params["workflow"])
         return Handle(self, eid)
 
     async def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
@@ -212,6 +251,7 @@ class Client(_Base):
         """Send signal *name*; False if *idempotency_key* was used already (counted once).
 
         Raises:
+            SerializationError: the name, key or payload breaks the rules of ``submit``.
             ExecutionNotFound: no such execution.
             InvalidState: it has already finished.
         """
@@ -397,7 +437,7 @@ class SyncClient(_Base):
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
         handle = SyncHandle(self, self._call(self._q.submit, params, idempotency_key, conn))
-        metrics.get().submitted.labels(params["workflow"]).inc()
+        _count_submitted(params["workflow"])
         return handle
 
     def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,

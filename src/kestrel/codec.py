@@ -66,18 +66,24 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
 
 
 MAX_NAME_CHARS = 1024
-"""Longest name (signal, event key, step, workflow) accepted at any door."""
+"""Longest name (signal, event key, step, workflow) or key accepted at any door."""
+
+MAX_NAME_BYTES = 2048
+"""Most UTF-8 bytes in a name or key: several are indexed, and a btree entry holds at most
+2704 bytes, so a longer one would be accepted at the door and fail later in a batch."""
 
 
 def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> str:
     """Return *text* if PostgreSQL can store it as ``text`` unchanged; raise otherwise.
 
     Every door (client, SQL, CLI, ``ctx`` calls) checks names with this before anything is
-    sent, so one bad name fails only its own call, never a batch it would have shared.
+    sent, so one bad name fails only its own call, never a batch it would have shared. The
+    SQL functions apply the same rule (``check_name`` in migration 0007).
 
     Raises:
-        SerializationError: not a string, empty, too long, a NUL character or a lone
-            surrogate (neither can be stored in a UTF-8 database).
+        SerializationError: not a string, empty, too long (characters, or bytes of UTF-8
+            beyond :data:`MAX_NAME_BYTES`), a NUL character or a lone surrogate (neither
+            can be stored in a UTF-8 database).
     """
     if not isinstance(text, str):
         raise SerializationError(f"{what} must be a string, got {type(text).__name__}")
@@ -90,10 +96,13 @@ def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> s
         raise SerializationError(f"{what} contains a NUL character, which PostgreSQL text "
                                  "cannot store")
     try:
-        text.encode("utf-8")
+        size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
         raise SerializationError(f"{what} contains a lone surrogate, which is not valid "
                                  "UTF-8") from None
+    if size > MAX_NAME_BYTES:
+        raise SerializationError(f"{what} is {size} bytes as UTF-8, over the limit of "
+                                 f"{MAX_NAME_BYTES}")
     return text
 
 

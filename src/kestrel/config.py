@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+"""Every queue name, at every door: the SQL function submit() holds the same rule
+(``valid_queue_name``, migration 0007)."""
 
 
 def _queues(text: str) -> tuple[str, ...]:

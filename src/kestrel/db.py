@@ -28,6 +28,9 @@ from kestrel.errors import (
     IdempotencyConflict,
     InvalidState,
     KestrelError,
+    ParentCancelled,
+    PayloadTooLarge,
+    SerializationError,
     UndecodableInput,
 )
 from kestrel.sql import Queries
@@ -380,6 +383,12 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
         return InvalidState(message)
     if exc.sqlstate == "KS006":
         return DuplicateExecution(message)
+    if exc.sqlstate == "KS007":
+        return SerializationError(message)
+    if exc.sqlstate == "KS008":
+        return PayloadTooLarge(message)
+    if exc.sqlstate == "KS009":
+        return ParentCancelled(message)
     return None
 
 

@@ -52,6 +52,14 @@ class Cancelled(KestrelError):
     """The execution was cancelled; raised inside the workflow at its next step boundary."""
 
 
+class ParentCancelled(Cancelled, InvalidState):
+    """A child cannot be started (or retried): its parent is cancelled or being cancelled.
+
+    Inside the parent's workflow it is a :class:`Cancelled`; to a caller of the SQL
+    functions an :class:`InvalidState`.
+    """
+
+
 class MigrationError(KestrelError):
     """The schema cannot be brought to the version this code needs."""
 

@@ -109,14 +109,20 @@ class Metrics:
 
 
 _metrics: Metrics | None = None
+_create_lock = threading.Lock()
 
 
 def get() -> Metrics:
-    """The process's metrics, created on first use."""
+    """The process's metrics, created on first use, once, whatever the number of threads
+    asking at once (two creations would register every name twice: DuplicateTimeseries)."""
     global _metrics
-    if _metrics is None:
-        _metrics = Metrics()
-    return _metrics
+    made = _metrics
+    if made is None:
+        with _create_lock:
+            made = _metrics
+            if made is None:
+                made = _metrics = Metrics()
+    return made
 
 
 def prepare_multiprocess(directory: str | None = None) -> str:

@@ -12,12 +12,10 @@ limits table.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from kestrel.config import QUEUE_NAME
 from kestrel.errors import ConfigError
-
-QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -73,3 +73,10 @@ def test_unimportable_app_fails_before_database(
     assert code != 0
     assert "--app" in err
     assert "no_such_module_xyz" in err
+
+
+def test_subcommand_options_are_not_taken_for_abbreviations_of_settings() -> None:
+    """`submit --queue` was refused as an ambiguous abbreviation of --queues and
+    --queue-limits (the top-level parser sees every option)."""
+    ns = cli.build_parser().parse_args(["submit", "wf", "--queue", "q", "--dsn", "x"])
+    assert (ns.queue, ns.dsn) == ("q", "x")

@@ -110,3 +110,16 @@ def test_text_null_without_nan_is_accepted() -> None:
 @pytest.mark.parametrize("value", ["C:\\u0000dir", "\\\\u0000", {"regex": "\\\\\\u0000x"}])
 def test_literal_backslash_u0000_text_is_not_a_nul(value: object) -> None:
     assert codec.decode(codec.encode(value, what=WHAT)) == value
+
+
+@pytest.mark.parametrize(("text", "ok"), [
+    ("x" * codec.MAX_NAME_CHARS, True), ("x" * (codec.MAX_NAME_CHARS + 1), False),
+    ("é" * 1024, True), ("😀" * 512, True), ("😀" * 513, False), ("", False),
+    ("a\x00b", False), ("\ud800", False), ("'); DROP TABLE x; --", True),
+])
+def test_check_text_limits_characters_and_utf8_bytes(text: str, ok: bool) -> None:
+    if ok:
+        assert codec.check_text(text, what="name") == text
+    else:
+        with pytest.raises(SerializationError):
+            codec.check_text(text, what="name")
