@@ -349,7 +349,9 @@ class Context:
             except SerializationError as exc:
                 error = codec.encode(describe_error(exc), what="step error")
                 break
-            except LeaseLost as exc:
+            except (LeaseLost, Cancelled) as exc:
+                # From a runtime call inside an internal step: the lease is gone, or a child
+                # could not start because this execution is being cancelled (ParentCancelled).
                 self._decide(exc)
             except asyncio.CancelledError:
                 raise
