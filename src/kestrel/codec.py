@@ -9,6 +9,7 @@ anything over the size cap. The check happens before anything is written.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -119,6 +120,33 @@ def printable(text: str, limit: int = 65536) -> str:
 def decode(data: str | bytes) -> Any:
     """Parse JSON text read from the database."""
     return orjson.loads(data)
+
+
+# A run of 19 digits is the shortest that can leave orjson's integers (below -2**63).
+_LONG_DIGITS = re.compile(rb"\d{19,}")
+
+
+def decode_exact(data: str) -> Any:
+    """Parse JSON text that may not have been written by this codec (arguments submitted
+    through SQL) and refuse what would not decode unchanged: numbers beyond double range
+    (orjson raises) and integers beyond 64 bits that a double cannot hold exactly (orjson
+    would round them silently). ``1e20``, which jsonb stores as a 21-digit integer, is
+    exact and accepted.
+
+    Raises:
+        ValueError: the text holds such a number (orjson.JSONDecodeError is a ValueError).
+    """
+    value = orjson.loads(data)
+    if _LONG_DIGITS.search(data.encode()):
+        json.loads(data, parse_int=_exact_int)  # the slow check, only when it can matter
+    return value
+
+
+def _exact_int(text: str) -> int:
+    n = int(text)
+    if (n >= 2**64 and float(n) != n) or (n < -(2**63) and float(n) != n):
+        raise ValueError(f"the integer {text[:40]} has more than 64 bits and no exact double")
+    return n
 
 
 def _find_non_finite(value: Any) -> str | None:

@@ -19,6 +19,7 @@ import psycopg
 from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool
 
+from kestrel import codec
 from kestrel.codec import MAX_HISTORY_BYTES
 from kestrel.errors import (
     ConfigError,
@@ -170,9 +171,9 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     args: list[Any] = []
     steps: dict[int, RecordedStep] = {}
     try:
-        args = orjson.loads(row[2])
+        args = codec.decode_exact(row[2])
         history = orjson.loads(row[5]) if row[5] is not None else None
-    except orjson.JSONDecodeError as exc:
+    except ValueError as exc:
         broken = UndecodableInput(
             f"the stored arguments or checkpoints of execution {row[0]} cannot be decoded "
             f"unchanged ({exc}); submit them within JSON's double range and 64-bit integers")

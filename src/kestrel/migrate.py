@@ -31,7 +31,11 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
         MigrationError: the database has migrations newer than this code knows.
     """
     pending = migrations(schema)
-    with psycopg.connect(dsn, autocommit=True) as conn, conn.transaction():
+    # No prepared statements: through a transaction-mode PgBouncer a statement psycopg
+    # prepares here (it runs the same INSERT once per migration) would outlive this
+    # transaction on the server connection and collide with the next migrate's.
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn, \
+            conn.transaction():
         conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"kestrel.migrate.{schema}"])
         conn.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
         exists = conn.execute(

@@ -1,0 +1,172 @@
+"""The claimer: claims due executions into this process's free slots.
+
+One claim statement takes up to ``min(free slots, batch_size)`` executions of the queues
+without limits; each limited queue is claimed on its own under its row lock, and a queue that
+came back short is looked at again only after a poll interval. A process takes at most one
+suspect (an execution that already lost two workers) at a time. Idle, it waits for a
+wake-up (LISTEN, the sweeper) or the poll interval, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel import db, metrics
+from kestrel.config import Config
+from kestrel.failpoints import failpoint
+from kestrel.lease import Lease, Leases
+from kestrel.queues import QueueSpec
+from kestrel.runner import Runner, WorkerStats
+from kestrel.sql import Queries
+from kestrel.writer import Backoff
+
+log = logging.getLogger("kestrel.worker")
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRound:
+    """What one round of claims did: how many it claimed, and whether a claim came back
+    full (so there is probably more to claim right away)."""
+
+    claimed: int
+    more: bool
+
+
+class Claimer:
+    """Claims into free slots until the worker stops."""
+
+    def __init__(self, cfg: Config, *, pool: AsyncConnectionPool[Any], q: Queries,
+                 leases: Leases, runner: Runner, stats: WorkerStats, worker_id: str,
+                 workflows: list[str], stopping: asyncio.Event, work: asyncio.Event,
+                 slot_freed: asyncio.Event) -> None:
+        self.cfg = cfg
+        self.id = worker_id
+        self._pool = pool
+        self._q = q
+        self.leases = leases
+        self._runner = runner
+        self.stats = stats
+        self._names = workflows
+        self._stopping = stopping
+        self._work = work
+        self._slot_freed = slot_freed
+        specs = cfg.queue_specs()
+        # Queues with limits are claimed one at a time under their row lock; the rest, in
+        # one claim statement that never touches the limits table.
+        self.limited: list[QueueSpec] = [specs[q] for q in cfg.queues
+                                         if q in specs and specs[q].limited]
+        self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
+        self._limited_retry: dict[str, float] = {}
+
+    async def run(self) -> None:
+        """Claim until the worker stops; a failed claim backs off and tries again."""
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            free = self.cfg.concurrency - len(self.leases)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                more = (await self.run_once(free)).more
+            except Exception as exc:
+                delay = backoff.next_delay()
+                level = logging.WARNING if db.is_transient(exc) else logging.ERROR
+                log.log(level, "claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
+                        str(exc).strip()[:200], delay)
+                await self._sleep_unless_stopping(delay)
+                continue
+            backoff.reset()
+            if not more:
+                await self._wait_for_work()
+
+    async def run_once(self, free: int) -> ClaimRound:
+        """Claim into *free* slots, from the unlimited queues and each limited one."""
+        more = False
+        total = 0
+        if self._unlimited:
+            limit = min(free, self.cfg.batch_size)
+            got = await self._claim(limit, None)
+            total += got
+            more = got == limit
+        for spec in self.limited:
+            # A limited queue that came back short (at its limit, empty, or busy with another
+            # claimer) is tried again after a poll interval, so the unlimited queues' claim
+            # loop does not pay for it on every round.
+            if time.monotonic() < self._limited_retry.get(spec.name, 0.0):
+                continue
+            room = self.cfg.concurrency - len(self.leases)
+            if spec.per_process is not None:
+                mine = sum(1 for h in self.leases if h.queue == spec.name)
+                room = min(room, spec.per_process - mine)
+            limit = min(room, self.cfg.batch_size)
+            if limit > 0:
+                got = await self._claim(limit, spec.name)
+                total += got
+                more = more or got == limit
+                if got < limit:
+                    self._limited_retry[spec.name] = time.monotonic() + (
+                        self.cfg.poll_interval * random.uniform(0.8, 1.2))
+        return ClaimRound(total, more)
+
+    async def _claim(self, limit: int, queue: str | None) -> int:
+        """One claim statement (of a limited *queue*, or of the unlimited ones); start what
+        it returns. Returns how many were claimed; 0 when a limited queue's row is busy
+        (its holder is claiming; this process looks again after the poll interval)."""
+        sent = time.monotonic()
+        async with self._pool.connection() as conn:
+            if queue is None:
+                claimed = await db.claim_batch(
+                    conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
+                    lease_s=self.cfg.lease, workflows=self._names,
+                    max_history_bytes=self.cfg.max_history_bytes,
+                    take_suspect=not self._holds_suspect())
+            else:
+                got = await db.claim_limited(
+                    conn, self._q, queue=queue, owner=self.id, limit=limit,
+                    lease_s=self.cfg.lease, workflows=self._names,
+                    max_history_bytes=self.cfg.max_history_bytes)
+                if got is None:
+                    return 0  # another process is claiming from it right now
+                claimed = got
+            failpoint("after_claim_commit")
+        m = metrics.get()
+        m.claim_seconds.observe(time.monotonic() - sent)
+        if claimed:
+            m.claim_batch.observe(len(claimed))
+        self.stats.claims += 1
+        self.stats.claimed += len(claimed)
+        for c in claimed:
+            if c.attempt == 1 and not c.steps and c.wait_step is None:
+                m.started.labels(c.workflow).inc()
+                if c.db_now is not None and c.created_at is not None:
+                    m.submit_to_start.labels(c.workflow).observe(
+                        max(0.0, (c.db_now - c.created_at).total_seconds()))
+            self._runner.start(Lease(c, trusted_until=sent + self.cfg.lease, claimed_at=sent,
+                              queue=queue, cancel_requested=c.cancel_requested))
+        return len(claimed)
+
+    def _holds_suspect(self) -> bool:
+        # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.
+        return any(h.claimed.attempt > db.SUSPECT_AFTER for h in self.leases)
+
+    async def _wait_for_work(self) -> None:
+        self._work.clear()
+        timeout = self.cfg.poll_interval * random.uniform(0.8, 1.2)
+        try:
+            await asyncio.wait_for(self._work.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _sleep_unless_stopping(self, delay: float) -> None:
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        except TimeoutError:
+            pass

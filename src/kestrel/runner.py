@@ -1,0 +1,326 @@
+"""The runner: runs one execution and maps every way it can end to exactly one action.
+
+A claimed execution becomes a task under its :class:`~kestrel.lease.Lease`. Its workflow
+runs with a :class:`~kestrel.workflow.Context` whose every database call goes through this
+module (the ``Writer`` protocol): checkpoints and completions through the writers' group
+commits, waits and signals as single fenced statements. When the workflow ends,
+:meth:`Runner._outcome` turns what happened — a result, an error, a park, a cancel, a lost
+lease, a passed deadline, a refused write — into one action: a Finish to commit, or nothing
+(parked, or dropped for the owner of a newer epoch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel import codec, db, metrics
+from kestrel.config import Config
+from kestrel.db import AnyConn
+from kestrel.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    KestrelError,
+    LeaseLost,
+    UnknownWorkflow,
+    WriteRejected,
+)
+from kestrel.failpoints import afailpoint, failpoint
+from kestrel.lease import Lease, Leases
+from kestrel.sql import Queries
+from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
+from kestrel.workflow import Context, Park, WorkflowFn, describe_error
+from kestrel.writer import Backoff, GroupCommit
+
+log = logging.getLogger("kestrel.worker")
+
+Out = TypeVar("Out")
+
+
+@dataclass
+class WorkerStats:
+    """What one worker process did, for its last log line and for tests."""
+
+    claimed: int = 0
+    completed: int = 0
+    failed: int = 0
+    lost: int = 0
+    fenced: int = 0
+    parked: int = 0
+    released: int = 0
+    claims: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def _write_size(w: StepWrite) -> int:
+    return len(w.output or "") + len(w.error or "") + len(w.name)
+
+
+def _finish_size(f: Finish) -> int:
+    return len(f.result or "") + len(f.error or "")
+
+
+class Runner:
+    """Runs claimed executions; the ``Writer`` every Context talks to."""
+
+    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *,
+                 pool: AsyncConnectionPool[Any], q: Queries, leases: Leases,
+                 executor: Executor, stats: WorkerStats, worker_id: str,
+                 stopping: asyncio.Event, slot_freed: asyncio.Event) -> None:
+        self.cfg = cfg
+        self.id = worker_id
+        self._workflows = workflows
+        self._pool = pool
+        self._q = q
+        self.leases = leases
+        self._executor = executor
+        self.stats = stats
+        self._stopping = stopping
+        self._slot_freed = slot_freed
+        self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
+            "checkpoint", self._flush_checkpoints, size=_write_size)
+        self.completions: GroupCommit[Finish, bool] = GroupCommit(
+            "completion", self._flush_completions, size=_finish_size)
+
+    # -- what a Context asks of its worker (kestrel.workflow.Writer) --------------------------
+
+    async def save_step(self, write: StepWrite) -> StepSaved:
+        return await self.checkpoints.submit(write)
+
+    async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
+        """Run a workflow's own database call, retrying while the database is unreachable
+        and the lease is still trusted (the calls are fenced or idempotent, so a retry after
+        a lost reply changes nothing twice). A statement the database refuses raises."""
+        backoff = Backoff()
+        while True:
+            try:
+                async with self._pool.connection() as conn:
+                    return await op(conn)
+            except Exception as exc:
+                if not db.is_transient(exc):
+                    raise
+                if not lease.trusted():
+                    raise LeaseLost(f"database unreachable past the lease of "
+                                    f"{lease.claimed.id}") from exc
+                await asyncio.sleep(backoff.next_delay())
+
+    async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
+                   seconds: float | None, seen_seq: int | None) -> str:
+        lease.finish()  # a heartbeat that now misses the row is seeing our own park
+
+        async def park(conn: AnyConn) -> str:
+            outcome = await db.park(conn, self._q, id=lease.claimed.id,
+                                    epoch=lease.claimed.epoch, step_id=step_id,
+                                    waiting_for=waiting_for, seconds=seconds,
+                                    seen_seq=seen_seq)
+            await afailpoint("after_park_commit")
+            return outcome
+
+        outcome = "lost"
+        try:
+            outcome = await self._with_retries(lease, park)
+        finally:
+            if outcome != "parked":
+                lease.unfinish()
+        return outcome
+
+    async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
+                             step_name: str) -> SignalTaken:
+        c = lease.claimed
+        return await self._with_retries(lease, lambda conn: db.consume_signal(
+            conn, self._q, id=c.id, epoch=c.epoch, step_id=step_id, name=name,
+            step_name=step_name))
+
+    async def set_event(self, lease: Lease, key: str, value: str) -> bool:
+        c = lease.claimed
+        return await self._with_retries(lease, lambda conn: db.set_event(
+            conn, self._q, id=c.id, epoch=c.epoch, key=key, value=value))
+
+    async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
+                           priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
+        params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
+                                  idempotency_key=key, parent=lease.claimed.id,
+                                  timeout_s=timeout_s)
+        child: uuid.UUID = await self._with_retries(
+            lease, lambda conn: db.call(conn, self._q.submit, params, key=key))
+        return child
+
+    async def send_signal(self, lease: Lease, execution_id: uuid.UUID, name: str,
+                          payload: str | None, key: str) -> bool:
+        params = {"id": execution_id, "name": name, "payload": payload,
+                  "idempotency_key": key}
+        return bool(await self._with_retries(
+            lease, lambda conn: db.call(conn, self._q.signal, params)))
+
+    # -- running one execution ----------------------------------------------------------------
+
+    def start(self, lease: Lease) -> None:
+        """Hold *lease* and run its execution as a task (with its deadline timer)."""
+        c = lease.claimed
+        self.leases.add(lease)  # an older claim of the same id held here is lost (X5)
+        lease.task = asyncio.create_task(self._execute(lease), name=f"execution-{c.id}")
+        if c.deadline is not None and c.db_now is not None:
+            left = (c.deadline - c.db_now).total_seconds()
+            lease.deadline_timer = asyncio.get_running_loop().call_later(
+                max(left, 0.0), self._deadline_passed, lease)
+
+    def _deadline_passed(self, lease: Lease) -> None:
+        # A completion already on its way wins over the deadline (FAULTS X6).
+        if lease.task is not None and not lease.task.done() and not lease.finishing:
+            lease.deadline_hit = True
+            lease.task.cancel()
+
+    async def _execute(self, lease: Lease) -> None:
+        c = lease.claimed
+        ctx = Context(c, c.workflow, self, lease, self._executor, self.cfg.max_payload_bytes,
+                      claimed_mono=lease.claimed_at)
+        try:
+            finish = await self._outcome(ctx, lease)
+            if finish is not None:
+                await self._finish(lease, finish)
+        except asyncio.CancelledError:
+            if lease.lost or self._stopping.is_set():
+                return  # lost: the new owner finishes it; stopping: _drain releases it
+            raise
+        finally:
+            if lease.deadline_timer is not None:
+                lease.deadline_timer.cancel()
+            self.leases.remove(lease)
+            self._slot_freed.set()
+
+    async def _outcome(self, ctx: Context, lease: Lease) -> Finish | None:
+        """Run the workflow and map whatever happened to exactly one action: a Finish to
+        commit (completed, failed, cancelled), or None (parked, or dropped because the lease
+        is gone). A decision the runtime took (lease lost, cancelled, non-determinism, a
+        refused write) wins over whatever the workflow code did after it (FAULTS P6)."""
+        c = ctx.claimed
+        outcome: BaseException | None = None
+        value: Any = None
+        try:
+            if c.broken is not None:
+                raise c.broken
+            if c.deadline is not None and c.db_now is not None and c.db_now >= c.deadline:
+                raise DeadlineExceeded(f"workflow {c.workflow!r} passed its deadline "
+                                       f"{c.deadline}")
+            fn = self._workflows.get(c.workflow)
+            if fn is None:
+                raise UnknownWorkflow(f"workflow {c.workflow!r} is not registered in worker "
+                                      f"{self.id}")
+            value = await fn(ctx, *c.args)
+        except Park:
+            self.stats.parked += 1
+            metrics.get().parked.labels(c.workflow).inc()
+            return None
+        except asyncio.CancelledError:
+            if not lease.deadline_hit or lease.lost or self._stopping.is_set():
+                raise
+            outcome = DeadlineExceeded(f"workflow {c.workflow!r} ran past its deadline "
+                                       f"{c.deadline}")
+        except Exception as exc:
+            outcome = exc
+        outcome = ctx.decision or outcome
+        if isinstance(outcome, LeaseLost):
+            self.stats.lost += 1
+            metrics.get().leases_lost.inc()
+            log.info("dropping %s: %s", c.id, outcome)
+            return None
+        if isinstance(outcome, Cancelled):
+            return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
+                {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
+        if outcome is None:
+            try:
+                result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
+                                      max_bytes=self.cfg.max_payload_bytes)
+            except KestrelError as exc:
+                return self._failure(c, exc)
+            return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+        return self._failure(c, outcome)
+
+    async def _finish(self, lease: Lease, finish: Finish) -> None:
+        c = lease.claimed
+        lease.finish()
+        m = metrics.get()
+        try:
+            done = await self.completions.submit(finish)
+        except Exception as exc:
+            if not db.is_data_error(exc) or finish.status is Status.FAILED:
+                # Refused for a reason of the database's (a limit, its disk): this attempt
+                # ends here and counts; the sweeper retries it or quarantines it.
+                log.error("completion of %s refused (%s: %s); dropping this attempt", c.id,
+                          type(exc).__name__, str(exc).strip()[:200])
+                m.rejected_writes.labels("completion").inc()
+                return
+            m.rejected_writes.labels("completion").inc()
+            finish = self._failure(c, WriteRejected(
+                f"the database refused the result of workflow {c.workflow!r}: "
+                f"{type(exc).__name__}: {exc}"))
+            done = await self.completions.submit(finish)
+        if done:
+            if finish.status is Status.COMPLETED:
+                self.stats.completed += 1
+            else:
+                self.stats.failed += 1
+            m.finished.labels(c.workflow, finish.status.value).inc()
+            if c.db_now is not None and c.created_at is not None:
+                # Database time at the claim plus what elapsed here since.
+                took = (c.db_now - c.created_at).total_seconds() + (
+                    time.monotonic() - lease.claimed_at)
+                m.submit_to_finish.labels(c.workflow).observe(max(0.0, took))
+        else:
+            self.stats.fenced += 1
+            m.fenced.labels("completion").inc()
+            log.info("completion of %s was fenced: a newer claim owns it", c.id)
+
+    def _failure(self, c: Claimed, error: BaseException) -> Finish:
+        described = describe_error(error)
+        log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow, described["type"],
+                 described["message"][:500])
+        return Finish(c.id, c.epoch, Status.FAILED, None,
+                      codec.encode(described, what="workflow error"))
+
+    # -- group-commit flushes -----------------------------------------------------------------
+
+    async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
+        started = time.monotonic()
+        async with self._pool.connection() as conn:
+            await afailpoint("before_checkpoint_commit")
+            saved = await db.save_steps(conn, self._q, writes)
+            failpoint("after_checkpoint_commit_before_ack")
+            m = metrics.get()
+            m.checkpoint_seconds.observe(time.monotonic() - started)
+            m.checkpoint_batch.observe(len(writes))
+            fenced = sum(1 for s in saved if not s.owned)
+            if fenced:
+                m.fenced.labels("checkpoint").inc(fenced)
+            # A conflicting row committed after our snapshot is invisible to the statement
+            # (only possible across epochs, which are fenced anyway): read it back.
+            for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
+                if s.owned and s.recorded is None and not s.cancelled:
+                    rec = await db.load_step(conn, self._q, execution_id=w.execution_id,
+                                             step_id=w.step_id)
+                    saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
+        return saved
+
+    async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
+        started = time.monotonic()
+        async with self._pool.connection() as conn:
+            await afailpoint("before_complete")
+            done = await db.complete_batch(conn, self._q, finishes)
+            failpoint("after_complete_commit")
+            missing = [f for f in finishes if f.execution_id not in done]
+            if missing:
+                # Not finished by this statement: fenced by a newer claim, or finished by an
+                # earlier try whose reply was lost (FAULTS X4). History tells which.
+                done |= await db.finished_readback(conn, self._q, missing)
+        m = metrics.get()
+        m.completion_seconds.observe(time.monotonic() - started)
+        m.completion_batch.observe(len(finishes))
+        return [f.execution_id in done for f in finishes]
