@@ -141,8 +141,6 @@ async def _p2_echo(ctx: kestrel.Context, n: Any) -> Any:
     return n
 
 
-@pytest.mark.xfail(strict=True, reason="P2 is only half fixed at claim: an integer beyond 64 "
-                   "bits decodes (orjson) to a float without an error, so it runs rounded")
 def test_integers_beyond_64_bits_are_never_silently_rounded(pg_dsn: str, schema: str) -> None:
     """P2, "no precision silently lost": 2**64 + 1 stored as an argument must fail its
     execution at claim (as 1e400 does), not run as 18446744073709552000."""
