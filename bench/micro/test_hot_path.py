@@ -94,6 +94,6 @@ def test_heartbeat_of_1000_leases(benchmark: Any, pg_dsn: str, schema: str, conn
     held = [(c.id, c.epoch) for c in claimed]
 
     def beat() -> int:
-        return len(loop.run_until_complete(db.heartbeat(conn, q, held=held, lease_s=300)))
+        return len(loop.run_until_complete(db.run(conn, db.heartbeat(q, held=held, lease_s=300))))
 
     assert benchmark.pedantic(beat, rounds=30, iterations=1) == 1000

@@ -22,6 +22,7 @@ import psycopg
 
 from kestrel import log as kestrel_log
 from kestrel.config import KNOBS, Config, load, mask_dsn, tls_warning
+from kestrel.embedded import resolve_dsn
 from kestrel.errors import ConfigError, KestrelError
 from kestrel.workflow import WorkflowFn, registry
 
@@ -144,17 +145,6 @@ def import_app(modules: str) -> dict[str, WorkflowFn]:
     return registry()
 
 
-def resolve_dsn(cfg: Config) -> tuple[str, Any]:
-    """Return the DSN to use and, when embedded, the server handle to keep alive."""
-    from kestrel import embedded
-
-    if cfg.dsn:
-        return cfg.dsn, None
-    if embedded.dsn_from_environment():
-        return "", None  # libpq reads PGHOST/PGDATABASE/… itself
-    return embedded.start(cfg.data_dir)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -263,9 +253,9 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
     from kestrel.sql import queries
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return db.run_maintenance_sync(
-            conn, queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
-            retention_days=cfg.history_retention_days, detach=detach)
+        return db.run_script_sync(conn, db.run_maintenance(
+            queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
+            retention_days=cfg.history_retention_days, detach=detach))
 
 
 def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
@@ -276,7 +266,7 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
     dsn, _server = resolve_dsn(cfg)
     ran, created, dropped = upkeep(dsn, cfg, detach=ns.detach)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        parts = db.list_partitions_sync(conn, queries(cfg.schema))
+        parts = db.run_sync(conn, db.list_partitions(queries(cfg.schema)))
     data = {"ran": ran, "created": created, "dropped" if not ns.detach else "detached": dropped,
             "partitions": [{"table": p[0], "partition": p[1], "bounds": p[2],
                             "estimated_rows": p[3], "bytes": p[4]} for p in parts]}

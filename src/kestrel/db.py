@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 import psycopg
@@ -52,6 +53,7 @@ from kestrel.types import (
 )
 
 AnyConn = psycopg.AsyncConnection[Any]
+T = TypeVar("T")
 
 # SQLSTATEs that mean the server or the link went away, not that the statement is wrong.
 _GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
@@ -90,6 +92,7 @@ def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection
 
 
 async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`configure_connection` for an async pool's ``configure`` hook."""
     configure_connection(conn)
 
 
@@ -207,29 +210,6 @@ async def claim_batch(
          "max_history_bytes": max_history_bytes},
     )
     return [_claimed(row) for row in await cur.fetchall()]
-
-
-async def heartbeat(
-    conn: AnyConn, q: Queries, *, held: Sequence[tuple[uuid.UUID, int]], lease_s: float
-) -> dict[uuid.UUID, bool]:
-    """Extend the leases in *held*; return the ids still owned, each with its cancel flag."""
-    cur = await conn.execute(
-        q.heartbeat,
-        {"ids": [h[0] for h in held], "epochs": [h[1] for h in held], "lease_s": lease_s},
-    )
-    return {row[0]: bool(row[1]) for row in await cur.fetchall()}
-
-
-def heartbeat_sync(
-    conn: psycopg.Connection[Any], q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
-    lease_s: float,
-) -> dict[uuid.UUID, bool]:
-    """:func:`heartbeat` for the worker's heartbeat thread."""
-    cur = conn.execute(
-        q.heartbeat,
-        {"ids": [h[0] for h in held], "epochs": [h[1] for h in held], "lease_s": lease_s},
-    )
-    return {row[0]: bool(row[1]) for row in cur.fetchall()}
 
 
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
@@ -368,7 +348,77 @@ async def listen(conn: AnyConn, q: Queries) -> None:
     await conn.execute(q.listen)
 
 
-# -- client statements: async and sync twins -------------------------------------------------
+# -- statements defined once, run by either side ---------------------------------------------
+#
+# A Stmt is one statement with its parameters and the function that turns its rows into a
+# result. It does no I/O: `run` executes it on an async connection and `run_sync` on a
+# blocking one, so the async client, the sync client, the worker's heartbeat thread and the
+# CLI share one definition of each statement instead of hand-written twins.
+
+
+@dataclass(frozen=True, slots=True)
+class Stmt(Generic[T]):
+    """A statement, its parameters and how its rows become a result."""
+
+    query: str
+    params: Mapping[str, Any] | None
+    decode: Callable[[list[tuple[Any, ...]]], T]
+    key: str | None = None  # the idempotency key, for IdempotencyConflict's message
+
+
+async def run(conn: AnyConn, stmt: Stmt[T]) -> T:
+    """Execute *stmt* on an async connection; map kestrel's SQLSTATEs to typed errors."""
+    try:
+        cur = await conn.execute(stmt.query, stmt.params)
+    except psycopg.Error as exc:
+        mapped = _error(exc, stmt.key)
+        if mapped is None:
+            raise
+        raise mapped from None
+    return stmt.decode(await cur.fetchall() if cur.description else [])
+
+
+def run_sync(conn: psycopg.Connection[Any], stmt: Stmt[T]) -> T:
+    """:func:`run` on a blocking connection."""
+    try:
+        cur = conn.execute(stmt.query, stmt.params)
+    except psycopg.Error as exc:
+        mapped = _error(exc, stmt.key)
+        if mapped is None:
+            raise
+        raise mapped from None
+    return stmt.decode(cur.fetchall() if cur.description else [])
+
+
+Script = Generator[Stmt[Any], Any, T]
+"""Several statements in one transaction: a generator that yields each Stmt and is sent its
+result, so one definition serves both sides (see :func:`run_script`)."""
+
+
+async def run_script(conn: AnyConn, script: Script[T]) -> T:
+    """Run *script* in one transaction on an async connection."""
+    async with conn.transaction():
+        try:
+            stmt = next(script)
+            while True:
+                stmt = script.send(await run(conn, stmt))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def run_script_sync(conn: psycopg.Connection[Any], script: Script[T]) -> T:
+    """:func:`run_script` on a blocking connection."""
+    with conn.transaction():
+        try:
+            stmt = next(script)
+            while True:
+                stmt = script.send(run_sync(conn, stmt))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def _first(rows: list[tuple[Any, ...]]) -> Any:
+    return rows[0][0] if rows else None
 
 
 def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
@@ -393,31 +443,14 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
     return None
 
 
-async def call(conn: AnyConn, query: str, params: dict[str, Any], *,
-               key: str | None = None) -> Any:
-    """Run a one-value statement (kestrel's SQL functions); map their errors to types."""
-    try:
-        cur = await conn.execute(query, params)
-    except psycopg.Error as exc:
-        mapped = _error(exc, key)
-        if mapped is None:
-            raise
-        raise mapped from None
-    row = await cur.fetchone()
-    return row[0] if row else None
+def command(query: str, params: Mapping[str, Any] | None = None) -> Stmt[None]:
+    """A statement whose rows, if any, are not needed (LISTEN, an upsert)."""
+    return Stmt(query, params, lambda _: None)
 
 
-def call_sync(conn: psycopg.Connection[Any], query: str, params: dict[str, Any], *,
-              key: str | None = None) -> Any:
-    try:
-        cur = conn.execute(query, params)
-    except psycopg.Error as exc:
-        mapped = _error(exc, key)
-        if mapped is None:
-            raise
-        raise mapped from None
-    row = cur.fetchone()
-    return row[0] if row else None
+def value(query: str, params: Mapping[str, Any], *, key: str | None = None) -> Stmt[Any]:
+    """One call of a kestrel SQL function (submit, signal, cancel, retry, fork): its value."""
+    return Stmt(query, params, _first, key)
 
 
 def submit_params(
@@ -430,12 +463,6 @@ def submit_params(
             "idempotency_key": idempotency_key, "id": id, "parent": parent,
             "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
             "on_duplicate": on_duplicate}
-
-
-async def get_event(conn: AnyConn, q: Queries, *, id: uuid.UUID, key: str) -> tuple[bool, Any]:
-    cur = await conn.execute(q.get_event, {"id": id, "key": key})
-    row = await cur.fetchone()
-    return (True, row[0]) if row else (False, None)
 
 
 def _execution(row: Sequence[Any]) -> Execution:
@@ -453,98 +480,112 @@ def _step_row(row: Sequence[Any]) -> StepRow:
     )
 
 
-async def get_execution(conn: AnyConn, q: Queries, *, id: uuid.UUID) -> Execution | None:
-    cur = await conn.execute(q.get_execution, {"id": id})
-    row = await cur.fetchone()
-    return _execution(row) if row else None
+def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
+              lease_s: float) -> Stmt[dict[uuid.UUID, bool]]:
+    """Extend the leases in *held*: the ids still owned, each with its cancel flag."""
+    return Stmt(q.heartbeat, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held],
+                              "lease_s": lease_s},
+                lambda rows: {r[0]: bool(r[1]) for r in rows})
 
 
-def get_execution_sync(
-    conn: psycopg.Connection[Any], q: Queries, *, id: uuid.UUID
-) -> Execution | None:
-    row = conn.execute(q.get_execution, {"id": id}).fetchone()
-    return _execution(row) if row else None
+def get_event(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[tuple[bool, Any]]:
+    """The latest value of an event: (found, value)."""
+    return Stmt(q.get_event, {"id": id, "key": key},
+                lambda rows: (True, rows[0][0]) if rows else (False, None))
 
 
-async def list_steps(conn: AnyConn, q: Queries, *, id: uuid.UUID) -> list[StepRow]:
-    cur = await conn.execute(q.list_steps, {"id": id})
-    return [_step_row(r) for r in await cur.fetchall()]
+def get_execution(q: Queries, *, id: uuid.UUID) -> Stmt[Execution | None]:
+    """One execution, live or finished."""
+    return Stmt(q.get_execution, {"id": id},
+                lambda rows: _execution(rows[0]) if rows else None)
 
 
-def list_steps_sync(conn: psycopg.Connection[Any], q: Queries, *, id: uuid.UUID) -> list[StepRow]:
-    return [_step_row(r) for r in conn.execute(q.list_steps, {"id": id}).fetchall()]
+def list_steps(q: Queries, *, id: uuid.UUID) -> Stmt[list[StepRow]]:
+    """The checkpoints of one execution, live or finished."""
+    return Stmt(q.list_steps, {"id": id}, lambda rows: [_step_row(r) for r in rows])
 
 
-def count_by_status_sync(conn: psycopg.Connection[Any], q: Queries) -> dict[str, int]:
+def _counts(rows: list[tuple[Any, ...]]) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for status, n in conn.execute(q.count_by_status).fetchall():
+    for status, n in rows:
         counts[status] = counts.get(status, 0) + n
     return counts
 
 
-def list_executions_sync(
-    conn: psycopg.Connection[Any], q: Queries, *, status: str | None, workflow: str | None,
-    since: datetime | None, limit: int,
-) -> list[ExecutionSummary]:
-    rows = conn.execute(q.list_executions, {"status": status, "workflow": workflow,
-                                            "since": since, "limit": limit}).fetchall()
-    return [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2], status=Status(r[3]),
-                             attempts=r[4], created_at=r[5], finished_at=r[6]) for r in rows]
+def count_by_status(q: Queries) -> Stmt[dict[str, int]]:
+    """Executions by status, live and finished."""
+    return Stmt(q.count_by_status, None, _counts)
 
 
-def stats_sync(conn: psycopg.Connection[Any], q: Queries) -> Stats:
-    queues = [QueueStat(queue=r[0], status=r[1], count=r[2],
-                        oldest_age_s=float(r[3]) if r[1] == "queued" else None)
-              for r in conn.execute(q.queue_stats).fetchall()]
-    workers = {r[0]: r[1] for r in conn.execute(q.worker_stats).fetchall()}
-    return Stats(queues=queues, running_by_worker=workers,
-                 totals=count_by_status_sync(conn, q))
+def list_executions(q: Queries, *, status: str | None, workflow: str | None,
+                    since: datetime | None, limit: int) -> Stmt[list[ExecutionSummary]]:
+    """Executions newest first, live and finished, optionally filtered."""
+    return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
+                                    "limit": limit},
+                lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
+                                               status=Status(r[3]), attempts=r[4],
+                                               created_at=r[5], finished_at=r[6])
+                              for r in rows])
 
 
-async def run_maintenance(
-    conn: AnyConn, q: Queries, *, interval: str, ahead: int, retention_days: float,
-) -> tuple[bool, int, int]:
+def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
+    """Live executions by queue and status, with the oldest queued one's age."""
+    return Stmt(q.queue_stats, None, lambda rows: [
+        QueueStat(queue=r[0], status=r[1], count=int(r[2]),
+                  oldest_age_s=float(r[3] or 0.0) if r[1] == "queued" else None)
+        for r in rows])
+
+
+def worker_stats(q: Queries) -> Stmt[dict[str, int]]:
+    """Running executions by the worker holding their lease."""
+    return Stmt(q.worker_stats, None, lambda rows: {r[0]: r[1] for r in rows})
+
+
+def stats(q: Queries) -> Script[Stats]:
+    """What ``stats`` shows, read in one transaction."""
+    queues = yield queue_stats(q)
+    workers = yield worker_stats(q)
+    totals = yield count_by_status(q)
+    return Stats(queues=queues, running_by_worker=workers, totals=totals)
+
+
+def run_maintenance(q: Queries, *, interval: str, ahead: int, retention_days: float,
+                    detach: bool = False) -> Script[tuple[bool, int, int]]:
     """One upkeep round in one transaction, if no other process holds the upkeep lock:
-    return (ran, partitions created, partitions dropped)."""
-    async with conn.transaction():
-        got = await (await conn.execute(q.maintenance_lock)).fetchone()
-        if not got or not got[0]:
-            return False, 0, 0
-        created = await (await conn.execute(
-            q.ensure_partitions, {"interval": interval, "ahead": ahead})).fetchone()
-        dropped: Any = (0,)
-        if retention_days > 0:
-            dropped = await (await conn.execute(
-                q.drop_partitions, {"retention_days": retention_days, "detach": False}
-            )).fetchone()
-    return True, int(created[0] if created else 0), int(dropped[0] if dropped else 0)
+    (ran, partitions created, partitions dropped)."""
+    got = yield Stmt(q.maintenance_lock, None, _first)
+    if not got:
+        return False, 0, 0
+    created = yield Stmt(q.ensure_partitions, {"interval": interval, "ahead": ahead}, _first)
+    dropped = 0
+    if retention_days > 0:
+        dropped = yield Stmt(q.drop_partitions, {"retention_days": retention_days,
+                                                 "detach": detach}, _first)
+    return True, int(created or 0), int(dropped or 0)
 
 
-def run_maintenance_sync(
-    conn: psycopg.Connection[Any], q: Queries, *, interval: str, ahead: int,
-    retention_days: float, detach: bool = False,
-) -> tuple[bool, int, int]:
-    with conn.transaction():
-        got = conn.execute(q.maintenance_lock).fetchone()
-        if not got or not got[0]:
-            return False, 0, 0
-        created = conn.execute(q.ensure_partitions,
-                               {"interval": interval, "ahead": ahead}).fetchone()
-        dropped: Any = (0,)
-        if retention_days > 0:
-            dropped = conn.execute(q.drop_partitions, {"retention_days": retention_days,
-                                                       "detach": detach}).fetchone()
-    return True, int(created[0] if created else 0), int(dropped[0] if dropped else 0)
+def list_partitions(q: Queries) -> Stmt[list[tuple[Any, ...]]]:
+    """History partitions with their bounds and sizes."""
+    return Stmt(q.list_partitions, None, list)
 
 
-def list_partitions_sync(conn: psycopg.Connection[Any], q: Queries) -> list[tuple[Any, ...]]:
-    return conn.execute(q.list_partitions).fetchall()
+def db_now(q: Queries) -> Stmt[datetime]:
+    """The database clock (kestrel_now())."""
+    return Stmt(q.db_now, None, _first)
 
 
-async def queue_stats(conn: AnyConn, q: Queries) -> list[tuple[str, str, int, float]]:
-    """Live executions by queue and status with the oldest one's age (seconds)."""
-    cur = await conn.execute(q.queue_stats)
-    return [(r[0], r[1], int(r[2]), float(r[3] or 0.0)) for r in await cur.fetchall()]
+def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate: int | None,
+                       period_s: float | None) -> Stmt[None]:
+    """Declare (or change) a queue's limits."""
+    return Stmt(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
+                                       "rate": rate, "period_s": period_s}, lambda _: None)
+
+
+def upsert_schedule(q: Queries, *, name: str, cron: str, workflow: str,
+                    last_tick: datetime) -> Stmt[datetime]:
+    """Register a schedule; its last tick (kept if it existed)."""
+    return Stmt(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
+                                    "last_tick": last_tick}, _first)
 
 
 async def claim_limited(
@@ -565,46 +606,6 @@ async def claim_limited(
     return [_claimed(r) for r in rows]
 
 
-async def upsert_queue_limit(conn: AnyConn, q: Queries, *, queue: str,
-                             concurrency: int | None, rate: int | None,
-                             period_s: float | None) -> None:
-    await conn.execute(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
-                                              "rate": rate, "period_s": period_s})
-
-
-async def upsert_schedule(conn: AnyConn, q: Queries, *, name: str, cron: str, workflow: str,
-                          last_tick: datetime) -> None:
-    await conn.execute(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
-                                           "last_tick": last_tick})
-
-
-def upsert_queue_limit_sync(conn: psycopg.Connection[Any], q: Queries, *, queue: str,
-                            concurrency: int | None, rate: int | None,
-                            period_s: float | None) -> None:
-    conn.execute(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
-                                        "rate": rate, "period_s": period_s})
-
-
-def upsert_schedule_sync(conn: psycopg.Connection[Any], q: Queries, *, name: str, cron: str,
-                         workflow: str, last_tick: datetime) -> datetime:
-    row = conn.execute(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
-                                           "last_tick": last_tick}).fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
-
-
-def db_now_sync(conn: psycopg.Connection[Any], q: Queries) -> datetime:
-    row = conn.execute(q.db_now).fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
-
-
-async def db_now(conn: AnyConn, q: Queries) -> datetime:
-    row = await (await conn.execute(q.db_now)).fetchone()
-    assert row is not None
-    return row[0]  # type: ignore[no-any-return]
-
-
 async def get_schedule(conn: AnyConn, q: Queries, *, name: str) -> datetime | None:
     row = await (await conn.execute(q.get_schedule, {"name": name})).fetchone()
     return row[0] if row else None
@@ -619,5 +620,5 @@ async def start_tick(conn: AnyConn, q: Queries, *, name: str, seen: datetime, ti
                                                                "tick": tick})).fetchone()
         if moved is None:
             return False
-        await call(conn, q.submit, submit, key=submit["idempotency_key"])
+        await run(conn, value(q.submit, submit, key=submit["idempotency_key"]))
     return True

@@ -82,10 +82,16 @@ def run(cfg: Config, *, incidents: int) -> int:
     """Start the runtime, raise *incidents* alerts, approve them, show what happened."""
     import psycopg
 
-    from kestrel.cli import main as cli_main
-    from kestrel.cli import resolve_dsn
+    from kestrel import db
     from kestrel.client import SyncClient
+    from kestrel.embedded import resolve_dsn
     from kestrel.migrate import migrate
+    from kestrel.sql import queries
+
+    def cli(*argv: str) -> None:
+        """Run `kestrel-runtime ARGV` as the operator would, in a process of its own."""
+        sys.stdout.flush()
+        subprocess.run([sys.executable, "-m", "kestrel", *argv], check=True)
 
     incidents = max(incidents, 3)
     dsn, server = resolve_dsn(cfg)
@@ -126,17 +132,18 @@ def run(cfg: Config, *, incidents: int) -> int:
                 continue
             client.signal(h.id, "approval", {"approved": True, "by": "alice (Slack)"})
         print(f"   - from Python (a Slack button handler): approved {incidents - 2}")
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f"SELECT \"{cfg.schema}\".signal(%s, 'approval', "
-                         "'{\"approved\": true, \"by\": \"bob (SQL)\"}')", [sql_one.id])
+        with psycopg.connect(dsn, autocommit=True) as conn:  # the statement SQL users run
+            db.run_sync(conn, db.value(queries(cfg.schema).signal, {
+                "id": sql_one.id, "name": "approval", "idempotency_key": None,
+                "payload": '{"approved": true, "by": "bob (SQL)"}'}))
         print(f"   - from SQL: SELECT {cfg.schema}.signal('{sql_one.id}', 'approval', "
               "'{\"approved\": true, \"by\": \"bob (SQL)\"}')")
         base = ["--dsn", dsn, "--schema", cfg.schema, "--log-level", "warning"]
         print(f"   - from the CLI: kestrel-runtime signal {rejected.id} approval "
               "--payload '{\"approved\": false, \"by\": \"carol (CLI)\"}'")
         print("     ", end="", flush=True)
-        cli_main(["signal", str(rejected.id), "approval", "--payload",
-                  '{"approved": false, "by": "carol (CLI)"}', *base])
+        cli("signal", str(rejected.id), "approval", "--payload",
+            '{"approved": false, "by": "carol (CLI)"}', *base)
         results = [h.result(timeout=120) for h in handles]
         print("\n5. outcomes:")
         for r in results[:4]:
@@ -146,9 +153,9 @@ def run(cfg: Config, *, incidents: int) -> int:
         if len(results) > 4:
             print(f"   … and {len(results) - 4} more")
         print("\n$ kestrel-runtime stats")
-        cli_main(["stats", *base])
+        cli("stats", *base)
         print(f"\n$ kestrel-runtime show {approver.id}")
-        cli_main(["show", str(approver.id), *base])
+        cli("show", str(approver.id), *base)
         opened = sum(1 for r in results if r["outcome"] == "pr_opened")
         print(f"\ndemo done: {opened} pull requests opened, "
               f"{sum(1 for r in results if r['outcome'] == 'rejected')} rejected. "

@@ -12,7 +12,10 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kestrel.config import Config
 
 log = logging.getLogger("kestrel.embedded")
 
@@ -40,3 +43,12 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
     dsn = str(server.get_uri())
     log.info("embedded PostgreSQL running in %s (%s)", path, dsn)
     return dsn, server
+
+
+def resolve_dsn(cfg: Config) -> tuple[str, Any]:
+    """Return the DSN to use and, when embedded, the server handle to keep alive."""
+    if cfg.dsn:
+        return cfg.dsn, None
+    if dsn_from_environment():
+        return "", None  # libpq reads PGHOST/PGDATABASE/… itself
+    return start(cfg.data_dir)

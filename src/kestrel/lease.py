@@ -179,8 +179,8 @@ class Heartbeat:
         if not snapshot or self.paused:
             return
         sent = time.monotonic()
-        owned = db.heartbeat_sync(conn, self._q, held=[h.key for h in snapshot],
-                                  lease_s=self._lease_s)
+        owned = db.run_sync(conn, db.heartbeat(self._q, held=[h.key for h in snapshot],
+                                               lease_s=self._lease_s))
         gone = []
         for h in snapshot:
             if h.claimed.id in owned:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 
 import psycopg
-from psycopg import sql as pgsql
 
+from kestrel import db
 from kestrel.errors import MigrationError
-from kestrel.sql import migrations, partition_functions
+from kestrel.sql import migrations, partition_functions, queries
 
 log = logging.getLogger("kestrel.migrate")
 
@@ -31,24 +31,18 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
         MigrationError: the database has migrations newer than this code knows.
     """
     pending = migrations(schema)
+    q = queries(schema)
     # No prepared statements: through a transaction-mode PgBouncer a statement psycopg
     # prepares here (it runs the same INSERT once per migration) would outlive this
     # transaction on the server connection and collide with the next migrate's.
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn, \
             conn.transaction():
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"kestrel.migrate.{schema}"])
-        conn.execute(pgsql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(pgsql.Identifier(schema)))
-        exists = conn.execute(
-            "SELECT to_regclass(%s) IS NOT NULL", [f'"{schema}".schema_migrations']
-        ).fetchone()
+        db.run_sync(conn, db.command(q.migrate_lock))
+        db.run_sync(conn, db.command(q.create_schema))
         applied: set[int] = set()
-        if exists and exists[0]:
-            rows = conn.execute(
-                pgsql.SQL("SELECT version FROM {}.schema_migrations").format(
-                    pgsql.Identifier(schema)
-                )
-            ).fetchall()
-            applied = {r[0] for r in rows}
+        if db.run_sync(conn, db.value(q.migrations_table_exists, {})):
+            applied = set(db.run_sync(conn, db.Stmt(q.applied_migrations, None,
+                                                    lambda rows: [r[0] for r in rows])))
         newest = max((m.version for m in pending), default=0)
         if applied and max(applied) > newest:
             raise MigrationError(
@@ -59,35 +53,23 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
         for m in pending:
             if m.version in applied:
                 continue
-            conn.execute(m.text.encode())
-            conn.execute(
-                pgsql.SQL("INSERT INTO {}.schema_migrations (version, name) VALUES (%s, %s)")
-                .format(pgsql.Identifier(schema)),
-                [m.version, m.name],
-            )
+            db.run_sync(conn, db.command(m.text))
+            db.run_sync(conn, db.command(q.record_migration,
+                                         {"version": m.version, "name": m.name}))
             done.append(m.version)
             log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
         # Partition upkeep functions are replaced on every run (CREATE OR REPLACE), so a
         # fix to them needs no migration.
         for statement in partition_functions(schema):
-            conn.execute(statement.encode())
-        # The current period only on install or upgrade, when nothing else writes yet.
-        conn.execute(pgsql.SQL("SELECT {}.kestrel_ensure_history_partitions_v1(%s, %s, %s)")
-                     .format(pgsql.Identifier(schema)),
-                     [history_interval, history_ahead, bool(done)])
+            db.run_sync(conn, db.command(statement))
+        db.run_sync(conn, db.command(q.ensure_current_partitions, {
+            "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
     return done
 
 
 def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
     """Return the newest applied migration of *schema*, 0 when none."""
-    row = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL", [f'"{schema}".schema_migrations']
-    ).fetchone()
-    if not row or not row[0]:
+    q = queries(schema)
+    if not db.run_sync(conn, db.value(q.migrations_table_exists, {})):
         return 0
-    got = conn.execute(
-        pgsql.SQL("SELECT coalesce(max(version), 0) FROM {}.schema_migrations").format(
-            pgsql.Identifier(schema)
-        )
-    ).fetchone()
-    return int(str(got[0])) if got else 0
+    return int(db.run_sync(conn, db.value(q.current_migration, {})) or 0)

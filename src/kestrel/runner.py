@@ -150,7 +150,7 @@ class Runner:
                                   idempotency_key=key, parent=lease.claimed.id,
                                   timeout_s=timeout_s)
         child: uuid.UUID = await self._with_retries(
-            lease, lambda conn: db.call(conn, self._q.submit, params, key=key))
+            lease, lambda conn: db.run(conn, db.value(self._q.submit, params, key=key)))
         return child
 
     async def send_signal(self, lease: Lease, execution_id: uuid.UUID, name: str,
@@ -158,7 +158,7 @@ class Runner:
         params = {"id": execution_id, "name": name, "payload": payload,
                   "idempotency_key": key}
         return bool(await self._with_retries(
-            lease, lambda conn: db.call(conn, self._q.signal, params)))
+            lease, lambda conn: db.run(conn, db.value(self._q.signal, params))))
 
     # -- running one execution ----------------------------------------------------------------
 

@@ -107,10 +107,10 @@ class Upkeep:
             return False, 0, 0
         try:
             async with self._pool.connection() as conn:
-                ran, created, dropped = await db.run_maintenance(
-                    conn, self._q, interval=self._cfg.history_interval,
+                ran, created, dropped = await db.run_script(conn, db.run_maintenance(
+                    self._q, interval=self._cfg.history_interval,
                     ahead=self._cfg.history_ahead,
-                    retention_days=self._cfg.history_retention_days)
+                    retention_days=self._cfg.history_retention_days))
         except psycopg.errors.LockNotAvailable:
             # lock_timeout: something held the history table; try again next round.
             log.warning("history partition upkeep skipped (a lock was busy)")
@@ -144,7 +144,7 @@ class Scheduler:
         """Start every due tick this process wins; return seconds until the next tick."""
         nearest = self._cfg.poll_interval
         async with self._pool.connection() as conn:
-            now = await db.db_now(conn, self._q)
+            now = await db.run(conn, db.db_now(self._q))
             for sch in self._schedules:
                 last = await db.get_schedule(conn, self._q, name=sch.name)
                 if last is None:
@@ -205,15 +205,15 @@ class Stats:
             return
         try:
             async with self._pool.connection() as conn:
-                rows = await db.queue_stats(conn, self._q)
+                rows = await db.run(conn, db.queue_stats(self._q))
         except psycopg.Error:
             return
         seen = set()
-        for queue, status, count, oldest in rows:
-            seen.add((queue, status))
-            m.queue_depth.labels(queue, status).set(count)
-            if status == "queued":
-                m.oldest_queued.labels(queue).set(oldest)
+        for row in rows:
+            seen.add((row.queue, row.status))
+            m.queue_depth.labels(row.queue, row.status).set(row.count)
+            if row.oldest_age_s is not None:
+                m.oldest_queued.labels(row.queue).set(row.oldest_age_s)
         for queue, status in self._known - seen:
             m.queue_depth.labels(queue, status).set(0)
             if status == "queued":

@@ -68,6 +68,13 @@ class Queries:
     upsert_schedule: str
     advance_schedule: str
     get_schedule: str
+    migrate_lock: str
+    create_schema: str
+    migrations_table_exists: str
+    applied_migrations: str
+    current_migration: str
+    record_migration: str
+    ensure_current_partitions: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

@@ -97,14 +97,15 @@ class Worker:
         """Write this process's queue limits and schedules (idempotent upserts)."""
         async with self._pool.connection() as conn:
             for spec in self.claimer.limited:
-                await db.upsert_queue_limit(conn, self._q, queue=spec.name,
-                                            concurrency=spec.concurrency, rate=spec.rate,
-                                            period_s=spec.period)
+                await db.run(conn, db.upsert_queue_limit(
+                    self._q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
+                    period_s=spec.period))
             if self._schedules:
-                now = await db.db_now(conn, self._q)
+                now = await db.run(conn, db.db_now(self._q))
                 for sch in self._schedules:
-                    await db.upsert_schedule(conn, self._q, name=sch.name, cron=sch.cron.text,
-                                             workflow=sch.workflow, last_tick=now)
+                    await db.run(conn, db.upsert_schedule(
+                        self._q, name=sch.name, cron=sch.cron.text, workflow=sch.workflow,
+                        last_tick=now))
 
     def services(self) -> dict[str, Callable[[], Coroutine[Any, Any, NoReturn]]]:
         """The services this process runs for its whole life, by name."""

@@ -496,9 +496,9 @@ def test_child_submitted_against_an_open_cancel_is_refused(
     # Submitting later is refused the same way, as the typed error through the client code.
     with psycopg.connect(pg_dsn, autocommit=True) as conn, \
             pytest.raises(kestrel.ParentCancelled):
-        db.call_sync(conn, queries(schema).submit, db.submit_params(
+        db.run_sync(conn, db.value(queries(schema).submit, db.submit_params(
             workflow="child", args="[]", queue="nobody", priority=0, idempotency_key=None,
-            parent=parent))
+            parent=parent)))
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.executions "
               "WHERE workflow = 'child'") == 0
 

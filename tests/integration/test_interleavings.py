@@ -261,7 +261,7 @@ def test_heartbeats_checkpoints_and_completions_never_deadlock(pg_dsn: str, sche
                     pairs = list(held.items())
                 rng.shuffle(pairs)
                 try:
-                    db.heartbeat_sync(conn, qs, held=pairs, lease_s=300)
+                    db.run_sync(conn, db.heartbeat(qs, held=pairs, lease_s=300))
                 except psycopg.errors.DeadlockDetected as exc:
                     deadlocks.append(f"heartbeat: {exc}")
                 rounds["heartbeat"] += 1

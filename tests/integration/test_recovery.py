@@ -130,14 +130,15 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
             write = StepWrite(h.id, zombie.epoch, 0, "add", "999", None, 1, 0.0)
             (saved,) = await db.save_steps(conn, qs, [write])
             assert not saved.owned and not saved.inserted
-            assert await db.heartbeat(conn, qs, held=[(h.id, zombie.epoch)], lease_s=30) == {}
+            assert await db.run(conn, db.heartbeat(qs, held=[(h.id, zombie.epoch)],
+                                                   lease_s=30)) == {}
             done = await db.complete_batch(conn, qs, [Finish(h.id, zombie.epoch,
                                                              Status.COMPLETED, "1", None)])
             assert done == set()
             assert await db.release_batch(conn, qs, held=[(h.id, zombie.epoch)]) == set()
             # The owner of the current epoch is unaffected.
-            assert await db.heartbeat(conn, qs, held=[(h.id, fresh.epoch)],
-                                      lease_s=30) == {h.id: False}
+            assert await db.run(conn, db.heartbeat(qs, held=[(h.id, fresh.epoch)],
+                                                   lease_s=30)) == {h.id: False}
 
     asyncio.run(main())
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 0

@@ -220,8 +220,8 @@ class ProtocolMachine(RuleBasedStateMachine):
     def heartbeat(self, w: SimWorker) -> None:
         if w.eid is None:
             return
-        owned = self.run(db.heartbeat(self.conn, self.q, held=[(w.eid, w.epoch)],
-                                      lease_s=LEASE))
+        owned = self.run(db.run(self.conn, db.heartbeat(self.q, held=[(w.eid, w.epoch)],
+                                                        lease_s=LEASE)))
         if w.eid not in owned:
             self.lose(w)
 

@@ -1,0 +1,151 @@
+"""What the async and the sync client share: argument checks, error mapping, helpers.
+
+Submit executions and talk to them: :class:`~kestrel.client.Client` (async) and
+:class:`~kestrel.client.SyncClient`.
+
+``submit`` calls the SQL function ``<schema>.submit`` in one statement. Pass ``conn=`` to run
+it inside your own psycopg transaction: the execution then commits or rolls back with your
+data. Without ``conn`` it commits before ``submit`` returns. ``signal``, ``cancel``,
+``retry`` and ``fork`` call the SQL functions of the same names, so SQL, the CLI and Python
+behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from datetime import datetime
+from typing import Any
+
+from kestrel import codec, db, metrics
+from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from kestrel.config import QUEUE_NAME, SCHEMA_NAME
+from kestrel.errors import ConfigError, WorkflowFailed
+from kestrel.sql import queries
+from kestrel.types import Execution, Status
+from kestrel.workflow import WorkflowFn, workflow_name
+
+log = logging.getLogger("kestrel.client")
+
+MAX_SECONDS = 3_155_760_000
+"""Longest timeout or delay accepted (100 years), as in the SQL function."""
+
+POLL_CAP_S = 1.0
+"""Longest gap between checks while waiting, in case a notification is lost."""
+
+
+def ident(execution_id: uuid.UUID | str) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(execution_id))
+    except ValueError:
+        raise ConfigError(f"{execution_id!r} is not an execution id (a UUID)") from None
+
+
+class ClientBase:
+    """Shared set-up. Behind PgBouncer in transaction mode pass
+    ``connection_mode="pgbouncer"`` (or set ``KESTREL_CONNECTION_MODE``): no prepared
+    statements, and waits LISTEN only on ``listen_dsn`` (``KESTREL_LISTEN_DSN``), a direct
+    connection, polling when there is none."""
+
+    def __init__(self, dsn: str, *, schema: str = "kestrel",
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, pool_size: int = 4,
+                 connection_mode: str | None = None, listen_dsn: str | None = None) -> None:
+        if not SCHEMA_NAME.fullmatch(schema):
+            raise ConfigError(f"invalid schema name {schema!r}")
+        if pool_size < 0:
+            raise ConfigError("pool_size must not be negative")
+        mode = connection_mode or os.environ.get("KESTREL_CONNECTION_MODE") or "direct"
+        if mode not in ("direct", "pgbouncer"):
+            raise ConfigError(f"connection_mode must be direct or pgbouncer, not {mode!r}")
+        self.dsn = dsn
+        self.schema = schema
+        self._q = queries(schema)
+        self._max_bytes = max_payload_bytes
+        self._pool_size = pool_size
+        self._pooler = mode == "pgbouncer"
+        self._listen_dsn = (listen_dsn or os.environ.get("KESTREL_LISTEN_DSN")
+                            or (None if self._pooler else dsn))
+        # psycopg prepares a statement after 5 runs; a transaction-mode pooler can't route it.
+        self._conn_kwargs: dict[str, Any] = {"autocommit": True}
+        if self._pooler:
+            self._conn_kwargs["prepare_threshold"] = None
+
+    def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
+                       priority: int, key: str | None, timeout: float | None,
+                       delay: float | None = None, start_at: datetime | None = None,
+                       dedup_key: str | None = None, on_duplicate: str = "return",
+                       ) -> dict[str, Any]:
+        # The rules of the SQL function (migration 0007), checked here before a round trip.
+        name = codec.check_text(workflow_name(wf), what="workflow name")
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "
+                              "_ . : -")
+        if (isinstance(priority, bool) or not isinstance(priority, int)
+                or not -(2**31) <= priority < 2**31):
+            raise ConfigError(f"priority must be an integer in [-2^31, 2^31 - 1], got "
+                              f"{_shown(priority)}")
+        if timeout is not None and not 0 < timeout <= MAX_SECONDS:
+            raise ConfigError(f"timeout must be positive and at most {MAX_SECONDS} seconds "
+                              f"(100 years), got {timeout}")
+        if delay is not None and start_at is not None:
+            raise ConfigError("give delay or start_at, not both")
+        if start_at is not None:
+            if start_at.tzinfo is None:
+                raise ConfigError("start_at must be timezone-aware")
+            # Relative to this machine's clock; the database clock then holds the wake time.
+            delay = max(0.0, (start_at - datetime.now(start_at.tzinfo)).total_seconds())
+        if delay is not None and not 0 <= delay <= MAX_SECONDS:
+            raise ConfigError(f"delay must be between 0 and {MAX_SECONDS} seconds (100 "
+                              f"years), got {delay}")
+        if on_duplicate not in ("return", "reject"):
+            raise ConfigError(f"on_duplicate must be return or reject, not "
+                              f"{_shown(on_duplicate)}")
+        if key is not None:
+            codec.check_text(key, what="idempotency key")
+        if dedup_key is not None:
+            codec.check_text(dedup_key, what="dedup key")
+        encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
+                               max_bytes=self._max_bytes)
+        return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
+                                idempotency_key=key, timeout_s=timeout, delay_s=delay,
+                                dedup_key=dedup_key, on_duplicate=on_duplicate)
+
+    def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
+                       key: str | None) -> dict[str, Any]:
+        codec.check_text(name, what="signal name")
+        if key is not None:
+            codec.check_text(key, what="idempotency key")
+        return {"id": ident(execution_id), "name": name, "idempotency_key": key,
+                "payload": codec.encode(payload, what=f"payload of signal {name!r}",
+                                        max_bytes=self._max_bytes)}
+
+
+def _shown(value: object) -> str:
+    """*value* for an error message: printable whatever it holds, and short."""
+    text = ascii(value)
+    return text if len(text) <= 200 else text[:199] + "…"
+
+
+def count_submitted(workflow: str) -> None:
+    """Count a submission. Runs after the row committed, so it must never raise: a caller
+    that retried on the error would submit the work twice (bug 18)."""
+    try:
+        metrics.get().submitted.labels(workflow).inc()
+    except Exception:
+        log.exception("could not count a submission of %r in the metrics", workflow)
+
+
+def outcome(ex: Execution) -> Any:
+    if ex.status is Status.COMPLETED:
+        return ex.result
+    raise WorkflowFailed(ex.id, ex.status.value, (ex.error or {}).get("message", ex.error))
+
+
+def remaining(deadline: float | None) -> float:
+    if deadline is None:
+        return POLL_CAP_S
+    return max(0.0, min(POLL_CAP_S, deadline - time.monotonic()))
+
+

@@ -1,0 +1,273 @@
+"""The blocking client, :class:`SyncClient`, for scripts, web handlers and the CLI.
+
+GENERATED from ``client_async.py`` by ``tools/unasync.py`` (``make unasync``): do not edit
+this file; change the async client and regenerate.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from kestrel import db
+from kestrel._client_common import (
+    POLL_CAP_S,
+    ClientBase,
+    count_submitted,
+    ident,
+    outcome,
+    remaining,
+)
+from kestrel.errors import ConfigError, ExecutionNotFound
+from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
+from kestrel.workflow import WorkflowFn
+
+
+class SyncClient(ClientBase):
+    """Blocking client, thread-safe.
+
+    Short calls borrow from a small connection pool (``pool_size``, opened on first use;
+    0 = a connection per call); waits for results and events use a connection of their own,
+    since LISTEN is session state that must not go back to a pool. Close it with
+    ``close()`` or use it as a context manager.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pool: ConnectionPool[Any] | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self, dsn: str | None = None) -> psycopg.Connection[Any]:
+        conn = psycopg.Connection.connect(dsn or self.dsn, **self._conn_kwargs)
+        db.configure_connection(conn)
+        return conn
+
+    @contextmanager
+    def _borrow(self) -> Iterator[psycopg.Connection[Any]]:
+        if self._pool_size == 0:
+            with self._connect() as conn:
+                yield conn
+            return
+        with self._lock:
+            if self._pool is None:
+                pool = ConnectionPool(
+                    self.dsn, min_size=1, max_size=self._pool_size, open=False,
+                    kwargs=self._conn_kwargs, configure=db.configure_connection,
+                    name=f"kestrel-client-{self.schema}")
+                pool.open()
+                self._pool = pool
+        with self._pool.connection() as conn:
+            yield conn
+
+    def close(self) -> None:
+        """Close the connection pool (a later call opens a new one)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+    def __enter__(self) -> SyncClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, stmt: db.Stmt[Any],
+                   conn: psycopg.Connection[Any] | None = None) -> Any:
+        if conn is not None:
+            return db.run_sync(conn, stmt)
+        with self._borrow() as own:
+            return db.run_sync(own, stmt)
+
+    def submit(
+        self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
+        idempotency_key: str | None = None, timeout: float | None = None,
+        delay: float | None = None, start_at: datetime | None = None,
+        dedup_key: str | None = None, on_duplicate: str = "return",
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> SyncHandle:
+        """Enqueue *wf* with *args*; return its handle once the row is committed (or, with
+        *conn*, written in that connection's transaction).
+
+        *priority*: higher first within the queue. *timeout*: seconds after which the
+        execution ends failed. *delay* (seconds) or *start_at*: not claimed before then.
+        *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
+        live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
+
+        The rules are those of the SQL function ``submit`` (one set at every door), checked
+        here before the round trip; nothing is written when one is broken.
+
+        Raises:
+            ConfigError: an invalid queue name, priority, timeout, delay or on_duplicate.
+            SerializationError: the workflow name or a key is empty, too long or holds NUL
+                or a lone surrogate; an argument cannot round-trip through JSON.
+            PayloadTooLarge: the encoded arguments are over ``max_payload_bytes``.
+            IdempotencyConflict: *idempotency_key* belongs to an execution with other args.
+            DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject".
+        """
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
+                                     delay, start_at, dedup_key, on_duplicate)
+        eid = self._run(db.value(self._q.submit, params, key=idempotency_key), conn)
+        count_submitted(params["workflow"])
+        return SyncHandle(self, eid)
+
+    def signal(self, execution_id: uuid.UUID | str, name: str, payload: Any = None, *,
+                     idempotency_key: str | None = None,
+                     conn: psycopg.Connection[Any] | None = None) -> bool:
+        """Send signal *name*; False if *idempotency_key* was used already (counted once).
+        With *conn* it is part of that connection's transaction.
+
+        Raises:
+            SerializationError: the name, key or payload breaks the rules of ``submit``.
+            ExecutionNotFound: no such execution.
+            InvalidState: it has already finished.
+        """
+        params = self._signal_params(execution_id, name, payload, idempotency_key)
+        return bool(self._run(db.value(self._q.signal, params), conn))
+
+    def cancel(self, execution_id: uuid.UUID | str, *,
+                     conn: psycopg.Connection[Any] | None = None) -> str:
+        """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
+        stops at its next step boundary) or the terminal status it already had."""
+        return str(self._run(db.value(self._q.cancel, {"id": ident(execution_id)}),
+                                   conn))
+
+    def retry(self, execution_id: uuid.UUID | str, *,
+                    conn: psycopg.Connection[Any] | None = None) -> SyncHandle:
+        """Re-run a failed, cancelled or quarantined execution from its last good
+        checkpoint (the checkpoints before its first failed step)."""
+        eid = ident(execution_id)
+        self._run(db.value(self._q.retry, {"id": eid}), conn)
+        return SyncHandle(self, eid)
+
+    def fork(self, execution_id: uuid.UUID | str, from_step: int) -> SyncHandle:
+        """Start a new execution that reuses the first *from_step* checkpoints."""
+        new = self._run(db.value(self._q.fork, {"id": ident(execution_id),
+                                                      "from_step": from_step}))
+        return SyncHandle(self, new)
+
+    def get(self, execution_id: uuid.UUID | str) -> Execution:
+        """Return the execution, live or finished.
+
+        Raises:
+            ExecutionNotFound: no execution has that id.
+        """
+        eid = ident(execution_id)
+        ex: Execution | None = self._run(db.get_execution(self._q, id=eid))
+        if ex is None:
+            raise ExecutionNotFound(f"no execution {eid}")
+        return ex
+
+    def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
+        """The execution's checkpoints in step order, live or finished."""
+        rows: list[StepRow] = self._run(db.list_steps(self._q, id=ident(execution_id)))
+        return rows
+
+    def counts(self) -> dict[str, int]:
+        """Executions by status, live and finished."""
+        counts: dict[str, int] = self._run(db.count_by_status(self._q))
+        return counts
+
+    def list(self, *, status: str | None = None, workflow: str | None = None,
+                   since: datetime | None = None, limit: int = 50) -> list[ExecutionSummary]:
+        """Executions newest first, live and finished, optionally filtered."""
+        if status is not None and status not in {s.value for s in Status}:
+            raise ConfigError(f"unknown status {status!r}; one of "
+                              f"{', '.join(s.value for s in Status)}")
+        rows: list[ExecutionSummary] = self._run(db.list_executions(
+            self._q, status=status, workflow=workflow, since=since, limit=limit))
+        return rows
+
+    def stats(self) -> Stats:
+        """Live work by queue and status, running by worker, totals by status."""
+        with self._borrow() as conn:
+            return db.run_script_sync(conn, db.stats(self._q))
+
+    def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
+        """Wait for the execution to finish and return its result.
+
+        Raises:
+            WorkflowFailed: it ended failed, cancelled or quarantined.
+            TimeoutError: it did not finish within *timeout* seconds.
+        """
+        eid = ident(execution_id)
+
+        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+            ex = db.run_sync(conn, db.get_execution(self._q, id=eid))
+            if ex is None:
+                raise ExecutionNotFound(f"no execution {eid}")
+            return ex.status.terminal, ex
+
+        ex = self._wait(check, self._q.listen_done, timeout,
+                              lambda: f"execution {eid} did not finish in {timeout}s")
+        return outcome(ex)
+
+    def get_event(self, execution_id: uuid.UUID | str, key: str,
+                        timeout: float | None = None) -> Any:
+        """Return the latest value of event *key*, waiting up to *timeout* for one.
+
+        Raises:
+            TimeoutError: no value was published in time.
+        """
+        eid = ident(execution_id)
+
+        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+            return db.run_sync(conn, db.get_event(self._q, id=eid, key=key))
+
+        return self._wait(check, self._q.listen_events, timeout,
+                                lambda: f"no event {key!r} on {eid} after {timeout}s")
+
+    def _wait(self, check: Any, listen: str, timeout: float | None,
+                    message: Any) -> Any:
+        """Re-run *check* on each notification (or poll) until it says done."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.02
+        waiter = self._connect(self._listen_dsn) if self._listen_dsn else None
+        try:
+            if waiter is not None:
+                db.run_sync(waiter, db.command(listen))
+            while True:
+                # Same connection when it is direct; a pooled one otherwise.
+                if waiter is not None and self._listen_dsn == self.dsn:
+                    done, value = check(waiter)
+                else:
+                    with self._borrow() as conn:
+                        done, value = check(conn)
+                if done:
+                    return value
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(message())
+                if waiter is not None:
+                    for _ in waiter.notifies(timeout=remaining(deadline), stop_after=1):
+                        pass
+                else:
+                    time.sleep(min(delay, remaining(deadline)))
+                    delay = min(delay * 1.5, POLL_CAP_S)
+        finally:
+            if waiter is not None:
+                waiter.close()
+
+
+@dataclass(frozen=True, slots=True)
+class SyncHandle:
+    """A submitted execution."""
+
+    client: SyncClient
+    id: uuid.UUID
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for it to finish and return its result (see :meth:`SyncClient.result`)."""
+        return self.client.result(self.id, timeout)
+
+    def get(self) -> Execution:
+        """The execution as it is now (see :meth:`SyncClient.get`)."""
+        return self.client.get(self.id)
