@@ -37,6 +37,11 @@ POLL_CAP_S = 1.0
 
 
 def ident(execution_id: uuid.UUID | str) -> uuid.UUID:
+    """Return *execution_id* as a UUID.
+
+    Raises:
+        ConfigError: it is not a UUID.
+    """
     try:
         return uuid.UUID(str(execution_id))
     except ValueError:
@@ -138,12 +143,22 @@ def count_submitted(workflow: str) -> None:
 
 
 def outcome(ex: Execution) -> Any:
+    """Return the result of *ex*, a finished execution.
+
+    Raises:
+        WorkflowFailed: it ended failed, cancelled or quarantined.
+    """
     if ex.status is Status.COMPLETED:
         return ex.result
     raise WorkflowFailed(ex.id, ex.status.value, (ex.error or {}).get("message", ex.error))
 
 
 def remaining(deadline: float | None) -> float:
+    """Return how long the next wait may last, in seconds.
+
+    The time left until *deadline* (a ``time.monotonic()`` value; None: no deadline), at most
+    :data:`POLL_CAP_S` and never negative.
+    """
     if deadline is None:
         return POLL_CAP_S
     return max(0.0, min(POLL_CAP_S, deadline - time.monotonic()))

@@ -56,6 +56,7 @@ def _json_flag(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Return the ``kestrel-runtime`` argument parser, with every setting and subcommand."""
     common = _common()
     parser = argparse.ArgumentParser(
         prog="kestrel-runtime",
@@ -126,6 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(ns: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
+    """Return the validated settings from flags, environment and config file.
+
+    *ns* holds the parsed flags and *environ* the environment (default ``os.environ``); the
+    config file is ``--config`` or ``KESTREL_CONFIG``.
+
+    Raises:
+        ConfigError: a setting does not parse or is out of range.
+    """
     flags = {k.name: getattr(ns, k.name, None) for k in KNOBS}
     return load(flags, environ=environ, config_file=getattr(ns, "config", None))
 
@@ -146,6 +155,12 @@ def import_app(modules: str) -> dict[str, WorkflowFn]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kestrel-runtime`` with *argv* (default ``sys.argv[1:]``); return the exit status.
+
+    An invalid setting returns 2 (1 when an operator command finds it: bad input there); a
+    kestrel error, a ValueError or an operational database error (unreachable, refused)
+    returns 1. Each prints one line on stderr.
+    """
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
@@ -174,6 +189,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime run``: migrate, then run the supervisor and its workers.
+
+    Imports the app, migrates the schema (or, where this role may not, checks that it is
+    current), does one partition upkeep round and runs the supervisor until it stops; returns
+    its exit status.
+
+    Raises:
+        ConfigError: --app is unset or registers no workflows, or --queues names a queue that
+            is not declared.
+        MigrationError: this role may not migrate and the schema is not at this code's version.
+    """
     from psycopg.errors import InsufficientPrivilege, LockNotAvailable
 
     # Importing failpoints reads KESTREL_FAILPOINTS: a malformed value stops the start here
@@ -259,6 +285,10 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
 
 
 def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime partitions``: run one upkeep round, then list the history partitions.
+
+    With ``--detach`` expired partitions are detached instead of dropped.
+    """
 
     from kestrel import db
     from kestrel.sql import queries
@@ -287,6 +317,7 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_migrate(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime migrate``: bring the schema up to date; print the versions applied."""
     from kestrel.migrate import migrate
 
     dsn, server = resolve_dsn(cfg)
@@ -339,6 +370,11 @@ def _jsonable(value: Any) -> Any:
 
 
 def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime submit``: submit an execution; print its id (with ``--wait``, its result).
+
+    Raises:
+        ConfigError: ``--args`` is not a JSON array.
+    """
     args = _json_arg(ns.args, "--args")
     if not isinstance(args, list):
         raise ConfigError("--args must be a JSON array, e.g. '[1, \"two\"]'")
@@ -374,6 +410,10 @@ def _since(text: str | None) -> datetime | None:
 
 
 def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime list``: print executions newest first, optionally filtered.
+
+    The filters are ``--status``, ``--workflow`` and ``--since``; ``--limit`` caps the rows.
+    """
     client, _server = _client(cfg)
     rows = client.list(status=ns.status, workflow=ns.workflow, since=_since(ns.since),
                        limit=ns.limit)
@@ -395,6 +435,7 @@ def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime show``: print one execution and its steps as a timeline."""
     client, _server = _client(cfg)
     ex = client.get(_parse_id(ns.id))
     steps = client.steps(ex.id)
@@ -428,6 +469,11 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_cancel(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime cancel``: cancel an execution and print what that did.
+
+    It was cancelled now, stops at its next step boundary (it is running), or had already
+    finished.
+    """
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
     status = client.cancel(eid)
@@ -437,6 +483,10 @@ def cmd_cancel(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime retry``: queue a failed, cancelled or quarantined execution again.
+
+    It resumes from its last checkpoint.
+    """
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
     client.retry(eid)
@@ -445,6 +495,11 @@ def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime signal``: send a signal; print whether it was delivered.
+
+    The payload is JSON (``--payload``); a signal sent before under the same
+    ``--idempotency-key`` is not delivered again.
+    """
     payload = _json_arg(ns.payload, "--payload")
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
@@ -455,6 +510,7 @@ def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime stats``: print queue depth, running executions by worker, totals."""
     client, _server = _client(cfg)
     st = client.stats()
     data = {"queues": [{"queue": q.queue, "status": q.status, "count": q.count,
@@ -489,6 +545,10 @@ def _short(value: Any, width: int = 90) -> str:
 
 
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime demo``: run the incident-response demo; return its exit status.
+
+    See :func:`kestrel.demo.run`. At the default log level the runtime's info logs are quieted.
+    """
     from kestrel import demo
 
     if cfg.log_level == "info":  # the demo narrates; keep the runtime's own logs quiet

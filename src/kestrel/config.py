@@ -52,10 +52,12 @@ class Knob:
 
     @property
     def flag(self) -> str:
+        """The command-line flag: ``--`` and *name* with dashes for underscores."""
         return "--" + self.name.replace("_", "-")
 
     @property
     def env(self) -> str:
+        """The environment variable: ``KESTREL_`` and *name* in upper case."""
         return "KESTREL_" + self.name.upper()
 
 

@@ -262,6 +262,11 @@ async def consume_signal(
     conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, name: str,
     step_name: str,
 ) -> SignalTaken:
+    """Take the oldest pending signal *name* into the checkpoint of the wait at *step_id*.
+
+    Fenced by *epoch*. Returns ownership, the cancel flag, the recorded output (None when no
+    signal is pending) and the ``signal_seq`` to park with.
+    """
     cur = await conn.execute(q.consume_signal, {"id": id, "epoch": epoch, "step_id": step_id,
                                                 "name": name, "step_name": step_name})
     row = await cur.fetchone()
@@ -273,6 +278,10 @@ async def consume_signal(
 async def set_event(
     conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, key: str, value: str
 ) -> bool:
+    """Upsert event *key* to *value* (JSON text) and notify those waiting on it.
+
+    Returns False if the execution is no longer running under *epoch*.
+    """
     cur = await conn.execute(q.set_event, {"id": id, "epoch": epoch, "key": key,
                                            "value": value})
     row = await cur.fetchone()
@@ -280,6 +289,10 @@ async def set_event(
 
 
 async def expire_deadlines(conn: AnyConn, q: Queries, *, limit: int) -> int:
+    """Fail queued and waiting executions past their workflow deadline; return how many.
+
+    At most *limit*; they move to history and their parents are told.
+    """
     cur = await conn.execute(q.expire_deadlines, {"limit": limit})
     row = await cur.fetchone()
     return int(row[0]) if row else 0
@@ -288,6 +301,7 @@ async def expire_deadlines(conn: AnyConn, q: Queries, *, limit: int) -> int:
 async def load_step(
     conn: AnyConn, q: Queries, *, execution_id: uuid.UUID, step_id: int
 ) -> RecordedStep | None:
+    """Read the checkpoint recorded at *step_id*, or None if there is none."""
     cur = await conn.execute(q.load_step, {"execution_id": execution_id, "step_id": step_id})
     row = await cur.fetchone()
     return RecordedStep(row[0], row[1], row[2]) if row else None
@@ -336,6 +350,11 @@ async def release_batch(
 async def reenqueue_expired(
     conn: AnyConn, q: Queries, *, limit: int, max_attempts: int
 ) -> SweepResult:
+    """Requeue running executions whose lease expired, up to *limit*.
+
+    Those claimed *max_attempts* times move to history as quarantined instead. ``examined``
+    counts the expired leases found: callers loop while it reaches *limit*.
+    """
     cur = await conn.execute(
         q.reenqueue_expired, {"limit": limit, "max_attempts": max_attempts}
     )
@@ -345,6 +364,7 @@ async def reenqueue_expired(
 
 
 async def listen(conn: AnyConn, q: Queries) -> None:
+    """LISTEN on *conn* for this schema's wake-ups (use a direct, non-pooled connection)."""
     await conn.execute(q.listen)
 
 
@@ -459,6 +479,10 @@ def submit_params(
     timeout_s: float | None = None, delay_s: float | None = None,
     dedup_key: str | None = None, on_duplicate: str = "return",
 ) -> dict[str, Any]:
+    """Return the named parameters of the ``submit`` statement.
+
+    *args* is the encoded argument list.
+    """
     return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
             "idempotency_key": idempotency_key, "id": id, "parent": parent,
             "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
@@ -607,6 +631,7 @@ async def claim_limited(
 
 
 async def get_schedule(conn: AnyConn, q: Queries, *, name: str) -> datetime | None:
+    """Return the last tick of schedule *name*, or None if it is not registered."""
     row = await (await conn.execute(q.get_schedule, {"name": name})).fetchone()
     return row[0] if row else None
 

@@ -63,6 +63,11 @@ APPROVAL_TIMEOUT_S = 7 * 24 * 3600
 
 @kestrel.workflow(name="incident_response")
 async def incident_response(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[str, Any]:
+    """Handle one alert: analyse it, generate a fix, wait for approval, open a pull request.
+
+    The wait lasts up to a week. Returns what happened: ``pr_opened`` (with the pull request),
+    ``rejected`` or ``expired``.
+    """
     rca = await ctx.step(analyze_root_cause, alert)
     fix = await ctx.step(generate_fix, alert, rca)
     await ctx.set_event("stage", "awaiting_approval")

@@ -64,14 +64,17 @@ class Lease:
 
     @property
     def key(self) -> tuple[uuid.UUID, int]:
+        """``(id, epoch)``: the claim's identity in this process."""
         return self.claimed.id, self.claimed.epoch
 
     @property
     def lost(self) -> bool:
+        """Whether the lease was lost: write nothing more."""
         return self.state is LeaseState.LOST
 
     @property
     def finishing(self) -> bool:
+        """Whether the statement that ends the claim (a completion or a park) is on its way."""
         return self.state is LeaseState.FINISHING
 
     def trusted(self) -> bool:
@@ -79,10 +82,15 @@ class Lease:
         return self.state is not LeaseState.LOST and time.monotonic() < self.trusted_until
 
     def finish(self) -> None:
+        """Mark the statement that ends the claim as on its way, if the lease is held.
+
+        A heartbeat that no longer finds the row, and the deadline timer, then leave it alone.
+        """
         if self.state is LeaseState.HELD:
             self.state = LeaseState.FINISHING
 
     def unfinish(self) -> None:
+        """Undo :meth:`finish`: that statement did not end the claim, so it is held again."""
         if self.state is LeaseState.FINISHING:
             self.state = LeaseState.HELD
 
@@ -123,9 +131,11 @@ class Leases:
             del self._by_id[lease.claimed.id]
 
     def current(self, lease: Lease) -> bool:
+        """Whether *lease* is still the current claim of its execution."""
         return self._by_id.get(lease.claimed.id) is lease
 
     def clear(self) -> None:
+        """Forget every claim (at the end of a drain)."""
         self._by_id.clear()
 
 
@@ -155,9 +165,14 @@ class Heartbeat:
         self.stalled: str | None = None
 
     def start(self) -> None:
+        """Start the heartbeat thread."""
         self._thread.start()
 
     async def stop(self) -> None:
+        """Stop the heartbeat thread and wait for it to end, off the event loop.
+
+        Waits at most one interval plus 5 s.
+        """
         self._stop.set()
         await asyncio.to_thread(self._thread.join, self._interval + 5)
 

@@ -9,7 +9,14 @@ import orjson
 
 
 class JsonFormatter(logging.Formatter):
+    """One line of JSON per log record."""
+
     def format(self, record: logging.LogRecord) -> str:
+        """Return *record* as one line of JSON.
+
+        Keys: ``ts`` (local time), ``level``, ``logger``, ``pid``, ``msg``, and ``exc`` when it
+        carries a traceback.
+        """
         data = {
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
             "level": record.levelname.lower(),

@@ -20,6 +20,12 @@ from kestrel.errors import ConfigError
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueSpec:
+    """One queue's limits; None means no limit of that kind.
+
+    Raises:
+        ConfigError: the name or a limit is invalid, or only one of *rate* and *period* is set.
+    """
+
     name: str
     concurrency: int | None = None
     per_process: int | None = None
@@ -58,6 +64,7 @@ def queue(name: str, *, concurrency: int | None = None, per_process: int | None 
 
 
 def declared() -> dict[str, QueueSpec]:
+    """Return the queues declared with :func:`queue`, by name (a copy)."""
     return dict(_declared)
 
 

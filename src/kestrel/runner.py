@@ -93,6 +93,7 @@ class Runner:
     # -- what a Context asks of its worker (kestrel.workflow.Writer) --------------------------
 
     async def save_step(self, write: StepWrite) -> StepSaved:
+        """Checkpoint *write* in the next group commit; return what is now recorded."""
         return await self.checkpoints.submit(write)
 
     async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
@@ -114,6 +115,12 @@ class Runner:
 
     async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> str:
+        """Park the execution at a wait; return parked, cancelled, signalled or lost.
+
+        See :func:`kestrel.db.park`. The lease counts as finishing while the statement is on its
+        way, and is held again unless it parked. Retried while the database is unreachable and
+        the lease is trusted; past that it raises LeaseLost.
+        """
         lease.finish()  # a heartbeat that now misses the row is seeing our own park
 
         async def park(conn: AnyConn) -> str:
@@ -134,18 +141,27 @@ class Runner:
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
+        """Consume a pending signal into the wait's checkpoint; retried as :meth:`park` is."""
         c = lease.claimed
         return await self._with_retries(lease, lambda conn: db.consume_signal(
             conn, self._q, id=c.id, epoch=c.epoch, step_id=step_id, name=name,
             step_name=step_name))
 
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
+        """Upsert an event value, fenced by the epoch; False if the lease is gone.
+
+        Retried as :meth:`park` is.
+        """
         c = lease.claimed
         return await self._with_retries(lease, lambda conn: db.set_event(
             conn, self._q, id=c.id, epoch=c.epoch, key=key, value=value))
 
     async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
                            priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
+        """Submit a child of *lease*'s execution under idempotency key *key*; return its id.
+
+        Retried as :meth:`park` is.
+        """
         params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
                                   idempotency_key=key, parent=lease.claimed.id,
                                   timeout_s=timeout_s)
@@ -155,6 +171,10 @@ class Runner:
 
     async def send_signal(self, lease: Lease, execution_id: uuid.UUID, name: str,
                           payload: str | None, key: str) -> bool:
+        """Deliver a signal to *execution_id* under idempotency key *key*.
+
+        Returns False if that key was used already. Retried as :meth:`park` is.
+        """
         params = {"id": execution_id, "name": name, "payload": payload,
                   "idempotency_key": key}
         return bool(await self._with_retries(

@@ -181,6 +181,12 @@ class Cron:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
+    """A registered cron schedule and the workflow each of its ticks starts.
+
+    Ticks run on *queue*; with *catch_up* missed ticks are started, not skipped (see
+    :func:`due_ticks`).
+    """
+
     name: str
     cron: Cron
     workflow: str
@@ -211,6 +217,7 @@ def scheduled(cron: str, *, name: str | None = None, catch_up: bool = False,
 
 
 def schedules() -> dict[str, Schedule]:
+    """Return the schedules registered with :func:`scheduled`, by name (a copy)."""
     return dict(_schedules)
 
 

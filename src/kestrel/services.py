@@ -53,6 +53,10 @@ class Sweeper:
         self._pool, self._q, self._cfg, self._on_work = pool, q, cfg, on_work
 
     async def run(self) -> NoReturn:
+        """Call :meth:`run_once` forever, a jittered ``--sweep-interval`` apart.
+
+        Each gap is 0.5 to 1 times the interval; a round the database failed is logged.
+        """
         await _every(lambda: self._cfg.sweep_interval * random.uniform(0.5, 1.0),
                      self.run_once, "sweep")
 
@@ -98,6 +102,10 @@ class Upkeep:
         self.stood_down = False
 
     async def run(self) -> NoReturn:
+        """Call :meth:`run_once` forever, a jittered ``--maintenance-interval`` apart.
+
+        Each gap is 0.5 to 1 times the interval; a round the database failed is logged.
+        """
         await _every(lambda: self._cfg.maintenance_interval * random.uniform(0.5, 1.0),
                      self.run_once, "history partition upkeep")
 
@@ -132,6 +140,11 @@ class Scheduler:
         self._pool, self._q, self._cfg, self._schedules = pool, q, cfg, schedules
 
     async def run(self) -> NoReturn:
+        """Call :meth:`run_once` forever, sleeping until the next tick it reports.
+
+        Each sleep is jittered by up to 10%; after a round the database failed it lasts
+        ``--poll-interval``.
+        """
         while True:
             try:
                 wait = await self.run_once()
@@ -179,6 +192,10 @@ class Stats:
         self._known: set[tuple[str, str]] = set()
 
     async def run(self) -> NoReturn:
+        """Call :meth:`run_once` every *interval* seconds forever.
+
+        First marks the worker up and creates the known label values, at 0.
+        """
         m = metrics.get()
         m.workers.set(1)
         # Known label values start at 0, so a rate() over them has data before the first
@@ -194,6 +211,11 @@ class Stats:
             await asyncio.sleep(self._interval)
 
     async def run_once(self) -> None:
+        """Set the pool and running gauges; in the collecting process, the queue gauges too.
+
+        The queue gauges are the depth and the oldest queued age (0 for what emptied); a failed
+        query skips them this round.
+        """
         m = metrics.get()
         stats = self._pool.get_stats()
         size, idle = stats.get("pool_size", 0), stats.get("pool_available", 0)
@@ -229,6 +251,10 @@ class Listener:
         self._dsn, self._q, self._on_work = dsn, q, on_work
 
     async def run(self) -> NoReturn:
+        """LISTEN forever, calling *on_work* on each (re)connect and each notification.
+
+        Reconnects with backoff when the connection is lost.
+        """
         backoff = Backoff(base=0.2, cap=10.0)
         while True:
             try:

@@ -92,6 +92,7 @@ class RestartPlanner:
         self._slots = [_SlotState() for _ in range(procs)]
 
     def failures(self, slot: int) -> int:
+        """How many times in a row *slot*'s child died before living ``healthy_after_s``."""
         return self._slots[slot].failures
 
     def restart_at(self, slot: int) -> float | None:
@@ -100,6 +101,7 @@ class RestartPlanner:
         return None if state.running else state.restart_at
 
     def started(self, slot: int, now: float) -> None:
+        """Record that *slot*'s child started at *now*."""
         state = self._slots[slot]
         state.running, state.started = True, now
 

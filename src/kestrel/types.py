@@ -23,6 +23,7 @@ class Status(enum.StrEnum):
 
     @property
     def terminal(self) -> bool:
+        """Whether the execution has ended (completed, failed, cancelled or quarantined)."""
         return self not in (Status.QUEUED, Status.RUNNING, Status.WAITING)
 
 
@@ -113,6 +114,11 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class SweepResult:
+    """What one ``reenqueue_expired`` pass did.
+
+    Executions requeued and quarantined, and expired leases examined.
+    """
+
     requeued: int
     quarantined: int
     examined: int
@@ -166,6 +172,11 @@ class ExecutionSummary:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QueueStat:
+    """Live executions of one queue in one status.
+
+    ``oldest_age_s`` is the age in seconds of the oldest queued one (None for other statuses).
+    """
+
     queue: str
     status: str
     count: int

@@ -113,12 +113,15 @@ class RetryPolicy:
             raise ValueError("retry delays must not be negative")
 
     def delay(self, attempt: int) -> float:
+        """Return the seconds to wait after failed attempt *attempt* (from 1), jittered."""
         cap = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
         return cap * random.uniform(0.5, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
 class StepSpec:
+    """A step's name (recorded, and checked on replay) and its retry policy."""
+
     name: str
     retry: RetryPolicy
 
@@ -260,6 +263,7 @@ class Signal:
 
     @property
     def received(self) -> bool:
+        """Whether the signal arrived (the wait did not time out)."""
         return not self.timed_out
 
 
@@ -300,6 +304,7 @@ class Context:
 
     @property
     def execution_id(self) -> UUID:
+        """The id of the execution this workflow runs as."""
         return self.claimed.id
 
     @property

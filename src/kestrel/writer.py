@@ -48,10 +48,12 @@ class Backoff:
         self.base, self.cap, self.failures = base, cap, 0
 
     def next_delay(self) -> float:
+        """Count a failure; return the seconds to wait before the next try."""
         self.failures += 1
         return random.uniform(0, min(self.cap, self.base * 2 ** self.failures))
 
     def reset(self) -> None:
+        """Forget the failures: the next delay starts from *base* again."""
         self.failures = 0
 
 
