@@ -20,8 +20,8 @@ from datetime import datetime
 from typing import Any
 
 from kestrel import codec, db, metrics
-from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES
-from kestrel.config import QUEUE_NAME, SCHEMA_NAME
+from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
+from kestrel.config import SCHEMA_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
 from kestrel.sql import queries
 from kestrel.types import Execution, Status
@@ -82,7 +82,7 @@ class ClientBase:
                        delay: float | None = None, start_at: datetime | None = None,
                        dedup_key: str | None = None, on_duplicate: str = "return",
                        ) -> dict[str, Any]:
-        # The rules of the SQL function (migration 0007), checked here before a round trip.
+        # The rules of the SQL function (sql/functions), checked here before a round trip.
         name = codec.check_text(workflow_name(wf), what="workflow name")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
             raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "

@@ -66,6 +66,10 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
     return data.decode()
 
 
+QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+"""Every queue name, at every door: the SQL function submit() holds the same rule
+(``valid_queue_name`` in sql/functions)."""
+
 MAX_NAME_CHARS = 1024
 """Longest name (signal, event key, step, workflow) or key accepted at any door."""
 
@@ -79,7 +83,7 @@ def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> s
 
     Every door (client, SQL, CLI, ``ctx`` calls) checks names with this before anything is
     sent, so one bad name fails only its own call, never a batch it would have shared. The
-    SQL functions apply the same rule (``check_name`` in migration 0007).
+    SQL functions apply the same rule (``check_name`` in sql/functions).
 
     Raises:
         SerializationError: not a string, empty, too long (characters, or bytes of UTF-8

@@ -17,16 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_HISTORY_BYTES
+from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_HISTORY_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError
 
 if TYPE_CHECKING:
     from kestrel.queues import QueueSpec
 
 SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-QUEUE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
-"""Every queue name, at every door: the SQL function submit() holds the same rule
-(``valid_queue_name``, migration 0007)."""
 
 
 def _queues(text: str) -> tuple[str, ...]:

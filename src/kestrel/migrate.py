@@ -1,5 +1,5 @@
 """Apply the forward-only migrations in ``sql/migrations`` under an advisory lock, then
-(re)install the partition upkeep functions of ``sql/partitions``.
+(re)install every function from ``sql/functions`` and ``sql/partitions``.
 
 All pending migrations run in one transaction that first takes a transaction-level advisory
 lock keyed on the schema, so concurrent starts serialize and the later ones find nothing to
@@ -15,7 +15,7 @@ import psycopg
 
 from kestrel import db
 from kestrel.errors import MigrationError
-from kestrel.sql import migrations, partition_functions, queries
+from kestrel.sql import functions, migrations, queries
 
 log = logging.getLogger("kestrel.migrate")
 
@@ -58,9 +58,9 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
                                          {"version": m.version, "name": m.name}))
             done.append(m.version)
             log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
-        # Partition upkeep functions are replaced on every run (CREATE OR REPLACE), so a
-        # fix to them needs no migration.
-        for statement in partition_functions(schema):
+        # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
+        # sql/partitions, the one place each is defined: a change to one needs no migration.
+        for statement in functions(schema):
             db.run_sync(conn, db.command(statement))
         db.run_sync(conn, db.command(q.ensure_current_partitions, {
             "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))

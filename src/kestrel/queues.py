@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kestrel.config import QUEUE_NAME
+from kestrel.codec import QUEUE_NAME
 from kestrel.errors import ConfigError
 
 

@@ -114,17 +114,40 @@ def queries(schema: str) -> Queries:
 
 @dataclass(frozen=True, slots=True)
 class Migration:
+    """One file of ``sql/migrations``: its version, name and rendered text."""
+
     version: int
     name: str
     text: str
 
 
-def partition_functions(schema: str) -> list[str]:
-    """Return the ``CREATE OR REPLACE FUNCTION`` statements of ``sql/partitions``, rendered."""
-    found = []
-    for path in sorted((sql_dir() / "partitions").glob("*.sql")):
-        found += [render(body, schema) for body in parse_named(path.read_text()).values()]
+_FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION __schema__\.(\w+)\(")
+
+
+def function_definitions() -> dict[str, str]:
+    """Every kestrel SQL function by its name in the database, as defined now:
+    ``sql/functions`` (the runtime's functions) and ``sql/partitions`` (partition upkeep),
+    placeholders unfilled."""
+    found: dict[str, str] = {}
+    for folder in ("functions", "partitions"):
+        for path in sorted((sql_dir() / folder).glob("*.sql")):
+            for body in parse_named(path.read_text()).values():
+                match = _FUNCTION.search(body)
+                if match is None:
+                    raise RuntimeError(f"{folder}/{path.name}: a statement that defines no "
+                                       "function")
+                name = match.group(1)
+                if name in found:
+                    raise RuntimeError(f"function {name!r} is defined twice (again in "
+                                       f"{folder}/{path.name})")
+                found[name] = body
     return found
+
+
+def functions(schema: str) -> list[str]:
+    """Return the ``CREATE OR REPLACE FUNCTION`` statements of every kestrel function,
+    rendered for *schema*; ``migrate`` applies them after the migrations, every time."""
+    return [render(body, schema) for body in function_definitions().values()]
 
 
 def migrations(schema: str) -> list[Migration]:

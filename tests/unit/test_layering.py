@@ -1,4 +1,6 @@
-"""Architecture rules checked on the source: layering of imports, SQL only in sql/."""
+"""Architecture rules checked on the source: layering of imports, no import cycles, SQL only
+in sql/ and executed only by db.py, one client (the sync one generated from the async one),
+docstrings on the public API."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ import pytest
 import kestrel
 
 SRC = Path(kestrel.__file__).resolve().parent
-LOW_LEVEL = ["worker", "workflow", "db"]
+ROOT = SRC.parents[1]
+LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow", "db"]
 HIGH_LEVEL = {"kestrel.supervisor", "kestrel.cli", "kestrel.migrate", "kestrel.demo"}
-# demo.py shows a *user* approving from SQL, which is the point of that line.
-SQL_ALLOWED = {"sql.py", "migrate.py", "db.py", "demo.py"}
+SQL_ALLOWED = {"sql.py", "db.py"}
 SQL_START = re.compile(
     r"\s*(SELECT\b|INSERT\s+INTO\b|UPDATE\s+\S+\s+SET\b|DELETE\s+FROM\b|WITH\s+\w+\s+AS\s*\()",
     re.IGNORECASE)
@@ -87,3 +89,131 @@ def test_sql_literal_scanner_finds_sql() -> None:
 )
 def test_no_sql_string_literals_outside_sql_layer(path: Path) -> None:
     assert sql_literals(path.read_text()) == []
+
+
+# -- one place for SQL, no import cycles, one client -----------------------------------------
+
+EXECUTING = {"execute", "executemany", "copy"}
+DB_ONLY = {"db.py"}
+
+
+def executed_sql(source: str) -> list[int]:
+    """Lines of *source* that call ``.execute``/``.executemany``/``.copy`` on something."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in EXECUTING]
+
+
+def test_execution_scanner_finds_calls() -> None:
+    source = ("conn.execute('x')\nawait cur.executemany(q, [])\nwith c.copy(q) as cp:\n"
+              "    pass\nexecutor.submit(f)\n")
+    assert executed_sql(source) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in SRC.glob("*.py") if p.name not in DB_ONLY),
+                         ids=lambda p: p.name)
+def test_sql_is_executed_only_by_db(path: Path) -> None:
+    assert executed_sql(path.read_text()) == [], f"{path.name} executes SQL; use kestrel.db"
+
+
+def module_imports(path: Path) -> set[str]:
+    """The kestrel modules *path* imports at run time (``TYPE_CHECKING`` blocks excluded)."""
+    tree = ast.parse(path.read_text())
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only |= {id(n) for n in ast.walk(node)}
+    found = set()
+    known = {p.stem for p in SRC.glob("*.py")}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "kestrel" and len(parts) > 1 and parts[1] in known:
+                found.add(parts[1])
+    found.discard(path.stem)
+    return found
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle of *graph* found by a depth-first search (each reported once)."""
+    cycles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt):]
+                if frozenset(cycle) not in seen:
+                    seen.add(frozenset(cycle))
+                    cycles.append([*cycle, nxt])
+            elif len(path) < len(graph):
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        visit(start, [start])
+    return cycles
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [
+        ["a", "b", "c", "a"]]
+
+
+def test_no_import_cycles() -> None:
+    graph = {p.stem: module_imports(p) for p in SRC.glob("*.py") if p.stem != "__init__"}
+    graph = {k: {m for m in v if m != "__init__"} for k, v in graph.items()}
+    assert import_cycles(graph) == []
+
+
+def test_the_sync_client_is_generated_from_the_async_one() -> None:
+    """client_sync.py is exactly what tools/unasync.py makes of client_async.py."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("unasync", ROOT / "tools" / "unasync.py")
+    assert spec is not None and spec.loader is not None
+    unasync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unasync)
+    want = unasync.generate((SRC / "client_async.py").read_text())
+    assert (SRC / "client_sync.py").read_text() == want, "run `make unasync`"
+
+
+def test_both_clients_offer_the_same_calls() -> None:
+    import inspect
+
+    from kestrel.client import Client, SyncClient
+
+    def calls(cls: type) -> dict[str, list[str]]:
+        return {name: list(inspect.signature(fn).parameters)
+                for name, fn in inspect.getmembers(cls, inspect.isfunction)
+                if not name.startswith("_")}
+
+    assert calls(Client) == calls(SyncClient)
+
+
+def test_public_functions_and_classes_have_docstrings() -> None:
+    missing = []
+    for path in sorted(SRC.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            nodes = [node]
+            if isinstance(node, ast.ClassDef):
+                nodes += [n for n in node.body
+                          if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+            for n in nodes:
+                if not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    continue
+                if n.name.startswith("_") or any(
+                        isinstance(d, ast.Name) and d.id == "overload"
+                        for d in n.decorator_list):
+                    continue
+                if not ast.get_docstring(n):
+                    missing.append(f"{path.name}:{n.lineno} {n.name}")
+    assert missing == []

@@ -1,0 +1,639 @@
+-- Every kestrel SQL function as it is now: the one place to read or change one.
+--
+-- `kestrel-runtime migrate` applies this file after the migrations, every time (CREATE OR
+-- REPLACE), so a change to a function is made here and needs no migration. Migrations only
+-- change tables, indexes and views — and DROP a function whose signature or return type
+-- changes (CREATE OR REPLACE cannot change those; it would add an overload instead).
+-- tests/integration/test_schema.py checks that the schema holds exactly the functions
+-- defined here and in sql/partitions.
+
+-- name: kestrel_now
+CREATE OR REPLACE FUNCTION __schema__.kestrel_now() RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE AS $$
+    SELECT now() + (SELECT offset_by FROM __schema__.clock_offset)
+$$;
+
+-- name: submit
+-- submit(): the same signature as 0004; every argument is checked before anything is
+-- written. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
+-- the parent is being cancelled or has finished. The lock conflicts with cancel()'s FOR
+-- UPDATE and with the DELETE that finishes the parent, so either the child commits first and
+-- cancel() (which walks the tree after taking its locks) sees it, or cancel() commits first
+-- and this reads its flag. KEY SHARE does not conflict with the parent's heartbeats and
+-- checkpoints (NO KEY UPDATE), so a child start never stalls its own parent.
+CREATE OR REPLACE FUNCTION __schema__.submit(
+    p_workflow text,
+    p_args jsonb DEFAULT '[]',
+    p_queue text DEFAULT 'default',
+    p_priority integer DEFAULT 0,
+    p_idempotency_key text DEFAULT NULL,
+    p_id uuid DEFAULT NULL,
+    p_parent uuid DEFAULT NULL,
+    p_timeout_s double precision DEFAULT NULL,
+    p_delay_s double precision DEFAULT NULL,
+    p_dedup_key text DEFAULT NULL,
+    p_on_duplicate text DEFAULT 'return'
+) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_id uuid := coalesce(p_id, gen_random_uuid());
+    v_existing __schema__.idempotency_keys%ROWTYPE;
+    v_live uuid;
+    v_cancelling boolean;
+    v_status text;
+BEGIN
+    PERFORM __schema__.check_name(p_workflow, 'workflow name');
+    IF NOT __schema__.valid_queue_name(p_queue) THEN
+        RAISE EXCEPTION 'invalid queue name %: 1-128 of A-Z a-z 0-9 _ . : -',
+            coalesce(quote_literal(left(p_queue, 200)), 'NULL') USING ERRCODE = 'KS002';
+    END IF;
+    IF p_priority IS NULL THEN
+        RAISE EXCEPTION 'priority must not be NULL' USING ERRCODE = 'KS002';
+    END IF;
+    IF p_args IS NULL OR jsonb_typeof(p_args) <> 'array' THEN
+        RAISE EXCEPTION 'args must be a JSON array, got %', coalesce(jsonb_typeof(p_args), 'NULL')
+            USING ERRCODE = 'KS002';
+    END IF;
+    PERFORM __schema__.check_payload(p_args, 'args');
+    IF p_timeout_s IS NOT NULL AND NOT (p_timeout_s > 0 AND p_timeout_s <= 3155760000) THEN
+        RAISE EXCEPTION 'timeout must be positive and at most 3155760000 seconds (100 years), got %',
+            p_timeout_s USING ERRCODE = 'KS002';
+    END IF;
+    IF p_delay_s IS NOT NULL AND NOT (p_delay_s >= 0 AND p_delay_s <= 3155760000) THEN
+        RAISE EXCEPTION 'delay must be between 0 and 3155760000 seconds (100 years), got %',
+            p_delay_s USING ERRCODE = 'KS002';
+    END IF;
+    IF p_on_duplicate IS NULL OR p_on_duplicate NOT IN ('return', 'reject') THEN
+        RAISE EXCEPTION 'on_duplicate must be return or reject, got %',
+            coalesce(quote_literal(left(p_on_duplicate, 200)), 'NULL') USING ERRCODE = 'KS002';
+    END IF;
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+    END IF;
+    IF p_dedup_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_dedup_key, 'dedup key');
+    END IF;
+    IF p_parent IS NOT NULL THEN
+        SELECT e.cancel_requested INTO v_cancelling
+          FROM __schema__.workflow_executions AS e
+         WHERE e.id = p_parent
+           FOR KEY SHARE;
+        IF NOT FOUND THEN
+            SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
+             WHERE h.id = p_parent;
+            IF v_status = 'cancelled' THEN
+                RAISE EXCEPTION 'parent execution % was cancelled; it starts no children', p_parent
+                    USING ERRCODE = 'KS009';
+            ELSIF v_status IS NOT NULL THEN
+                RAISE EXCEPTION 'parent execution % has already finished (%)', p_parent, v_status
+                    USING ERRCODE = 'KS004';
+            END IF;
+            RAISE EXCEPTION 'no parent execution %', p_parent USING ERRCODE = 'KS003';
+        END IF;
+        IF v_cancelling THEN
+            RAISE EXCEPTION 'parent execution % is being cancelled; it starts no children',
+                p_parent USING ERRCODE = 'KS009';
+        END IF;
+    END IF;
+    IF p_idempotency_key IS NOT NULL THEN
+        INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
+        VALUES (p_idempotency_key, v_id, p_workflow, md5(p_args::text))
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            -- ON CONFLICT waited for the other inserter to commit, so this read sees its row.
+            SELECT * INTO v_existing FROM __schema__.idempotency_keys
+             WHERE idempotency_key = p_idempotency_key;
+            IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> md5(p_args::text) THEN
+                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments',
+                    p_idempotency_key, v_existing.execution_id
+                    USING ERRCODE = 'KS001';
+            END IF;
+            RETURN v_existing.execution_id;
+        END IF;
+    END IF;
+    LOOP
+        INSERT INTO __schema__.workflow_executions
+               (id, workflow, queue, priority, args, idempotency_key, parent_id, deadline,
+                dedup_key, status, wake_at)
+        VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
+                __schema__.kestrel_now() + make_interval(secs => p_timeout_s), p_dedup_key,
+                CASE WHEN p_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
+                CASE WHEN p_delay_s > 0
+                     THEN __schema__.kestrel_now() + make_interval(secs => p_delay_s) END)
+        ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
+        EXIT WHEN FOUND;
+        -- A live execution holds the dedup key (ON CONFLICT waited for it to commit).
+        SELECT id INTO v_live FROM __schema__.workflow_executions
+         WHERE queue = p_queue AND dedup_key = p_dedup_key;
+        IF FOUND THEN
+            IF p_on_duplicate = 'reject' THEN
+                RAISE EXCEPTION 'queue % already has a live execution % with dedup key %',
+                    p_queue, v_live, p_dedup_key USING ERRCODE = 'KS006';
+            END IF;
+            IF p_idempotency_key IS NOT NULL THEN  -- the key answers for what we returned
+                UPDATE __schema__.idempotency_keys SET execution_id = v_live
+                 WHERE idempotency_key = p_idempotency_key;
+            END IF;
+            RETURN v_live;
+        END IF;
+        -- It finished between the conflict and the read: the key is free, try again.
+    END LOOP;
+    -- Delivered at commit only; workers also poll, so a lost notification costs latency only.
+    PERFORM pg_notify('kestrel.__schema_name__', p_queue);
+    RETURN v_id;
+END
+$$;
+
+-- name: child_finished
+-- A finished child tells its parent: a signal named 'kestrel.child:<id>' whose payload is
+-- the child's outcome, which wakes the parent if it waits for it.
+CREATE OR REPLACE FUNCTION __schema__.child_finished(
+    p_parent uuid, p_child uuid, p_status text, p_result jsonb, p_error jsonb
+) RETURNS void
+LANGUAGE sql AS $$
+    WITH bumped AS (
+        UPDATE __schema__.workflow_executions AS p
+           SET signal_seq = p.signal_seq + 1,
+               wake_at = CASE WHEN p.status = 'waiting'
+                                   AND p.waiting_for = 'kestrel.child:' || p_child
+                              THEN __schema__.kestrel_now() ELSE p.wake_at END
+         WHERE p.id = p_parent
+     RETURNING p.id
+    )
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
+    SELECT p_parent, 'kestrel.child:' || p_child,
+           jsonb_build_object('status', p_status, 'result', p_result, 'error', p_error),
+           'kestrel.child:' || p_child
+      FROM bumped
+        ON CONFLICT (execution_id, idempotency_key) DO NOTHING
+$$;
+
+-- name: signal
+-- signal(): the name, key and payload follow the same rules as submit's, checked before
+-- the execution's row is locked.
+CREATE OR REPLACE FUNCTION __schema__.signal(
+    p_execution uuid, p_name text, p_payload jsonb DEFAULT NULL,
+    p_idempotency_key text DEFAULT NULL
+) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text;
+BEGIN
+    PERFORM __schema__.check_name(p_name, 'signal name');
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+    END IF;
+    PERFORM __schema__.check_payload(p_payload, 'payload');
+    -- Lock the execution row first (the same order as park), then store the signal.
+    UPDATE __schema__.workflow_executions AS e
+       SET signal_seq = e.signal_seq + 1,
+           wake_at = CASE WHEN e.status = 'waiting' AND e.waiting_for = p_name
+                          THEN __schema__.kestrel_now() ELSE e.wake_at END
+     WHERE e.id = p_execution
+    RETURNING e.status INTO v_status;
+    IF NOT FOUND THEN
+        SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
+         WHERE h.id = p_execution;
+        IF FOUND THEN
+            RAISE EXCEPTION 'execution % has already finished (%)', p_execution, v_status
+                USING ERRCODE = 'KS004';
+        END IF;
+        RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+    END IF;
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
+    VALUES (p_execution, p_name, p_payload, p_idempotency_key)
+    ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM pg_notify('kestrel.__schema_name__', 'signal');
+    RETURN true;
+END
+$$;
+
+-- name: cancel
+-- cancel(): 0005 found the tree and locked it in one statement, whose snapshot predates its
+-- locks: a child committed while the statement waited for a lock was never seen, and
+-- survived its cancelled parent (FAULTS X7). Now the walk is repeated, each time in a new
+-- statement whose snapshot is taken after the previous statement's locks were granted,
+-- until a walk finds no live member it has not locked. That is complete: a child submit
+-- holds KEY SHARE on its parent until it commits, which FOR UPDATE waits for, so every
+-- child of a locked node is either committed before the next walk (and seen by it) or not
+-- started until this transaction ends (and then refused). Each walk locks what it found in
+-- id order, as 0005 did (the order heartbeats and completions lock in); a second walk only
+-- finds something when a child was started during the first. The rest is 0005's.
+CREATE OR REPLACE FUNCTION __schema__.cancel(p_execution uuid) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text;
+    v_tree uuid[] := '{}';
+    v_more uuid[];
+    v_moved uuid[];
+    v_parents uuid[];
+BEGIN
+    LOOP
+        WITH RECURSIVE tree AS (
+            SELECT id FROM __schema__.workflow_executions WHERE id = p_execution
+            UNION
+            SELECT e.id FROM __schema__.workflow_executions AS e JOIN tree ON e.parent_id = tree.id
+        )
+        SELECT array_agg(l.id) INTO v_more
+          FROM (SELECT e.id FROM __schema__.workflow_executions AS e
+                  JOIN tree USING (id)
+                 WHERE e.id <> ALL (v_tree)
+                 ORDER BY e.id
+                   FOR UPDATE OF e) AS l;
+        EXIT WHEN v_more IS NULL;
+        v_tree := v_tree || v_more;
+    END LOOP;
+    WITH flagged AS (
+        UPDATE __schema__.workflow_executions AS e
+           SET cancel_requested = true
+         WHERE e.id = ANY (v_tree) AND e.status = 'running'
+    ), removed AS (
+        DELETE FROM __schema__.workflow_executions AS e
+         WHERE e.id = ANY (v_tree) AND e.status IN ('queued', 'waiting')
+     RETURNING e.*
+    ), moved AS (
+        INSERT INTO __schema__.workflow_history
+               (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+        SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
+               jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
+               idempotency_key, lease_epoch, attempts, created_at, started_at,
+               __schema__.kestrel_now(), parent_id, deadline
+          FROM removed
+        RETURNING id, parent_id
+    )
+    SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
+    IF v_moved IS NOT NULL THEN
+        PERFORM __schema__.child_finished(t.parent, t.child, 'cancelled', NULL,
+                    jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'))
+           FROM unnest(v_parents, v_moved) AS t(parent, child)
+          WHERE t.parent IS NOT NULL;
+        PERFORM __schema__.archive_steps(v_moved);
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_executions WHERE id = p_execution;
+    IF FOUND THEN
+        RETURN 'cancelling';
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_history WHERE id = p_execution;
+    IF FOUND THEN
+        RETURN v_status;
+    END IF;
+    RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+END
+$$;
+
+-- name: retry
+-- retry(): 0003 brought back every checkpoint without an error, also those recorded after
+-- the failed step. A workflow that caught StepFailed and took another branch then found the
+-- other branch's checkpoints at positions its re-run reaches by the first branch, and
+-- failed with NonDeterminismError (FAULTS X7). Now only the checkpoints before the first
+-- failed one come back; the rest are dropped and run again. A child whose parent was
+-- cancelled is not brought back (KS009), as submit() would not start it.
+CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid) RETURNS void
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_status text;
+    v_parent uuid;
+    v_cancelling boolean;
+BEGIN
+    SELECT parent_id INTO v_parent FROM __schema__.workflow_history
+     WHERE id = p_execution AND status IN ('failed', 'cancelled', 'quarantined');
+    IF v_parent IS NOT NULL THEN
+        SELECT e.cancel_requested INTO v_cancelling
+          FROM __schema__.workflow_executions AS e
+         WHERE e.id = v_parent
+           FOR KEY SHARE;
+        IF NOT FOUND THEN
+            SELECT h.status = 'cancelled' INTO v_cancelling
+              FROM __schema__.workflow_history AS h WHERE h.id = v_parent;
+        END IF;
+        IF v_cancelling THEN
+            RAISE EXCEPTION 'parent execution % was cancelled; retry the parent instead', v_parent
+                USING ERRCODE = 'KS009';
+        END IF;
+    END IF;
+    WITH removed AS (
+        DELETE FROM __schema__.workflow_history AS h
+         WHERE h.id = p_execution AND h.status IN ('failed', 'cancelled', 'quarantined')
+     RETURNING h.*
+    )
+    INSERT INTO __schema__.workflow_executions
+           (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
+            started_at, parent_id)
+    SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
+           started_at, parent_id
+      FROM removed;
+    IF FOUND THEN
+        WITH back AS (
+            DELETE FROM __schema__.step_history AS s
+             WHERE s.execution_id = p_execution
+         RETURNING s.*
+        )
+        INSERT INTO __schema__.operation_outputs
+               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                started_at, finished_at)
+        SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+               started_at, finished_at
+          FROM back
+         WHERE step_id < coalesce((SELECT min(step_id) FROM back WHERE error IS NOT NULL),
+                                  2147483647);
+        PERFORM pg_notify('kestrel.__schema_name__', 'retry');
+        RETURN;
+    END IF;
+    SELECT status INTO v_status FROM __schema__.workflow_executions WHERE id = p_execution;
+    IF NOT FOUND THEN
+        SELECT status INTO v_status FROM __schema__.workflow_history WHERE id = p_execution;
+    END IF;
+    IF v_status IS NULL THEN
+        RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+    END IF;
+    RAISE EXCEPTION 'execution % is %; only failed, cancelled or quarantined executions can be retried',
+        p_execution, v_status USING ERRCODE = 'KS005';
+END
+$$;
+
+-- name: fork
+-- fork() copies checkpoints from wherever the original's are.
+CREATE OR REPLACE FUNCTION __schema__.fork(p_execution uuid, p_from_step integer) RETURNS uuid
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_new uuid := gen_random_uuid();
+    v_src __schema__.executions%ROWTYPE;
+BEGIN
+    SELECT * INTO v_src FROM __schema__.executions WHERE id = p_execution;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
+    END IF;
+    IF p_from_step < 0 THEN
+        RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
+    END IF;
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
+    SELECT v_new, step_id, step_name, output, error, attempt, 0, started_at, finished_at
+      FROM __schema__.workflow_steps
+     WHERE execution_id = p_execution AND step_id < p_from_step AND error IS NULL;
+    INSERT INTO __schema__.workflow_executions (id, workflow, queue, priority, args)
+    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args);
+    PERFORM pg_notify('kestrel.__schema_name__', v_src.queue);
+    RETURN v_new;
+END
+$$;
+
+-- name: archive_steps
+-- Everything finished executions had, moved by complete/cancel/quarantine/deadline.
+CREATE OR REPLACE FUNCTION __schema__.archive_steps(p_ids uuid[]) RETURNS bigint
+LANGUAGE sql AS $$
+    WITH moved AS (
+        DELETE FROM __schema__.operation_outputs AS o
+         WHERE o.execution_id = ANY(p_ids)
+     RETURNING o.*
+    ), archived AS (
+        INSERT INTO __schema__.step_history
+               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                started_at, finished_at, execution_finished_at)
+        SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+               started_at, finished_at, __schema__.kestrel_now()
+          FROM moved
+        RETURNING 1
+    )
+    SELECT count(*) FROM archived
+$$;
+
+-- name: consume_signal
+-- consume_signal(): take the oldest pending signal p_name for an execution this worker owns
+-- under p_epoch and record it as the checkpoint of the wait at p_step_id, so the signal is
+-- consumed exactly when the checkpoint is written. Returns ownership, the cancel flag, the
+-- recorded output (NULL when no signal is pending) and signal_seq for a following park: any
+-- signal() that bumped signal_seq before the lock was granted is visible to the scan.
+CREATE OR REPLACE FUNCTION __schema__.consume_signal(
+    p_id uuid, p_epoch integer, p_step_id integer, p_name text, p_step_name text,
+    OUT owned boolean, OUT cancelled boolean, OUT output jsonb, OUT signal_seq bigint
+)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_payload jsonb;
+BEGIN
+    SELECT e.signal_seq, e.cancel_requested INTO signal_seq, cancelled
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = p_id AND e.lease_epoch = p_epoch AND e.status = 'running'
+       FOR SHARE;
+    owned := FOUND;
+    cancelled := coalesce(cancelled, false);
+    IF NOT owned OR cancelled THEN
+        RETURN;
+    END IF;
+    -- A new statement, a new snapshot: it sees every signal committed before the lock.
+    UPDATE __schema__.signals AS s
+       SET consumed_step = p_step_id, consumed_at = __schema__.kestrel_now()
+     WHERE s.id = (SELECT p.id FROM __schema__.signals AS p
+                    WHERE p.execution_id = p_id AND p.name = p_name
+                      AND p.consumed_step IS NULL
+                    ORDER BY p.id
+                    LIMIT 1
+                      FOR UPDATE SKIP LOCKED)
+    RETURNING s.payload INTO v_payload;
+    IF FOUND THEN
+        INSERT INTO __schema__.operation_outputs
+               (execution_id, step_id, step_name, output, attempt, lease_epoch, started_at)
+        VALUES (p_id, p_step_id, p_step_name,
+                jsonb_build_object('received', true, 'payload', v_payload), 1, p_epoch,
+                __schema__.kestrel_now())
+            ON CONFLICT (execution_id, step_id) DO NOTHING
+        RETURNING operation_outputs.output INTO output;
+    END IF;
+END
+$$;
+
+-- name: park_execution
+-- park_execution(): park a running execution at a wait (no lease, no slot, one row) and say
+-- what happened, so the worker never mistakes a decision for a lost lease (FAULTS X2, X4):
+--   parked     parked now, or by an earlier call whose reply was lost (same epoch, same wait)
+--   cancelled  a cancel was requested: the worker finishes the execution as cancelled
+--   signalled  a signal arrived since p_seen_seq was read: look for it again
+--   lost       a newer claim owns it, or it has left the hot table
+-- A re-park of the same wait keeps the original deadline; attempts restart at 0 (a clean
+-- park is progress, not a lost worker).
+CREATE OR REPLACE FUNCTION __schema__.park_execution(
+    p_id uuid, p_epoch integer, p_step_id integer, p_waiting_for text,
+    p_seconds double precision, p_seen_seq bigint
+) RETURNS text
+LANGUAGE plpgsql AS $$
+DECLARE
+    v record;
+BEGIN
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'waiting',
+           lease_owner = NULL,
+           lease_expires_at = NULL,
+           attempts = 0,
+           waiting_for = p_waiting_for,
+           wait_deadline = CASE
+               WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
+               THEN e.wait_deadline
+               ELSE __schema__.kestrel_now() + make_interval(secs => p_seconds) END,
+           wake_at = CASE
+               WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
+               THEN e.wait_deadline
+               ELSE __schema__.kestrel_now() + make_interval(secs => p_seconds) END,
+           wait_step = p_step_id,
+           updated_at = __schema__.kestrel_now()
+     WHERE e.id = p_id
+       AND e.lease_epoch = p_epoch
+       AND e.status = 'running'
+       AND NOT e.cancel_requested
+       AND (p_seen_seq IS NULL OR e.signal_seq = p_seen_seq);
+    IF FOUND THEN
+        RETURN 'parked';
+    END IF;
+    SELECT e.status, e.lease_epoch, e.wait_step, e.cancel_requested INTO v
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = p_id
+       FOR SHARE;
+    IF NOT FOUND OR v.lease_epoch <> p_epoch THEN
+        RETURN 'lost';
+    END IF;
+    IF v.status = 'waiting' AND v.wait_step = p_step_id THEN
+        RETURN 'parked';
+    END IF;
+    IF v.status <> 'running' THEN
+        RETURN 'lost';
+    END IF;
+    IF v.cancel_requested THEN
+        RETURN 'cancelled';
+    END IF;
+    RETURN 'signalled';
+END
+$$;
+
+-- name: history_of
+-- history_of(): an execution's checkpoints as a replay needs them, as JSON text
+-- ([[step_id, name, output, error], ...]), or {"too_large": bytes} when they are over
+-- p_max_bytes. The aggregate only ever holds p_max_bytes, so no history, however large, can
+-- make a claim fail for the executions claimed beside it (jsonb's 256 MB limit, out of
+-- memory). NULL when nothing is recorded.
+CREATE OR REPLACE FUNCTION __schema__.history_of(p_id uuid, p_max_bytes bigint) RETURNS text
+LANGUAGE sql STABLE AS $$
+    WITH s AS (
+        SELECT o.step_id, t, sum(octet_length(t)) OVER (ORDER BY o.step_id) AS upto
+          FROM __schema__.operation_outputs AS o,
+               LATERAL (SELECT jsonb_build_array(o.step_id, o.step_name, o.output,
+                                                 o.error)::text AS t) AS x
+         WHERE o.execution_id = p_id
+    )
+    SELECT CASE WHEN max(upto) > p_max_bytes
+                THEN format('{"too_large": %s}', max(upto))
+                ELSE '[' || string_agg(t, ',' ORDER BY step_id)
+                            FILTER (WHERE upto <= p_max_bytes) || ']' END
+      FROM s
+$$;
+
+-- name: check_name
+-- A name or key: 1-1024 characters and at most 2048 bytes of UTF-8 (codec.check_text). The
+-- byte bound keeps every indexed name (history by workflow, pending signals by name, events
+-- by key, idempotency and dedup keys) inside a btree entry (2704 bytes), so no name can be
+-- accepted at the door and fail later in a worker's batch. NUL and invalid UTF-8 cannot
+-- reach a text value in PostgreSQL at all.
+CREATE OR REPLACE FUNCTION __schema__.check_name(p_value text, p_what text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    IF p_value IS NULL OR p_value = '' THEN
+        RAISE EXCEPTION '% must not be empty', p_what USING ERRCODE = 'KS007';
+    END IF;
+    IF char_length(p_value) > 1024 THEN
+        RAISE EXCEPTION '% is % characters, over the limit of 1024', p_what,
+            char_length(p_value) USING ERRCODE = 'KS007';
+    END IF;
+    IF octet_length(p_value) > 2048 THEN
+        RAISE EXCEPTION '% is % bytes as UTF-8, over the limit of 2048', p_what,
+            octet_length(p_value) USING ERRCODE = 'KS007';
+    END IF;
+END
+$$;
+
+-- name: valid_queue_name
+-- The queue rule of kestrel.config.QUEUE_NAME: 1-128 of A-Z a-z 0-9 _ . : -
+CREATE OR REPLACE FUNCTION __schema__.valid_queue_name(p_queue text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
+$$;
+
+-- name: undecodable_number
+-- The first number in p_value that the runtime (orjson) would not read back as the same
+-- number, or NULL when there is none. orjson reads an integer in [-2^63, 2^64 - 1] exactly;
+-- every other number becomes the nearest float64, which is exact only when the number is
+-- that float64 written in its shortest form (0.1, 1e20, 5e-324): 1e400 overflows, 1e-400
+-- becomes 0.0, 2^70 and 0.12345678901234567890 lose digits. Such numbers are refused.
+--
+-- "Shortest form" is PostgreSQL's float8 text (shortest at extra_float_digits 1), or fewer
+-- digits than that: PostgreSQL never writes a form that lies exactly halfway between two
+-- float64 values, while orjson and Python do when it is the shortest (6274480000000000000000
+-- reads as the float64 that PostgreSQL writes 6.274480000000001e+21 and orjson 6.27448e+21).
+-- Only numbers that are not in-range integers are looked at (one jsonpath pass finds them).
+CREATE OR REPLACE FUNCTION __schema__.undecodable_number(p_value jsonb) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
+    SELECT c.n
+      FROM (SELECT j::numeric AS n
+              FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
+                        @ != @.floor() || @ < -9223372036854775808
+                        || @ > 18446744073709551615))') AS j) AS c
+     CROSS JOIN LATERAL (
+            SELECT CASE WHEN abs(c.n) > 1.7976931348623157e308
+                          OR abs(c.n) <= 2.4703282292062328e-324 THEN NULL
+                        ELSE c.n::float8::text::numeric END AS s) AS f
+     CROSS JOIN LATERAL (
+            SELECT length(trim(BOTH '0' FROM replace(abs(c.n)::text, '.', ''))) AS n_digits,
+                   length(trim(BOTH '0' FROM replace(abs(f.s)::text, '.', ''))) AS s_digits
+         ) AS d
+     WHERE CASE WHEN abs(c.n) > 1.7976931348623157e308 THEN true       -- overflows
+                WHEN abs(c.n) <= 2.4703282292062328e-324 THEN c.n <> 0  -- underflows to 0
+                ELSE f.s <> c.n AND d.n_digits >= d.s_digits END        -- loses digits
+     LIMIT 1
+$$;
+
+-- name: check_payload
+-- A JSON value the runtime can decode unchanged: at most 16 MiB as jsonb text (what a
+-- worker reads; codec.DEFAULT_MAX_PAYLOAD_BYTES), nesting at most 254 levels deep counting
+-- the outermost array or object (orjson, and so codec.encode, refuses deeper values), and
+-- only numbers that read back unchanged (undecodable_number). Strings need no check:
+-- jsonb itself refuses \u0000 and lone surrogates.
+CREATE OR REPLACE FUNCTION __schema__.check_payload(p_value jsonb, p_what text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_bytes bigint;
+    v_bad numeric;
+    v_shown text;
+BEGIN
+    IF p_value IS NULL THEN
+        RETURN;
+    END IF;
+    v_bytes := octet_length(p_value::text);
+    IF v_bytes > 16777216 THEN
+        RAISE EXCEPTION '% is % bytes as JSON text, over the cap of 16777216 bytes (16 MiB)',
+            p_what, v_bytes USING ERRCODE = 'KS008';
+    END IF;
+    -- An array or object at level 254 below the outermost one is the 255th level.
+    IF jsonb_path_exists(p_value, 'strict $.**{254 to last} ? (@.type() == "array"
+                                                            || @.type() == "object")') THEN
+        RAISE EXCEPTION '% nest deeper than 254 levels of arrays and objects', p_what
+            USING ERRCODE = 'KS007';
+    END IF;
+    IF jsonb_path_exists(p_value, 'strict $.** ? (@.type() == "number" && (
+            @ != @.floor() || @ < -9223372036854775808 || @ > 18446744073709551615))') THEN
+        v_bad := __schema__.undecodable_number(p_value);
+        IF v_bad IS NOT NULL THEN
+            v_shown := v_bad::text;
+            IF length(v_shown) > 40 THEN
+                v_shown := 'about ' || trim(to_char(v_bad, '9.999999999999999EEEE'));
+            END IF;
+            RAISE EXCEPTION '% contain the number %, which would not read back unchanged: '
+                'integers must lie in [-2^63, 2^64 - 1], other numbers must be finite '
+                'float64 values in their shortest form', p_what, v_shown
+                USING ERRCODE = 'KS007';
+        END IF;
+    END IF;
+END
+$$;
