@@ -176,9 +176,10 @@ def test_json_logs_one_object_per_line_with_masked_dsn(pg_dsn: str, schema: str)
 
 
 def test_demo_runs_end_to_end(pg_dsn: str, schema: str,
-                              capsys: pytest.CaptureFixture[str]) -> None:
+                              capfd: pytest.CaptureFixture[str]) -> None:
+    # capfd: the demo runs the CLI commands it shows as processes of their own.
     code = main(["demo", "--incidents", "4", "--dsn", pg_dsn, "--schema", schema])
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert code == 0
     assert "4 executions now wait for approval" in out
     assert "demo done: 3 pull requests opened, 1 rejected" in out
