@@ -13,6 +13,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +46,8 @@ class Claimer:
     def __init__(self, cfg: Config, *, pool: AsyncConnectionPool[Any], q: Queries,
                  leases: Leases, runner: Runner, stats: WorkerStats, worker_id: str,
                  workflows: list[str], stopping: asyncio.Event, work: asyncio.Event,
-                 slot_freed: asyncio.Event) -> None:
+                 slot_freed: asyncio.Event,
+                 stalled: Callable[[], str | None] = lambda: None) -> None:
         self.cfg = cfg
         self.id = worker_id
         self._pool = pool
@@ -57,6 +59,7 @@ class Claimer:
         self._stopping = stopping
         self._work = work
         self._slot_freed = slot_freed
+        self._stalled = stalled
         specs = cfg.queue_specs()
         # Queues with limits are claimed one at a time under their row lock; the rest, in
         # one claim statement that never touches the limits table.
@@ -73,6 +76,11 @@ class Claimer:
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                continue
+            if self._stalled() is not None:
+                # A writer is stuck: the heartbeat no longer certifies this process, so a
+                # fresh claim would only be a fresh lease on stuck work (FAULTS L2).
+                await self._sleep_unless_stopping(self.cfg.poll_interval)
                 continue
             try:
                 more = (await self.run_once(free)).more

@@ -74,7 +74,8 @@ class Worker:
         self.claimer = Claimer(cfg, pool=self._pool, q=self._q, leases=self.leases,
                                runner=self.runner, stats=self.stats, worker_id=self.id,
                                workflows=sorted(workflows), stopping=self._stopping,
-                               work=self._work, slot_freed=self._slot_freed)
+                               work=self._work, slot_freed=self._slot_freed,
+                               stalled=self._progressing)
         self.sweeper = Sweeper(self._pool, self._q, cfg, self._work.set)
         self.upkeep = Upkeep(self._pool, self._q, cfg)
         self.scheduler = Scheduler(self._pool, self._q, cfg, self._schedules)
