@@ -85,9 +85,12 @@ class GroupCommit(Generic[In, Out]):
         self.flushes = 0
         self.items = 0
         self.rejected = 0
-        # Loop time since which items have waited with no flush completing; None when idle.
-        # The lease watchdog reads it (stalled_for) to tell a stuck writer from an idle one.
+        # Since when the writer has had items and no flush attempt has ended (None when
+        # idle). The lease watchdog reads it (stalled_for) to tell a stuck writer (a
+        # statement that never returns) from an idle one or one backing off while the
+        # database is unreachable, which its heartbeats notice by themselves.
         self.busy_since: float | None = None
+        self._backing_off = False
 
     async def submit(self, item: In) -> Out:
         """Queue *item* for the next flush; return its result (or raise its own error)."""
@@ -135,7 +138,12 @@ class GroupCommit(Generic[In, Out]):
                     delay = backoff.next_delay()
                     log.warning("%s flush failed (%s: %s); retrying in %.2fs", self.name,
                                 type(exc).__name__, str(exc).strip()[:200], delay)
-                    await asyncio.sleep(delay)
+                    self._backing_off = True
+                    try:
+                        await asyncio.sleep(delay)
+                    finally:
+                        self._backing_off = False
+                        self.busy_since = time.monotonic()
                     live = [w for w in live if not w[1].done()]
                     continue
                 if len(live) > 1:
@@ -166,4 +174,6 @@ class GroupCommit(Generic[In, Out]):
     def stalled_for(self, now: float) -> float:
         """Seconds items have waited with no flush completing (0 when idle); *now* is
         ``time.monotonic()`` (safe to call from the heartbeat thread)."""
-        return 0.0 if self.busy_since is None else max(0.0, now - self.busy_since)
+        if self.busy_since is None or self._backing_off:
+            return 0.0
+        return max(0.0, now - self.busy_since)
