@@ -421,11 +421,6 @@ def test_l2b_a_stalled_writer_stops_extending_leases_and_its_late_writes_are_fen
     assert audit(pg_dsn, schema, n, ledger_path) <= len(mine)  # A's bodies, run again by B
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kestrel 40af13f: the claim loop does not consult the L2 watchdog, so a worker whose "
-    "checkpoint writer is stalled keeps claiming executions (including ones the sweeper just "
-    "recovered from it), which then wait on the stalled writer until their fresh leases "
-    "expire"))
 def test_l2b_a_worker_whose_writer_is_stalled_takes_no_fresh_lease(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
