@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-fast soak bench-soak bench-micro lint typecheck check clean
+.PHONY: help venv run test test-fast soak bench-soak bench-micro lint typecheck check clean unasync
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -40,7 +40,10 @@ test-fast: $(STAMP) ## unit tests only, no database
 	$(BIN)/pytest -q tests/unit
 
 lint: $(STAMP) ## ruff
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
+
+unasync: $(STAMP) ## regenerate the sync client (client_sync.py) from the async one
+	$(BIN)/python tools/unasync.py
 
 typecheck: $(STAMP) ## mypy --strict on src
 	$(BIN)/mypy
