@@ -125,3 +125,31 @@ def test_batcher_retries_transient_flush_error() -> None:
     assert results == [i + 100 for i in range(20)]
     assert len(calls) >= 2
     assert batcher.items == 20
+
+
+def test_group_commit_bounds_a_batch_by_bytes_as_well_as_count() -> None:
+    """A batch never carries more than max_bytes of items (one item alone may exceed it), so
+    a burst of large checkpoints never approaches PostgreSQL's 1 GB message limit."""
+    sizes: list[list[int]] = []
+
+    async def flush(batch: list[int]) -> list[int]:
+        sizes.append(list(batch))
+        await asyncio.sleep(0.01)
+        return batch
+
+    async def main() -> list[int]:
+        writer: GroupCommit[int, int] = GroupCommit("test", flush, max_items=1000,
+                                                    max_bytes=100, size=lambda item: item)
+        runner = asyncio.create_task(writer.run())
+        try:
+            # 40-byte items: at most two a batch; the 150-byte one goes alone.
+            return list(await asyncio.wait_for(asyncio.gather(
+                *(writer.submit(n) for n in [40] * 7 + [150] + [40] * 3)), timeout=10))
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+
+    assert asyncio.run(main()) == [40] * 7 + [150] + [40] * 3
+    assert all(sum(b) <= 100 or len(b) == 1 for b in sizes), sizes
+    assert [150] in sizes
+    assert max(len(b) for b in sizes) == 2
