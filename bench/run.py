@@ -3,12 +3,17 @@
     python -m bench.run --workflows 5000 --procs 2 --concurrency 64
     python -m bench.run --sweep batch_size=1,8,32,128 --sweep procs=1,2,4 --plot
     python -m bench.run --rate 500 --workflows 10000        # latency at a target rate
+    python -m bench.run --backlog 1000000 --workflows 20000 # claims with a million queued
 
 Each run reports workflows/s and steps/s (first start to last finish, database clock);
 submit→start and submit→finish latency p50/p95/p99; CPU seconds per workflow for the workers
 and for PostgreSQL; commits and WAL bytes per workflow (pg_stat_database, pg_current_wal_lsn;
 the workflows' submissions excluded); the hot tables' size and dead tuples at the end; and
 the floor (bench/floor.py) measured in the same invocation, with kestrel's ratio to it.
+With ``--backlog N``, N more executions are queued through SQL before the runtime starts;
+throughput is then measured over the first ``--workflows`` to finish while the rest wait,
+and the claim statement's latency (p50/p99, from the runtime's kestrel_claim_seconds
+histogram) is reported.
 Results go to bench/results/<stamp>.json (and .png with --plot).
 """
 
@@ -44,7 +49,7 @@ from bench.common import (
 )
 
 SWEEPABLE = {"batch_size": int, "procs": int, "concurrency": int, "lease": float,
-             "heartbeat": float, "steps": int}
+             "heartbeat": float, "steps": int, "backlog": int}
 
 
 def _s(text: str, schema: str) -> pgsql.Composed:
@@ -84,6 +89,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                                          args=(dsn, schema, n, args, p["rate"], stop))
         else:
             _submit_up_front(dsn, schema, n, args)
+        if p["backlog"]:
+            _submit_up_front(dsn, schema, p["backlog"], args)
+            mon.execute(_s("ANALYZE {s}.workflow_executions", schema))
         before = DbCounters.read(mon)
         polls = 0
         env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -91,7 +99,8 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                "--schema", schema, "--procs", str(p["procs"]),
                "--concurrency", str(p["concurrency"]), "--batch-size", str(p["batch_size"]),
                "--lease", str(p["lease"]), "--heartbeat", str(p["heartbeat"]),
-               "--log-level", "warning"]
+               "--log-level", "warning", "--metrics-port", str(_free_port())]
+        metrics_port = int(cmd[-1])
         if p["with_limited"]:
             # Work waiting in limited queues the whole time, claimed alongside.
             for queue in ("bench-limited-a", "bench-limited-b"):
@@ -123,6 +132,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                 if time.monotonic() - started > p["timeout"]:
                     raise RuntimeError(f"only {done}/{n} finished in {p['timeout']}s")
             after = DbCounters.read(mon)
+            claim_ms = _claim_latency(metrics_port)
         finally:
             stop.set()
             cpu.sample()
@@ -132,6 +142,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                 submitter.join()
         if not quiet:
             print()
+        # The first n to finish (with a backlog, more may finish while the runtime drains).
         stats = mon.execute(_s("""
             SELECT count(*) FILTER (WHERE status = 'completed'),
                    extract(epoch FROM max(finished_at) - min(started_at)),
@@ -139,7 +150,8 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                        (ORDER BY extract(epoch FROM started_at - created_at)),
                    percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP
                        (ORDER BY extract(epoch FROM finished_at - created_at))
-              FROM {s}.workflow_history WHERE queue = 'default'""", schema)).fetchone()
+              FROM (SELECT * FROM {s}.workflow_history WHERE queue = 'default'
+                     ORDER BY finished_at LIMIT %s) AS first_n""", schema), [n]).fetchone()
         assert stats is not None
         tables = mon.execute(_s("""
             SELECT relname, pg_total_relation_size(relid), n_live_tup, n_dead_tup
@@ -165,16 +177,51 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         "commits_per_workflow": commits / n,
         "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes) / n,
         "hot_tables": {r[0]: {"bytes": r[1], "live": r[2], "dead": r[3]} for r in tables},
+        "claim_ms": claim_ms,
     }
     drop_schema(dsn, schema)
     return result
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _claim_latency(port: int) -> dict[str, float]:
+    """p50 and p99 of the claim statement (ms) from the runtime's /metrics histogram: the
+    upper bound of the bucket where each quantile falls."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    buckets: dict[float, float] = {}
+    for line in text.decode().splitlines():
+        if line.startswith("kestrel_claim_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    total = buckets.get(float("inf"), 0.0)
+    out: dict[str, float] = {}
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        out[name] = next((round(b * 1000, 1) for b, c in sorted(buckets.items())
+                          if total and c >= q * total), float("nan"))
+    return out
+
+
 def run_floor(dsn: str, p: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
+    """The floor at its best number of loops per process (swept), same procs and work."""
     if not quiet:
-        print(f"  floor      {p['procs']} procs × {p['concurrency']} loops …", flush=True)
-    return floor.run(dsn, "bench_floor", n=p["workflows"], steps=p["steps"], procs=p["procs"],
-                     concurrency=p["concurrency"])
+        print(f"  floor      {p['procs']} procs × {floor.CONCURRENCIES} loops, best kept …",
+              flush=True)
+    best = floor.run_best(dsn, "bench_floor", n=p["workflows"], steps=p["steps"],
+                          procs=p["procs"])
+    if not quiet:
+        print("  floor      " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
+                                          for t in best["tried"]), flush=True)
+    return best
 
 
 def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
@@ -192,7 +239,7 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'procs':>5} {'conc':>5} {'batch':>5} {'lease':>5} {'wf/s':>8} {'steps/s':>8} "
             f"{'floor':>7} {'ratio':>6} {'start p50/p99 ms':>17} {'finish p50/p99 ms':>18} "
-            f"{'commits/wf':>10} {'WAL B/wf':>9}")
+            f"{'commits/wf':>10} {'WAL B/wf':>9} {'backlog':>8} {'claim p50/p99 ms':>16}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p = r["params"]
@@ -204,7 +251,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{p['procs']:>5} {p['concurrency']:>5} {p['batch_size']:>5} {p['lease']:>5g} "
             f"{r['workflows_per_s']:8.0f} {r['steps_per_s']:8.0f} {floor_s} {ratio} "
             f"{s['p50']:>8.0f}/{s['p99']:<8.0f} {f['p50']:>9.0f}/{f['p99']:<8.0f} "
-            f"{r['commits_per_workflow']:10.2f} {r['wal_bytes_per_workflow']:9.0f}")
+            f"{r['commits_per_workflow']:10.2f} {r['wal_bytes_per_workflow']:9.0f} "
+            f"{p.get('backlog', 0):>8} "
+            f"{r['claim_ms']['p50']:>7g}/{r['claim_ms']['p99']:<8g}")
     return "\n".join(lines)
 
 
@@ -255,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lease", type=float, default=30.0)
     ap.add_argument("--heartbeat", type=float, default=10.0)
+    ap.add_argument("--backlog", type=int, default=0,
+                    help="executions queued through SQL before the runtime starts; "
+                         "throughput is measured over the first --workflows to finish")
     ap.add_argument("--rate", type=float, default=0.0,
                     help="submit at this many workflows/s while running (default: all first)")
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
@@ -276,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     dsn, server = database(ns.dsn, ns.data_dir)
     base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
                                         "concurrency", "batch_size", "lease", "heartbeat",
-                                        "rate", "timeout", "with_limited", "prepare")}
+                                        "rate", "timeout", "with_limited", "prepare",
+                                        "backlog")}
     base["connection_mode"] = "direct"
     bouncer = None
     if ns.pgbouncer:
@@ -289,16 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(points[0])
     print(f"kestrel bench on {machine()}, commit {git_rev()}")
     rows: list[dict[str, Any]] = []
-    floors: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+    floors: dict[tuple[int, int, int], dict[str, Any]] = {}
     for point in points:
         p = {**base, **point}
         print(f"- {json.dumps(point) if point else 'run'}")
         r = run_kestrel(dsn, p)
         if not ns.no_floor:
-            key = (p["procs"], p["concurrency"], p["workflows"], p["steps"])
+            key = (p["procs"], p["workflows"], p["steps"])
             if key not in floors:
                 floors[key] = run_floor(dsn, p)
             r["floor_workflows_per_s"] = floors[key]["workflows_per_s"]
+            r["floor_best_concurrency"] = floors[key]["concurrency"]
+            r["floor_tried"] = floors[key]["tried"]
             r["ratio_to_floor"] = r["workflows_per_s"] / r["floor_workflows_per_s"]
         rows.append(r)
     print()

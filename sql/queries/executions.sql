@@ -15,22 +15,32 @@
 -- one value it cannot decode fails only its own execution (FAULTS P2); the checkpoints come
 -- from history_of(), which never loads more than %(max_history_bytes)s (FAULTS P3).
 --
--- Suspects: an execution already claimed %(suspect_after)s times without finishing may be
--- what keeps killing its workers (os._exit, a segfault, OOM). A process takes at most one
--- suspect at a time (%(take_suspect)s is false while it holds one), so a poison execution
--- can never again take healthy co-located executions down with it, and those never reach
--- max_attempts on its account.
+-- Suspects: an execution already claimed 2 times (db.SUSPECT_AFTER; a constant here, so the
+-- planner can use the partial index of migration 0008) without finishing may be what keeps
+-- killing its workers (os._exit, a segfault, OOM). A process takes at most one suspect at a
+-- time (%(take_suspect)s is false while it holds one), so a poison execution can never again
+-- take healthy co-located executions down with it, and those never reach max_attempts on
+-- its account.
+--
+-- Cost: each queue is read through an index in (priority, age) order and the scan stops
+-- after the rows it takes (a LATERAL per queue; `queue = ANY(...) ORDER BY …` cannot use the
+-- index order and sorted the whole backlog), so a claim costs the same with ten or a million
+-- executions queued. Across several queues the best of each queue's first %(limit)s win.
 WITH suspect AS (
-    SELECT id
-      FROM __schema__.workflow_executions
-     WHERE status = 'queued'
-       AND queue = ANY(%(queues)s::text[])
-       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
-       AND attempts >= %(suspect_after)s
-       AND %(take_suspect)s
-     ORDER BY priority DESC, created_at
+    SELECT s.id
+      FROM unnest(%(queues)s::text[]) AS q(queue)
+     CROSS JOIN LATERAL (
+            SELECT e.id
+              FROM __schema__.workflow_executions AS e
+             WHERE e.status = 'queued'
+               AND e.attempts >= 2
+               AND e.queue = q.queue
+               AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+               AND %(take_suspect)s
+             ORDER BY e.priority DESC, e.created_at
+             LIMIT 1
+               FOR UPDATE SKIP LOCKED) AS s
      LIMIT 1
-       FOR UPDATE SKIP LOCKED
 ), woken AS (
     SELECT id
       FROM __schema__.workflow_executions
@@ -42,15 +52,20 @@ WITH suspect AS (
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
 ), healthy AS (
-    SELECT id
-      FROM __schema__.workflow_executions
-     WHERE status = 'queued'
-       AND queue = ANY(%(queues)s::text[])
-       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
-       AND attempts < %(suspect_after)s
-     ORDER BY priority DESC, created_at
+    SELECT h.id
+      FROM unnest(%(queues)s::text[]) AS q(queue)
+     CROSS JOIN LATERAL (
+            SELECT e.id, e.priority, e.created_at
+              FROM __schema__.workflow_executions AS e
+             WHERE e.status = 'queued'
+               AND e.queue = q.queue
+               AND e.attempts < 2
+               AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+             ORDER BY e.priority DESC, e.created_at
+             LIMIT %(limit)s
+               FOR UPDATE SKIP LOCKED) AS h
+     ORDER BY h.priority DESC, h.created_at
      LIMIT %(limit)s
-       FOR UPDATE SKIP LOCKED
 ), candidate AS (
     (SELECT id FROM suspect)
     UNION ALL (SELECT id FROM woken)

@@ -30,16 +30,30 @@ WITH lim AS (
                                      WHERE s > __schema__.kestrel_now() - lim.period),
                         %(limit)s)) AS n
       FROM lim
-), candidate AS (
-    SELECT id
-      FROM __schema__.workflow_executions
-     WHERE queue = %(queue)s
-       AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
-       AND (status = 'queued'
-            OR (status = 'waiting' AND wake_at <= __schema__.kestrel_now()))
-     ORDER BY priority DESC, created_at
+), queued_first AS (
+    -- Queued and woken rows each through their own index, in order, stopping early (an OR
+    -- of the two would read the whole queue); the best of both within the budget win.
+    SELECT e.id, e.priority, e.created_at
+      FROM __schema__.workflow_executions AS e
+     WHERE e.status = 'queued' AND e.queue = %(queue)s
+       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+     ORDER BY e.priority DESC, e.created_at
      LIMIT greatest((SELECT n FROM budget), 0)
        FOR UPDATE SKIP LOCKED
+), woken_first AS (
+    SELECT e.id, e.priority, e.created_at
+      FROM __schema__.workflow_executions AS e
+     WHERE e.status = 'waiting' AND e.wake_at <= __schema__.kestrel_now()
+       AND e.queue = %(queue)s
+       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+     ORDER BY e.wake_at
+     LIMIT greatest((SELECT n FROM budget), 0)
+       FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT c.id
+      FROM (SELECT * FROM queued_first UNION ALL SELECT * FROM woken_first) AS c
+     ORDER BY c.priority DESC, c.created_at
+     LIMIT greatest((SELECT n FROM budget), 0)
 ), claimed AS (
     UPDATE __schema__.workflow_executions AS e
        SET status = 'running',

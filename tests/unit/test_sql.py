@@ -59,3 +59,13 @@ def test_migrations_numbered_and_rendered() -> None:
 def test_migrations_reject_invalid_schema() -> None:
     with pytest.raises(ConfigError):
         sql.migrations("Bad-Schema")
+
+
+def test_the_claim_spells_the_suspect_threshold_as_db_says() -> None:
+    """claim_batch writes SUSPECT_AFTER as a constant (a partial index needs one)."""
+    from kestrel import db
+    from kestrel.sql import named_statements
+
+    claim = named_statements()["claim_batch"]
+    assert f"e.attempts >= {db.SUSPECT_AFTER}" in claim
+    assert f"e.attempts < {db.SUSPECT_AFTER}" in claim

@@ -1,0 +1,113 @@
+"""Connections: the pool factory, link defaults, and what a failure of the link looks like.
+
+No SQL here: :mod:`kestrel.db` executes every statement and re-exports these names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg.types.json import set_json_loads
+from psycopg_pool import AsyncConnectionPool
+
+# SQLSTATEs that mean the server or the link went away, not that the statement is wrong.
+_GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether *exc* means "the database is unreachable right now": wait and try again.
+
+    Only connection-level failures are: class 08, a server shutting down, a connection
+    psycopg lost (an OperationalError with no SQLSTATE, a closed connection, a pool that gave
+    no connection in time) and OS-level socket errors. Every other error came back from a
+    statement that the server ran and refused; sending it again unchanged would most likely
+    fail the same way (a program limit, out of memory, a full disk, a statement timeout), so
+    callers retry those a bounded number of times and then isolate what caused them.
+    """
+    if isinstance(exc, OSError | psycopg.InterfaceError):
+        return True
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    state = exc.sqlstate
+    return state is None or state.startswith("08") or state in _GONE
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """Whether *exc* refuses a value as such (class 22 data exceptions, values psycopg
+    cannot send such as a NUL in text, or text it cannot encode): the same value fails
+    every time, whatever the database's state."""
+    if isinstance(exc, psycopg.DataError | UnicodeError):
+        return True
+    return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("22")
+
+
+def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
+    """Decode jsonb with orjson on *conn* (outputs round-trip through one codec)."""
+    set_json_loads(orjson.loads, conn)
+
+
+async def configure_connection_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """:func:`configure_connection` for an async pool's ``configure`` hook."""
+    configure_connection(conn)
+
+
+POOL_WAIT_S = 2.0
+
+# Unless the DSN says otherwise: a connection attempt gives up after 5 s (libpq's default is
+# to wait for the OS, minutes against a host that drops packets), and a peer that stops
+# answering is noticed by TCP keepalives within ~25 s idle, or within 30 s of unacknowledged
+# data (tcp_user_timeout), instead of a statement hanging for the OS's retransmission limit.
+# Ignored on Unix sockets.
+LINK_DEFAULTS = {"connect_timeout": "5", "keepalives": "1", "keepalives_idle": "10",
+                 "keepalives_interval": "5", "keepalives_count": "3",
+                 "tcp_user_timeout": "30000"}
+
+
+def link_params(dsn: str) -> dict[str, Any]:
+    """LINK_DEFAULTS less whatever *dsn* sets itself."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError:
+        given = {}
+    return {k: v for k, v in LINK_DEFAULTS.items() if k not in given}
+
+
+def make_pool(dsn: str, *, max_size: int, name: str,
+              prepared: bool = True) -> AsyncConnectionPool[Any]:
+    """Create (not open) this process's pool. Call only after fork: pools don't survive it.
+
+    *prepared*: hot statements are prepared server-side from their first use (one parse per
+    connection). Off behind a transaction-mode pooler that cannot route named prepared
+    statements (PgBouncer before 1.21), where a later statement may land on a server
+    connection that never saw the PREPARE.
+    """
+    return AsyncConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"autocommit": True, "prepare_threshold": 0 if prepared else None,
+                # Operators can tell kestrel's backends apart in pg_stat_activity.
+                "application_name": "kestrel-worker", **link_params(dsn)},
+        configure=configure_connection_async,
+        name=name,
+        open=False,
+        # No check at checkout: it costs a round trip on every statement (16% of a worker's
+        # CPU in a profile). A connection that broke fails its statement with
+        # OperationalError, which every caller retries; the pool discards it on return.
+        #
+        # Reconnecting after an outage: psycopg_pool's own retries back off 1, 2, 4, 8 s...
+        # (a five-minute outage would leave minutes between attempts), so it gives up at
+        # once (reconnect_timeout=0: after its first retry) and the callers do the retrying:
+        # a new connection is attempted whenever a caller asks for one, none is there and
+        # no attempt is in flight (each bounded by connect_timeout). A caller that asked
+        # during the outage must not wait out psycopg_pool's 30 s default for an attempt
+        # that already failed, or the process sits idle long after the database is back:
+        # it gives up after POOL_WAIT_S (PoolTimeout is an OperationalError), backs off,
+        # and asks again, which tries a new connection.
+        reconnect_timeout=0,
+        timeout=POOL_WAIT_S,
+    )

@@ -1,0 +1,194 @@
+"""Declaring workflows and steps: the registry, ``@workflow``, ``@step`` with its retry
+policy, what a running step knows about itself (:func:`current_step`), and how an error is
+stored. :mod:`kestrel.workflow` re-exports all of it next to the replay :class:`Context`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import random
+import traceback
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar, overload
+from uuid import UUID
+
+from kestrel import codec
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+WorkflowFn = Callable[..., Awaitable[Any]]
+
+_registry: dict[str, WorkflowFn] = {}
+
+
+W = TypeVar("W", bound=WorkflowFn)
+
+
+@overload
+def workflow(fn: W, /) -> W: ...
+@overload
+def workflow(*, name: str | None = None) -> Callable[[W], W]: ...
+def workflow(fn: W | None = None, *, name: str | None = None) -> W | Callable[[W], W]:
+    """Register an ``async def f(ctx, *args)`` as a workflow, under *name* or its own name.
+
+    Usable bare (``@workflow``) or with arguments (``@workflow(name="incident")``).
+    """
+
+    def register(f: W) -> W:
+        is_async: bool = inspect.iscoroutinefunction(f)
+        if not is_async:
+            raise TypeError(f"workflow {f.__qualname__} must be an async def")
+        wf_name = name or f.__name__
+        existing = _registry.get(wf_name)
+        if existing is not None and existing is not f:
+            raise ValueError(f"workflow name {wf_name!r} is already registered")
+        _registry[wf_name] = f
+        f.__kestrel_workflow__ = wf_name  # type: ignore[attr-defined]
+        return f
+
+    return register(fn) if fn is not None else register
+
+
+def registry() -> dict[str, WorkflowFn]:
+    """Return the registered workflows by name (a copy)."""
+    return dict(_registry)
+
+
+def workflow_name(wf: WorkflowFn | str) -> str:
+    """Return the registered name of *wf* (a workflow function or a name)."""
+    if isinstance(wf, str):
+        return wf
+    name = getattr(wf, "__kestrel_workflow__", None)
+    if name is None:
+        raise TypeError(f"{wf!r} is not a @kestrel.workflow")
+    return str(name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How a failing step is retried inside one claim.
+
+    Attempt *n* (from 1) waits ``min(max_delay, base_delay * 2**(n-1))`` scaled by a random
+    factor in [0.5, 1.0] ("equal jitter") before the next attempt.
+    """
+
+    attempts: int = 1
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    retry_on: tuple[type[BaseException], ...] = (Exception,)
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("retry attempts must be at least 1")
+        if self.base_delay < 0 or self.max_delay < 0:
+            raise ValueError("retry delays must not be negative")
+
+    def delay(self, attempt: int) -> float:
+        """Return the seconds to wait after failed attempt *attempt* (from 1), jittered."""
+        cap = min(self.max_delay, self.base_delay * 2.0 ** (attempt - 1))
+        return cap * random.uniform(0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """A step's name (recorded, and checked on replay) and its retry policy."""
+
+    name: str
+    retry: RetryPolicy
+
+
+@overload
+def step(fn: Callable[P, T], /) -> Callable[P, T]: ...
+@overload
+def step(
+    *,
+    name: str | None = None,
+    retries: int = 0,
+    base_delay: float = 0.5,
+    max_delay: float = 30.0,
+    retry_on: tuple[type[BaseException], ...] = (Exception,),
+) -> Callable[[Callable[P, T]], Callable[P, T]]: ...
+def step(
+    fn: Callable[P, T] | None = None,
+    *,
+    name: str | None = None,
+    retries: int = 0,
+    base_delay: float = 0.5,
+    max_delay: float = 30.0,
+    retry_on: tuple[type[BaseException], ...] = (Exception,),
+) -> Callable[P, T] | Callable[[Callable[P, T]], Callable[P, T]]:
+    """Mark a function (``async def`` or plain ``def``) as a step with a retry policy.
+
+    ``retries`` is the number of extra attempts after the first. Plain functions run in a
+    worker thread so they never block the event loop. Undecorated functions can be passed to
+    :meth:`Context.step` too; they get no retries.
+    """
+
+    def mark(f: Callable[P, T]) -> Callable[P, T]:
+        f.__kestrel_step__ = StepSpec(  # type: ignore[attr-defined]
+            name or f.__qualname__,
+            RetryPolicy(attempts=retries + 1, base_delay=base_delay, max_delay=max_delay,
+                        retry_on=retry_on),
+        )
+        return f
+
+    return mark(fn) if fn is not None else mark
+
+
+def _spec(fn: Callable[..., Any]) -> StepSpec:
+    """The step's name and retry policy. The name comes from code, never from ``repr()``:
+    it must be the same in every process (it is checked on replay) and it is a metric label,
+    so an address or a partial's arguments must never reach it (FAULTS P7)."""
+    spec = getattr(fn, "__kestrel_step__", None)
+    if isinstance(spec, StepSpec):
+        return spec
+    if isinstance(fn, functools.partial):
+        return _spec(fn.func)
+    name = getattr(fn, "__qualname__", None)
+    if not isinstance(name, str):  # a callable object: its class names it
+        name = type(fn).__qualname__
+    return StepSpec(name, RetryPolicy())
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """The step a body is running as: use :attr:`idempotency_key` for calls downstream."""
+
+    execution_id: UUID
+    step_id: int
+    name: str
+    attempt: int
+    lease_epoch: int
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across every retry and replay of this step; differs between steps."""
+        return f"{self.execution_id}:{self.step_id}"
+
+
+_current_step: contextvars.ContextVar[StepInfo] = contextvars.ContextVar("kestrel_step")
+
+
+def current_step() -> StepInfo:
+    """Return the step whose body is running (raises LookupError outside a step body)."""
+    return _current_step.get()
+
+
+def describe_error(exc: BaseException) -> dict[str, str]:
+    """Return the stored form of an exception: type, message and traceback. Never raises,
+    whatever the exception's ``__str__`` does."""
+    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    try:
+        message = str(exc)
+    except Exception as broken:
+        message = f"<str() of this {type(exc).__name__} raised {type(broken).__name__}>"
+    try:
+        trace = "".join(traceback.format_exception(exc))
+    except Exception:
+        trace = "".join(traceback.format_tb(exc.__traceback__)) + f"{kind}: {message}\n"
+    return {"type": kind, "message": codec.printable(message, 8192),
+            "traceback": codec.printable(trace)}

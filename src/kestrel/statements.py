@@ -1,0 +1,190 @@
+"""Statements defined once, run by either side: :class:`Stmt` and :class:`Script` values.
+
+A Stmt is one statement with its parameters and the function that turns its rows into a
+result. It does no I/O: :func:`kestrel.db.run` executes it on an async connection and
+:func:`kestrel.db.run_sync` on a blocking one, so the async client, the sync client, the
+worker's heartbeat thread and the CLI share one definition of each statement instead of
+hand-written twins. A Script is several statements in one transaction. ``kestrel.db``
+re-exports every builder here, and is still the only module that executes SQL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, TypeVar
+
+from kestrel.sql import Queries
+from kestrel.types import Execution, ExecutionSummary, QueueStat, Stats, Status, StepRow
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Stmt(Generic[T]):
+    """A statement, its parameters and how its rows become a result."""
+
+    query: str
+    params: Mapping[str, Any] | None
+    decode: Callable[[list[tuple[Any, ...]]], T]
+    key: str | None = None  # the idempotency key, for IdempotencyConflict's message
+
+
+Script = Generator[Stmt[Any], Any, T]
+"""Several statements in one transaction: a generator that yields each Stmt and is sent its
+result, so one definition serves both sides (see :func:`run_script`)."""
+
+
+def _first(rows: list[tuple[Any, ...]]) -> Any:
+    return rows[0][0] if rows else None
+
+
+def command(query: str, params: Mapping[str, Any] | None = None) -> Stmt[None]:
+    """A statement whose rows, if any, are not needed (LISTEN, an upsert)."""
+    return Stmt(query, params, lambda _: None)
+
+
+def value(query: str, params: Mapping[str, Any], *, key: str | None = None) -> Stmt[Any]:
+    """One call of a kestrel SQL function (submit, signal, cancel, retry, fork): its value."""
+    return Stmt(query, params, _first, key)
+
+
+def submit_params(
+    *, workflow: str, args: str, queue: str, priority: int, idempotency_key: str | None,
+    id: uuid.UUID | None = None, parent: uuid.UUID | None = None,
+    timeout_s: float | None = None, delay_s: float | None = None,
+    dedup_key: str | None = None, on_duplicate: str = "return",
+) -> dict[str, Any]:
+    """Return the named parameters of the ``submit`` statement.
+
+    *args* is the encoded argument list.
+    """
+    return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
+            "idempotency_key": idempotency_key, "id": id, "parent": parent,
+            "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
+            "on_duplicate": on_duplicate}
+
+
+def _execution(row: Sequence[Any]) -> Execution:
+    return Execution(
+        id=row[0], workflow=row[1], queue=row[2], priority=row[3], status=Status(row[4]),
+        args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
+        created_at=row[10], started_at=row[11], finished_at=row[12],
+    )
+
+
+def _step_row(row: Sequence[Any]) -> StepRow:
+    return StepRow(
+        step_id=row[0], name=row[1], output=row[2], error=row[3], attempt=row[4],
+        lease_epoch=row[5], started_at=row[6], finished_at=row[7],
+    )
+
+
+def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
+              lease_s: float) -> Stmt[dict[uuid.UUID, bool]]:
+    """Extend the leases in *held*: the ids still owned, each with its cancel flag."""
+    return Stmt(q.heartbeat, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held],
+                              "lease_s": lease_s},
+                lambda rows: {r[0]: bool(r[1]) for r in rows})
+
+
+def get_event(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[tuple[bool, Any]]:
+    """The latest value of an event: (found, value)."""
+    return Stmt(q.get_event, {"id": id, "key": key},
+                lambda rows: (True, rows[0][0]) if rows else (False, None))
+
+
+def get_execution(q: Queries, *, id: uuid.UUID) -> Stmt[Execution | None]:
+    """One execution, live or finished."""
+    return Stmt(q.get_execution, {"id": id},
+                lambda rows: _execution(rows[0]) if rows else None)
+
+
+def list_steps(q: Queries, *, id: uuid.UUID) -> Stmt[list[StepRow]]:
+    """The checkpoints of one execution, live or finished."""
+    return Stmt(q.list_steps, {"id": id}, lambda rows: [_step_row(r) for r in rows])
+
+
+def _counts(rows: list[tuple[Any, ...]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for status, n in rows:
+        counts[status] = counts.get(status, 0) + n
+    return counts
+
+
+def count_by_status(q: Queries) -> Stmt[dict[str, int]]:
+    """Executions by status, live and finished."""
+    return Stmt(q.count_by_status, None, _counts)
+
+
+def list_executions(q: Queries, *, status: str | None, workflow: str | None,
+                    since: datetime | None, limit: int) -> Stmt[list[ExecutionSummary]]:
+    """Executions newest first, live and finished, optionally filtered."""
+    return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
+                                    "limit": limit},
+                lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
+                                               status=Status(r[3]), attempts=r[4],
+                                               created_at=r[5], finished_at=r[6])
+                              for r in rows])
+
+
+def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
+    """Live executions by queue and status, with the oldest queued one's age."""
+    return Stmt(q.queue_stats, None, lambda rows: [
+        QueueStat(queue=r[0], status=r[1], count=int(r[2]),
+                  oldest_age_s=float(r[3] or 0.0) if r[1] == "queued" else None)
+        for r in rows])
+
+
+def worker_stats(q: Queries) -> Stmt[dict[str, int]]:
+    """Running executions by the worker holding their lease."""
+    return Stmt(q.worker_stats, None, lambda rows: {r[0]: r[1] for r in rows})
+
+
+def stats(q: Queries) -> Script[Stats]:
+    """What ``stats`` shows, read in one transaction."""
+    queues = yield queue_stats(q)
+    workers = yield worker_stats(q)
+    totals = yield count_by_status(q)
+    return Stats(queues=queues, running_by_worker=workers, totals=totals)
+
+
+def run_maintenance(q: Queries, *, interval: str, ahead: int, retention_days: float,
+                    detach: bool = False) -> Script[tuple[bool, int, int]]:
+    """One upkeep round in one transaction, if no other process holds the upkeep lock:
+    (ran, partitions created, partitions dropped)."""
+    got = yield Stmt(q.maintenance_lock, None, _first)
+    if not got:
+        return False, 0, 0
+    created = yield Stmt(q.ensure_partitions, {"interval": interval, "ahead": ahead}, _first)
+    dropped = 0
+    if retention_days > 0:
+        dropped = yield Stmt(q.drop_partitions, {"retention_days": retention_days,
+                                                 "detach": detach}, _first)
+    return True, int(created or 0), int(dropped or 0)
+
+
+def list_partitions(q: Queries) -> Stmt[list[tuple[Any, ...]]]:
+    """History partitions with their bounds and sizes."""
+    return Stmt(q.list_partitions, None, list)
+
+
+def db_now(q: Queries) -> Stmt[datetime]:
+    """The database clock (kestrel_now())."""
+    return Stmt(q.db_now, None, _first)
+
+
+def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate: int | None,
+                       period_s: float | None) -> Stmt[None]:
+    """Declare (or change) a queue's limits."""
+    return Stmt(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
+                                       "rate": rate, "period_s": period_s}, lambda _: None)
+
+
+def upsert_schedule(q: Queries, *, name: str, cron: str, workflow: str,
+                    last_tick: datetime) -> Stmt[datetime]:
+    """Register a schedule; its last tick (kept if it existed)."""
+    return Stmt(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
+                                    "last_tick": last_tick}, _first)

@@ -1,0 +1,89 @@
+"""A claim's cost does not depend on the backlog: its plans read indexes in order and stop
+early; no claim reads the queue sequentially. Asserted on the plans, not on timings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+
+from kestrel.sql import queries
+from tests.helpers import q
+
+BACKLOG = 20_000
+
+
+@pytest.fixture
+def backlog(pg_dsn: str, schema: str) -> str:
+    """A queue of BACKLOG executions, a second queue, suspects, due and future wake-ups."""
+    q(pg_dsn, schema, """
+        INSERT INTO {s}.workflow_executions (id, workflow, queue, priority, args, attempts,
+                                             status, wake_at)
+        SELECT gen_random_uuid(), 'wf', CASE WHEN i %% 50 = 0 THEN 'other' ELSE 'default' END,
+               i %% 3, '[]', CASE WHEN i %% 1000 = 0 THEN 3 ELSE 0 END,
+               CASE WHEN i %% 100 = 1 THEN 'waiting' ELSE 'queued' END,
+               CASE WHEN i %% 100 = 1 THEN now() + (i %% 7 - 3) * interval '1 hour' END
+          FROM generate_series(1, %s) AS i""", [BACKLOG])
+    q(pg_dsn, schema, "INSERT INTO {s}.queue_limits (queue, concurrency) VALUES ('other', 5)")
+    q(pg_dsn, schema, "ANALYZE {s}.workflow_executions")
+    return schema
+
+
+def plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    nodes = [plan]
+    for child in plan.get("Plans", []):
+        nodes += plan_nodes(child)
+    return nodes
+
+
+def explain(dsn: str, query: str, params: dict[str, Any], *, generic: bool) -> list[Any]:
+    with psycopg.connect(dsn, prepare_threshold=None) as conn:  # one transaction, rolled back
+        if generic:  # the plan a prepared statement settles on after five runs
+            conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ") + pgsql.SQL(query),  # type: ignore[arg-type]
+                           params).fetchone()
+        conn.rollback()  # SET LOCAL ends with it
+    assert row is not None
+    return plan_nodes(row[0][0]["Plan"])
+
+
+def on_hot_table(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [n for n in nodes if n.get("Relation Name") == "workflow_executions"]
+
+
+CLAIM = {"owner": "w", "queues": ["default", "other"], "limit": 32, "lease_s": 30.0,
+         "take_suspect": True, "workflows": ["wf"], "any_workflow": False,
+         "max_history_bytes": 1 << 27}
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_claim_batch_reads_indexes_in_order_and_never_the_whole_queue(
+    pg_dsn: str, backlog: str, generic: bool
+) -> None:
+    nodes = explain(pg_dsn, queries(backlog).claim_batch, CLAIM, generic=generic)
+    hot = on_hot_table(nodes)
+    assert [n for n in hot if "Seq" in n["Node Type"]] == []
+    used = {n.get("Index Name") for n in hot}
+    assert {"workflow_executions_claim_idx", "workflow_executions_suspect_idx",
+            "workflow_executions_wake_idx"} <= used
+    # No sort of the queue: whatever is sorted is a bounded set of index-ordered rows.
+    sorts = [n for n in nodes if n["Node Type"] == "Sort"]
+    assert all(any(c.get("Node Type") in ("Nested Loop", "Limit", "Append", "Subquery Scan")
+                   for c in s.get("Plans", [])) for s in sorts), sorts
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_claim_limited_reads_indexes_in_order_and_never_the_whole_queue(
+    pg_dsn: str, backlog: str, generic: bool
+) -> None:
+    nodes = explain(pg_dsn, queries(backlog).claim_limited,
+                    {"queue": "other", "owner": "w", "limit": 32, "lease_s": 30.0,
+                     "workflows": ["wf"], "any_workflow": False,
+                     "max_history_bytes": 1 << 27}, generic=generic)
+    hot = on_hot_table(nodes)
+    assert [n for n in hot if "Seq" in n["Node Type"]] == []
+    used = {n.get("Index Name") for n in hot}
+    assert {"workflow_executions_claim_idx", "workflow_executions_wake_idx",
+            "workflow_executions_running_queue_idx"} <= used
