@@ -13,6 +13,113 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT now() + (SELECT offset_by FROM __schema__.clock_offset)
 $$;
 
+-- name: check_name
+-- A name or key: 1-1024 characters and at most 2048 bytes of UTF-8 (codec.check_text). The
+-- byte bound keeps every indexed name (history by workflow, pending signals by name, events
+-- by key, idempotency and dedup keys) inside a btree entry (2704 bytes), so no name can be
+-- accepted at the door and fail later in a worker's batch. NUL and invalid UTF-8 cannot
+-- reach a text value in PostgreSQL at all.
+CREATE OR REPLACE FUNCTION __schema__.check_name(p_value text, p_what text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+BEGIN
+    IF p_value IS NULL OR p_value = '' THEN
+        RAISE EXCEPTION '% must not be empty', p_what USING ERRCODE = 'KS007';
+    END IF;
+    IF char_length(p_value) > 1024 THEN
+        RAISE EXCEPTION '% is % characters, over the limit of 1024', p_what,
+            char_length(p_value) USING ERRCODE = 'KS007';
+    END IF;
+    IF octet_length(p_value) > 2048 THEN
+        RAISE EXCEPTION '% is % bytes as UTF-8, over the limit of 2048', p_what,
+            octet_length(p_value) USING ERRCODE = 'KS007';
+    END IF;
+END
+$$;
+
+-- name: valid_queue_name
+-- The queue rule of kestrel.config.QUEUE_NAME: 1-128 of A-Z a-z 0-9 _ . : -
+CREATE OR REPLACE FUNCTION __schema__.valid_queue_name(p_queue text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
+$$;
+
+-- name: undecodable_number
+-- The first number in p_value that the runtime (orjson) would not read back as the same
+-- number, or NULL when there is none. orjson reads an integer in [-2^63, 2^64 - 1] exactly;
+-- every other number becomes the nearest float64, which is exact only when the number is
+-- that float64 written in its shortest form (0.1, 1e20, 5e-324): 1e400 overflows, 1e-400
+-- becomes 0.0, 2^70 and 0.12345678901234567890 lose digits. Such numbers are refused.
+--
+-- "Shortest form" is PostgreSQL's float8 text (shortest at extra_float_digits 1), or fewer
+-- digits than that: PostgreSQL never writes a form that lies exactly halfway between two
+-- float64 values, while orjson and Python do when it is the shortest (6274480000000000000000
+-- reads as the float64 that PostgreSQL writes 6.274480000000001e+21 and orjson 6.27448e+21).
+-- Only numbers that are not in-range integers are looked at (one jsonpath pass finds them).
+CREATE OR REPLACE FUNCTION __schema__.undecodable_number(p_value jsonb) RETURNS numeric
+LANGUAGE sql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
+    SELECT c.n
+      FROM (SELECT j::numeric AS n
+              FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
+                        @ != @.floor() || @ < -9223372036854775808
+                        || @ > 18446744073709551615))') AS j) AS c
+     CROSS JOIN LATERAL (
+            SELECT CASE WHEN abs(c.n) > 1.7976931348623157e308
+                          OR abs(c.n) <= 2.4703282292062328e-324 THEN NULL
+                        ELSE c.n::float8::text::numeric END AS s) AS f
+     CROSS JOIN LATERAL (
+            SELECT length(trim(BOTH '0' FROM replace(abs(c.n)::text, '.', ''))) AS n_digits,
+                   length(trim(BOTH '0' FROM replace(abs(f.s)::text, '.', ''))) AS s_digits
+         ) AS d
+     WHERE CASE WHEN abs(c.n) > 1.7976931348623157e308 THEN true       -- overflows
+                WHEN abs(c.n) <= 2.4703282292062328e-324 THEN c.n <> 0  -- underflows to 0
+                ELSE f.s <> c.n AND d.n_digits >= d.s_digits END        -- loses digits
+     LIMIT 1
+$$;
+
+-- name: check_payload
+-- A JSON value the runtime can decode unchanged: at most 16 MiB as jsonb text (what a
+-- worker reads; codec.DEFAULT_MAX_PAYLOAD_BYTES), nesting at most 254 levels deep counting
+-- the outermost array or object (orjson, and so codec.encode, refuses deeper values), and
+-- only numbers that read back unchanged (undecodable_number). Strings need no check:
+-- jsonb itself refuses \u0000 and lone surrogates.
+CREATE OR REPLACE FUNCTION __schema__.check_payload(p_value jsonb, p_what text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_bytes bigint;
+    v_bad numeric;
+    v_shown text;
+BEGIN
+    IF p_value IS NULL THEN
+        RETURN;
+    END IF;
+    v_bytes := octet_length(p_value::text);
+    IF v_bytes > 16777216 THEN
+        RAISE EXCEPTION '% is % bytes as JSON text, over the cap of 16777216 bytes (16 MiB)',
+            p_what, v_bytes USING ERRCODE = 'KS008';
+    END IF;
+    -- An array or object at level 254 below the outermost one is the 255th level.
+    IF jsonb_path_exists(p_value, 'strict $.**{254 to last} ? (@.type() == "array"
+                                                            || @.type() == "object")') THEN
+        RAISE EXCEPTION '% nest deeper than 254 levels of arrays and objects', p_what
+            USING ERRCODE = 'KS007';
+    END IF;
+    IF jsonb_path_exists(p_value, 'strict $.** ? (@.type() == "number" && (
+            @ != @.floor() || @ < -9223372036854775808 || @ > 18446744073709551615))') THEN
+        v_bad := __schema__.undecodable_number(p_value);
+        IF v_bad IS NOT NULL THEN
+            v_shown := v_bad::text;
+            IF length(v_shown) > 40 THEN
+                v_shown := 'about ' || trim(to_char(v_bad, '9.999999999999999EEEE'));
+            END IF;
+            RAISE EXCEPTION '% contain the number %, which would not read back unchanged: '
+                'integers must lie in [-2^63, 2^64 - 1], other numbers must be finite '
+                'float64 values in their shortest form', p_what, v_shown
+                USING ERRCODE = 'KS007';
+        END IF;
+    END IF;
+END
+$$;
+
 -- name: submit
 -- submit(): the same signature as 0004; every argument is checked before anything is
 -- written. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
@@ -529,111 +636,4 @@ LANGUAGE sql STABLE AS $$
                 ELSE '[' || string_agg(t, ',' ORDER BY step_id)
                             FILTER (WHERE upto <= p_max_bytes) || ']' END
       FROM s
-$$;
-
--- name: check_name
--- A name or key: 1-1024 characters and at most 2048 bytes of UTF-8 (codec.check_text). The
--- byte bound keeps every indexed name (history by workflow, pending signals by name, events
--- by key, idempotency and dedup keys) inside a btree entry (2704 bytes), so no name can be
--- accepted at the door and fail later in a worker's batch. NUL and invalid UTF-8 cannot
--- reach a text value in PostgreSQL at all.
-CREATE OR REPLACE FUNCTION __schema__.check_name(p_value text, p_what text) RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
-BEGIN
-    IF p_value IS NULL OR p_value = '' THEN
-        RAISE EXCEPTION '% must not be empty', p_what USING ERRCODE = 'KS007';
-    END IF;
-    IF char_length(p_value) > 1024 THEN
-        RAISE EXCEPTION '% is % characters, over the limit of 1024', p_what,
-            char_length(p_value) USING ERRCODE = 'KS007';
-    END IF;
-    IF octet_length(p_value) > 2048 THEN
-        RAISE EXCEPTION '% is % bytes as UTF-8, over the limit of 2048', p_what,
-            octet_length(p_value) USING ERRCODE = 'KS007';
-    END IF;
-END
-$$;
-
--- name: valid_queue_name
--- The queue rule of kestrel.config.QUEUE_NAME: 1-128 of A-Z a-z 0-9 _ . : -
-CREATE OR REPLACE FUNCTION __schema__.valid_queue_name(p_queue text) RETURNS boolean
-LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
-$$;
-
--- name: undecodable_number
--- The first number in p_value that the runtime (orjson) would not read back as the same
--- number, or NULL when there is none. orjson reads an integer in [-2^63, 2^64 - 1] exactly;
--- every other number becomes the nearest float64, which is exact only when the number is
--- that float64 written in its shortest form (0.1, 1e20, 5e-324): 1e400 overflows, 1e-400
--- becomes 0.0, 2^70 and 0.12345678901234567890 lose digits. Such numbers are refused.
---
--- "Shortest form" is PostgreSQL's float8 text (shortest at extra_float_digits 1), or fewer
--- digits than that: PostgreSQL never writes a form that lies exactly halfway between two
--- float64 values, while orjson and Python do when it is the shortest (6274480000000000000000
--- reads as the float64 that PostgreSQL writes 6.274480000000001e+21 and orjson 6.27448e+21).
--- Only numbers that are not in-range integers are looked at (one jsonpath pass finds them).
-CREATE OR REPLACE FUNCTION __schema__.undecodable_number(p_value jsonb) RETURNS numeric
-LANGUAGE sql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
-    SELECT c.n
-      FROM (SELECT j::numeric AS n
-              FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
-                        @ != @.floor() || @ < -9223372036854775808
-                        || @ > 18446744073709551615))') AS j) AS c
-     CROSS JOIN LATERAL (
-            SELECT CASE WHEN abs(c.n) > 1.7976931348623157e308
-                          OR abs(c.n) <= 2.4703282292062328e-324 THEN NULL
-                        ELSE c.n::float8::text::numeric END AS s) AS f
-     CROSS JOIN LATERAL (
-            SELECT length(trim(BOTH '0' FROM replace(abs(c.n)::text, '.', ''))) AS n_digits,
-                   length(trim(BOTH '0' FROM replace(abs(f.s)::text, '.', ''))) AS s_digits
-         ) AS d
-     WHERE CASE WHEN abs(c.n) > 1.7976931348623157e308 THEN true       -- overflows
-                WHEN abs(c.n) <= 2.4703282292062328e-324 THEN c.n <> 0  -- underflows to 0
-                ELSE f.s <> c.n AND d.n_digits >= d.s_digits END        -- loses digits
-     LIMIT 1
-$$;
-
--- name: check_payload
--- A JSON value the runtime can decode unchanged: at most 16 MiB as jsonb text (what a
--- worker reads; codec.DEFAULT_MAX_PAYLOAD_BYTES), nesting at most 254 levels deep counting
--- the outermost array or object (orjson, and so codec.encode, refuses deeper values), and
--- only numbers that read back unchanged (undecodable_number). Strings need no check:
--- jsonb itself refuses \u0000 and lone surrogates.
-CREATE OR REPLACE FUNCTION __schema__.check_payload(p_value jsonb, p_what text) RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
-DECLARE
-    v_bytes bigint;
-    v_bad numeric;
-    v_shown text;
-BEGIN
-    IF p_value IS NULL THEN
-        RETURN;
-    END IF;
-    v_bytes := octet_length(p_value::text);
-    IF v_bytes > 16777216 THEN
-        RAISE EXCEPTION '% is % bytes as JSON text, over the cap of 16777216 bytes (16 MiB)',
-            p_what, v_bytes USING ERRCODE = 'KS008';
-    END IF;
-    -- An array or object at level 254 below the outermost one is the 255th level.
-    IF jsonb_path_exists(p_value, 'strict $.**{254 to last} ? (@.type() == "array"
-                                                            || @.type() == "object")') THEN
-        RAISE EXCEPTION '% nest deeper than 254 levels of arrays and objects', p_what
-            USING ERRCODE = 'KS007';
-    END IF;
-    IF jsonb_path_exists(p_value, 'strict $.** ? (@.type() == "number" && (
-            @ != @.floor() || @ < -9223372036854775808 || @ > 18446744073709551615))') THEN
-        v_bad := __schema__.undecodable_number(p_value);
-        IF v_bad IS NOT NULL THEN
-            v_shown := v_bad::text;
-            IF length(v_shown) > 40 THEN
-                v_shown := 'about ' || trim(to_char(v_bad, '9.999999999999999EEEE'));
-            END IF;
-            RAISE EXCEPTION '% contain the number %, which would not read back unchanged: '
-                'integers must lie in [-2^63, 2^64 - 1], other numbers must be finite '
-                'float64 values in their shortest form', p_what, v_shown
-                USING ERRCODE = 'KS007';
-        END IF;
-    END IF;
-END
 $$;

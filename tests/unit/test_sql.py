@@ -53,7 +53,9 @@ def test_migrations_numbered_and_rendered() -> None:
     for m in found:
         assert m.name
         assert "__schema" not in m.text
-        assert '"unit_schema".' in m.text
+    assert sum('"unit_schema".' in m.text for m in found) >= 5  # the ones that touch tables
+    for text in sql.functions("unit_schema"):  # every function, rendered for the schema
+        assert "__schema" not in text and '"unit_schema".' in text
 
 
 def test_migrations_reject_invalid_schema() -> None:
