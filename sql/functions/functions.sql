@@ -285,20 +285,27 @@ CREATE OR REPLACE FUNCTION __schema__.signal(
 LANGUAGE plpgsql AS $$
 DECLARE
     v_status text;
+    v_try integer;
 BEGIN
     PERFORM __schema__.check_name(p_name, 'signal name');
     IF p_idempotency_key IS NOT NULL THEN
         PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
     END IF;
     PERFORM __schema__.check_payload(p_payload, 'payload');
-    -- Lock the execution row first (the same order as park), then store the signal.
-    UPDATE __schema__.workflow_executions AS e
-       SET signal_seq = e.signal_seq + 1,
-           wake_at = CASE WHEN e.status = 'waiting' AND e.waiting_for = p_name
-                          THEN __schema__.kestrel_now() ELSE e.wake_at END
-     WHERE e.id = p_execution
-    RETURNING e.status INTO v_status;
-    IF NOT FOUND THEN
+    -- Lock the execution row first (the same order as park), then store the signal. If the
+    -- row this waited for was deleted, a transaction that cancelled and retried the
+    -- execution may have inserted it again, invisible to this statement's snapshot: look
+    -- once more, in a new statement.
+    FOR v_try IN 1..2 LOOP
+        UPDATE __schema__.workflow_executions AS e
+           SET signal_seq = e.signal_seq + 1,
+               wake_at = CASE WHEN e.status = 'waiting' AND e.waiting_for = p_name
+                              THEN __schema__.kestrel_now() ELSE e.wake_at END
+         WHERE e.id = p_execution
+        RETURNING e.status INTO v_status;
+        EXIT WHEN FOUND;
+    END LOOP;
+    IF v_status IS NULL THEN
         SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
          WHERE h.id = p_execution;
         IF FOUND THEN
@@ -337,21 +344,29 @@ DECLARE
     v_more uuid[];
     v_moved uuid[];
     v_parents uuid[];
+    v_try integer;
 BEGIN
-    LOOP
-        WITH RECURSIVE tree AS (
-            SELECT id FROM __schema__.workflow_executions WHERE id = p_execution
-            UNION
-            SELECT e.id FROM __schema__.workflow_executions AS e JOIN tree ON e.parent_id = tree.id
-        )
-        SELECT array_agg(l.id) INTO v_more
-          FROM (SELECT e.id FROM __schema__.workflow_executions AS e
-                  JOIN tree USING (id)
-                 WHERE e.id <> ALL (v_tree)
-                 ORDER BY e.id
-                   FOR UPDATE OF e) AS l;
-        EXIT WHEN v_more IS NULL;
-        v_tree := v_tree || v_more;
+    -- A second try when the first walk locked nothing: the root's row it waited for may
+    -- have been deleted and inserted again by a transaction that cancelled and retried the
+    -- execution, invisible to that walk's snapshot (a new statement sees it).
+    FOR v_try IN 1..2 LOOP
+        LOOP
+            WITH RECURSIVE tree AS (
+                SELECT id FROM __schema__.workflow_executions WHERE id = p_execution
+                UNION
+                SELECT e.id FROM __schema__.workflow_executions AS e
+                  JOIN tree ON e.parent_id = tree.id
+            )
+            SELECT array_agg(l.id) INTO v_more
+              FROM (SELECT e.id FROM __schema__.workflow_executions AS e
+                      JOIN tree USING (id)
+                     WHERE e.id <> ALL (v_tree)
+                     ORDER BY e.id
+                       FOR UPDATE OF e) AS l;
+            EXIT WHEN v_more IS NULL;
+            v_tree := v_tree || v_more;
+        END LOOP;
+        EXIT WHEN cardinality(v_tree) > 0;
     END LOOP;
     WITH flagged AS (
         UPDATE __schema__.workflow_executions AS e
