@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import uuid
@@ -121,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--detach", action="store_true",
                        help="Detach expired partitions instead of dropping them.")
     _json_flag(parts)
+    # -- the HTTP door (kestrel.http) --
+    add("serve", "Serve the HTTP API and webhooks on --http-host:--http-port (default "
+                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config.")
+    tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.")
+    tsub = tok.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+    tc = tsub.add_parser("create", parents=[common], help="Create a token; print it once.")
+    tc.add_argument("--name", required=True, help="A name to know it by (unique while live).")
+    tc.add_argument("--scopes", required=True, help="Comma-separated: read, operate, submit.")
+    _json_flag(tc)
+    _json_flag(tsub.add_parser("list", parents=[common], help="List tokens (never secrets)."))
+    tr = tsub.add_parser("revoke", parents=[common], help="Revoke a token by name or id.")
+    tr.add_argument("token", help="The token's name or public id.")
+    _json_flag(tr)
     demo = add("demo", "Run the incident-response demo end to end on the embedded database.")
     demo.add_argument("--incidents", type=int, default=12)
     return parser
@@ -246,8 +260,17 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     except InsufficientPrivilege:
         log.warning("history partition upkeep needs the schema owner's rights; run "
                     "`kestrel-runtime partitions` as the owner")
+    http = None
+    if cfg.http_port:  # the HTTP door, in a child process of its own (kestrel.http)
+        import functools
+
+        from kestrel.http.hooks import load_hooks
+        from kestrel.http.server import serve
+
+        hooks = load_hooks(getattr(ns, "config", None) or os.environ.get("KESTREL_CONFIG"))
+        http = functools.partial(serve, cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     try:
-        code = Supervisor(cfg, workflows, dsn=dsn).run()
+        code = Supervisor(cfg, workflows, dsn=dsn, http=http).run()
     finally:
         if metrics_dir:
             import shutil
@@ -556,6 +579,47 @@ def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     return demo.run(cfg, incidents=ns.incidents)
 
 
+def cmd_serve(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime serve``: serve the HTTP API (see :mod:`kestrel.http`) until SIGTERM.
+
+    Raises:
+        ConfigError: --app is unset, or a [hooks.NAME] table is invalid.
+        MigrationError: the schema is not at this code's version and this role may not
+            migrate it.
+    """
+    from psycopg.errors import InsufficientPrivilege
+
+    from kestrel.http.hooks import load_hooks
+    from kestrel.http.server import serve
+    from kestrel.migrate import migrate
+
+    if not cfg.app:
+        raise ConfigError("invalid setting --app / KESTREL_APP: serve accepts the workflows "
+                          "that module registers, e.g. --app myapp.workflows")
+    workflows = import_app(cfg.app)
+    hooks = load_hooks(getattr(ns, "config", None) or os.environ.get("KESTREL_CONFIG"))
+    dsn, server = resolve_dsn(cfg)
+    if (warning := tls_warning(dsn)) is not None:
+        log.warning("%s", warning)
+    try:
+        migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                history_ahead=cfg.history_ahead)
+    except InsufficientPrivilege:
+        check_schema_current(dsn, cfg.schema)
+    serve(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
+    del server
+    return 0
+
+
+def cmd_token(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime token create|list|revoke``: manage HTTP API tokens."""
+    from kestrel.http.commands import token_command
+
+    dsn, _server = resolve_dsn(cfg)
+    data, text = token_command(cfg, dsn, ns.token_command, vars(ns))
+    return _emit(ns, data, lambda: print(text))
+
+
 COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "run": cmd_run,
     "migrate": cmd_migrate,
@@ -568,6 +632,8 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "stats": cmd_stats,
     "partitions": cmd_partitions,
     "demo": cmd_demo,
+    "serve": cmd_serve,
+    "token": cmd_token,
 }
 
 if __name__ == "__main__":  # pragma: no cover

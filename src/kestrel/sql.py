@@ -75,6 +75,18 @@ class Queries:
     current_migration: str
     record_migration: str
     ensure_current_partitions: str
+    # The HTTP door (sql/queries/http.sql).
+    create_token: str
+    list_tokens: str
+    revoke_token: str
+    get_token: str
+    page_executions: str
+    get_wait: str
+    list_events: str
+    pending_signals: str
+    list_children: str
+    list_queue_limits: str
+    list_schedules: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
