@@ -535,6 +535,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 
 def _guarded(handler: Handler) -> Handler:
     async def endpoint(request: Request) -> Response:
+        response = await _answer(request)
+        # The route's template, never its path or query: those hold values callers chose.
+        log.debug("%s %s %d", request.method, _template(request), response.status_code)
+        return response
+
+    async def _answer(request: Request) -> Response:
         try:
             return await handler(request)
         except ApiError as exc:

@@ -9,6 +9,7 @@ in the database, nothing in a server's memory.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Iterable, Mapping
 
 from kestrel.config import Config
@@ -39,4 +40,12 @@ def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     )
     log.info("serving the HTTP API on %s://%s:%d (%d hooks)",
              "https" if cfg.http_certfile else "http", cfg.http_host, port, len(hooks or {}))
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and
+    # raises the signal again; found handlers that ignore it make that a clean exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _after_shutdown)
     uvicorn.Server(config).run()
+
+
+def _after_shutdown(signum: int, frame: object) -> None:
+    """The signal uvicorn re-raises once it has shut down gracefully: nothing left to do."""
