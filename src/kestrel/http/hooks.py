@@ -10,8 +10,9 @@ the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
   ``X-Slack-Request-Timestamp`` = ts within five minutes of now; an identical request
   replayed inside the window maps to the same idempotency key, so it starts nothing new.
 - ``hmac``: ``X-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``; the idempotency key
-  is the ``Idempotency-Key`` header if sent, else the signature (an exact replay of a body
-  returns the first execution).
+  is the signature, so an exact replay of a body returns the first execution (a sender puts
+  an event id in the body to tell two equal events apart). An unsigned header could not be
+  the key: a captured request replayed with a new one would start new work.
 
 The secret is read from the environment variable the hook names (``secret_env``), at start:
 a hook whose secret is missing stops the server from starting rather than accepting unsigned
@@ -32,7 +33,7 @@ from typing import Any
 
 from kestrel import codec
 from kestrel.codec import QUEUE_NAME
-from kestrel.errors import ConfigError
+from kestrel.errors import ConfigError, SerializationError
 
 FORMATS = ("github", "slack", "hmac")
 HOOK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -96,7 +97,10 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
     queue = spec.get("queue", "default")
     if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
         raise ConfigError(f"{where}: queue names are 1-128 of A-Z a-z 0-9 _ . : -")
-    codec.check_text(spec["workflow"], what=f"{where}: workflow")
+    try:
+        codec.check_text(spec["workflow"], what="its workflow name")
+    except SerializationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
     secret = env.get(spec["secret_env"], "")
     if not secret:
         raise ConfigError(f"{where}: the environment variable {spec['secret_env']} (its "
@@ -132,8 +136,7 @@ def verify(hook: Hook, headers: Any, body: bytes, *, now: float | None = None) -
     if hook.format == "slack":
         return _verify_slack(hook, headers, body, time.time() if now is None else now)
     signature = _check_prefixed(hook, headers.get("x-signature-256"), "X-Signature-256", body)
-    given = headers.get("idempotency-key")
-    return f"hook:{hook.name}:key:{given}" if given else f"hook:{hook.name}:sig:{signature}"
+    return f"hook:{hook.name}:sig:{signature}"
 
 
 def _check_prefixed(hook: Hook, header: str | None, name: str, body: bytes) -> str:
