@@ -35,7 +35,7 @@ from urllib.parse import parse_qsl
 import orjson
 import psycopg
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -555,6 +555,14 @@ def _guarded(handler: Handler) -> Handler:
             log.error("database error %s on %s %s", exc.sqlstate, request.method,
                       _template(request))
             return error_response(500, f"database error {exc.sqlstate}")
+        except ClientDisconnect:
+            return error_response(400, "the client went away before its body was read")
+        except Exception as exc:
+            # The type only: a message or a traceback's locals may hold a caller's values
+            # (FAULTS S5). The request fails alone; the server keeps serving.
+            log.error("internal error %s on %s %s", type(exc).__name__, request.method,
+                      _template(request))
+            return error_response(500, "internal error")
 
     endpoint.__doc__ = handler.__doc__
     return endpoint
