@@ -44,6 +44,7 @@ class Api:
     token: str | None = None
     tls: ssl.SSLContext | None = None
     host: str = "127.0.0.1"
+    proc: Any = None  # the kestrel-runtime process serving it, when a test started one
 
     def request(self, method: str, path: str, body: bytes | str | Any = None, *,
                 headers: dict[str, str] | None = None, token: str | None = "default",
@@ -93,8 +94,8 @@ def http_runtime(dsn: str, schema: str, *, port: int, log: Path, procs: int = 1,
     from tests.helpers import runtime
 
     with runtime(dsn, schema, procs=procs, app=APP, log=log, env=env,
-                 args=["--http-port", str(port), *(args or [])]):
-        api = Api(port, tls=tls)
+                 args=["--http-port", str(port), *(args or [])]) as proc:
+        api = Api(port, tls=tls, proc=proc)
         wait_until(lambda: _up(api), timeout=60, what="the HTTP API")
         yield api
 
