@@ -31,6 +31,12 @@ workflow = "http.echo"
 format = "github"
 secret_env = "T_GITHUB_SECRET"
 
+[hooks.gh-push]
+workflow = "http.echo"
+format = "github"
+secret_env = "T_GITHUB_SECRET"
+events = ["push"]
+
 [hooks.slack]
 workflow = "http.echo"
 format = "slack"
@@ -112,6 +118,22 @@ def test_github_push_runs_once_per_delivery(server: dict[str, Any]) -> None:
     clash = api.post("/hooks/gh", other, headers=github(other, delivery), token=None)
     assert clash.status == 409
     assert executions(server) == before
+
+
+def test_github_ping_and_unlisted_events_start_nothing(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    body = b'{"zen": "Keep it logically awesome."}'
+    before = executions(server)
+    for hook, event in (("gh", "ping"), ("gh-push", "ping"), ("gh-push", "pull_request")):
+        headers = {**github(body, str(uuid.uuid4())), "X-GitHub-Event": event}
+        reply = api.post(f"/hooks/{hook}", body, headers=headers, token=None)
+        assert reply.json() == {"ignored": event}
+    unsigned = {"X-GitHub-Event": "ping", "X-GitHub-Delivery": "x"}
+    assert api.post("/hooks/gh", body, headers=unsigned, token=None).status == 401
+    assert executions(server) == before
+    push = api.post("/hooks/gh-push", body, headers=github(body, str(uuid.uuid4())),
+                    token=None)
+    assert result(server, push.json()["id"]) == {"zen": "Keep it logically awesome."}
 
 
 def test_github_signature_refusals_write_nothing(server: dict[str, Any]) -> None:

@@ -431,6 +431,9 @@ async def hook(request: Request) -> Response:
     except SignatureError as exc:
         raise ApiError(401, str(exc)) from None
     codec.check_text(key, what="idempotency key (the delivery id)")
+    if spec.format == "github" and not spec.accepts(event := request.headers.get(
+            "x-github-event")):
+        return ok({"ignored": codec.printable(event or "", 100)})
     if _is_form(request):
         form = _form(body)
         if spec.format == "slack":
