@@ -105,3 +105,25 @@ def _up(api: Api) -> bool:
         return api.get("/healthz", token=None).status == 200
     except OSError:
         return False
+
+
+@contextmanager
+def serve_process(dsn: str, schema: str, *, port: int, log: Path,
+                  args: list[str] | None = None, env: dict[str, str] | None = None,
+                  ) -> Iterator[Api]:
+    """``kestrel-runtime serve`` alone (no workers), for the duration of the block."""
+    import os
+
+    from tests.helpers import stop_runtime
+
+    cmd = [sys.executable, "-m", "kestrel", "serve", "--app", APP, "--dsn", dsn, "--schema",
+           schema, "--http-port", str(port), *(args or [])]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    api = Api(port, proc=proc)
+    try:
+        wait_until(lambda: _up(api), timeout=60, what="kestrel-runtime serve")
+        yield api
+    finally:
+        stop_runtime(proc)

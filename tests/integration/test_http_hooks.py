@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from tests.helpers import ROOT, q1, wait_until
-from tests.http_helpers import Api, free_port, http_runtime
+from tests.http_helpers import Api, free_port, http_runtime, serve_process
 
 GITHUB_SECRET = "gh-secret-" + uuid.uuid4().hex
 SLACK_SECRET = "slack-secret-" + uuid.uuid4().hex
@@ -272,3 +272,39 @@ def test_a_hook_without_its_secret_stops_serve_at_start(pg_dsn: str, tmp_path: P
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "T_GITHUB_SECRET" in lines[0] and "unset" in lines[0]
+
+
+def test_two_servers_on_one_schema_start_a_delivery_once_and_signal_a_press_once(
+        server: dict[str, Any], tmp_path: Path) -> None:
+    """Multiprocess-safe: replays are recognised by the database, not a server's memory, so
+    the same request sent to two `serve` processes at once has one effect."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = waiting(server)
+    with serve_process(server["dsn"], server["schema"], port=free_port(),
+                       log=tmp_path / "a.log", env=ENV,
+                       args=["--config", str(server["config"])]) as a, \
+            serve_process(server["dsn"], server["schema"], port=free_port(),
+                          log=tmp_path / "b.log", env=ENV,
+                          args=["--config", str(server["config"])]) as b:
+        body = json.dumps({"ref": "refs/heads/twice"}).encode()
+        headers = github(body, str(uuid.uuid4()))
+        press = _press(target, "approve", "ana", "1700000000.000300")
+        with ThreadPoolExecutor(8) as pool:
+            ids = list(pool.map(lambda api: api.post("/hooks/gh", body, headers=headers,
+                                                     token=None).json()["id"], [a, b] * 4))
+            presses = list(pool.map(lambda api: api.post(
+                "/hooks/slack", press, headers=slack(press), token=None).json(), [a, b] * 4))
+    assert len(set(ids)) == 1
+    assert sum(p["delivered"] for p in presses) == 1
+    assert result(server, target) == {"outcome": "approved", "by": "ana"}
+    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signals WHERE "
+              "execution_id = %s", [target]) == 1
+
+
+def test_serve_without_an_app_says_so_in_one_line(pg_dsn: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "kestrel", "serve", "--dsn", pg_dsn],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    assert out.stderr.count("\n") == 1 and "--app" in out.stderr
