@@ -308,3 +308,32 @@ def test_serve_without_an_app_says_so_in_one_line(pg_dsn: str) -> None:
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert out.returncode != 0
     assert out.stderr.count("\n") == 1 and "--app" in out.stderr
+
+
+def test_hostile_bodies_correctly_signed_are_refused_and_write_nothing(
+        server: dict[str, Any]) -> None:
+    """A valid signature vouches for the sender, not for the value: the rules still hold."""
+    api: Api = server["api"]
+    before = executions(server)
+    deep = b"[" * 1500 + b"]" * 1500
+    bodies = [b'{"a": "x\\u0000y"}', b'{"a": "\\ud800"}', deep,
+              b'{"n": 123456789012345678901234567890}', b'{"n": 1e400}', b"\xff\xfe",
+              b'{"a": 1', b""]
+    for body in bodies:
+        for hook, headers in (("gh", github(body, str(uuid.uuid4()))),
+                              ("alerts", signed(body))):
+            reply = api.post(f"/hooks/{hook}", body, headers=headers, token=None)
+            assert reply.status == 400, (hook, body[:40], reply.body)
+            assert "\n" not in reply.json()["error"]
+    form = b"text=a%00b&user_name=ana"
+    assert api.post("/hooks/slack", form, headers=slack(form), token=None).status == 400
+    huge_delivery = github(b"{}", "d" * 3000)
+    assert api.post("/hooks/gh", b"{}", headers=huge_delivery, token=None).status == 400
+    sqlish = "x'); DROP TABLE signals; --"
+    body = json.dumps({"q": sqlish}).encode()
+    eid = api.post("/hooks/alerts", body, headers=signed(body), token=None).json()["id"]
+    assert result(server, eid) == {"q": sqlish}  # stored verbatim, run as nothing
+    assert executions(server) == before + 1
+    big = b'{"a": "' + b"x" * (1024 * 1024) + b'"}'
+    assert api.post("/hooks/alerts", big, headers=signed(big), token=None).status == 413
+    assert executions(server) == before + 1
