@@ -97,3 +97,9 @@ SELECT queue, concurrency, rate, extract(epoch FROM period)
 SELECT name, cron, workflow, last_tick, updated_at
   FROM __schema__.schedules
  ORDER BY name;
+
+-- name: signal_sent
+-- Whether a signal with this idempotency key reached the execution: a replay of a request
+-- that signalled an execution which has finished since is answered "already delivered".
+SELECT EXISTS (SELECT 1 FROM __schema__.signals
+                WHERE execution_id = %(id)s AND idempotency_key = %(key)s);

@@ -87,6 +87,7 @@ class Queries:
     list_children: str
     list_queue_limits: str
     list_schedules: str
+    signal_sent: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

@@ -98,7 +98,13 @@ def test_a_waiting_execution_shows_what_it_waits_for_and_a_signal_completes_it(
                      headers={"Idempotency-Key": "press-1"})
     assert again.json()["delivered"] is False
     assert finished(api, eid)["result"] == {"outcome": "approved", "by": "ana"}
-    late = api.post(f"{API}/executions/{eid}/signal", {"name": "approval"})
+    # A retry of the request that finished it is still "already delivered", not an error.
+    replay = api.post(f"{API}/executions/{eid}/signal",
+                      {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                      headers={"Idempotency-Key": "press-1"})
+    assert replay.status == 200 and replay.json()["delivered"] is False
+    late = api.post(f"{API}/executions/{eid}/signal", {"name": "approval"},
+                    headers={"Idempotency-Key": "press-2"})
     assert late.status == 409 and "already finished" in late.json()["error"]
 
 

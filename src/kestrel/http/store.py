@@ -125,3 +125,8 @@ def list_schedules(q: Queries) -> Stmt[list[Row]]:
     return Stmt(q.list_schedules, None, lambda rows: [
         {"name": r[0], "cron": r[1], "workflow": r[2], "last_tick": _iso(r[3]),
          "updated_at": _iso(r[4])} for r in rows])
+
+
+def signal_sent(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
+    """Whether a signal with idempotency key *key* reached execution *id*."""
+    return Stmt(q.signal_sent, {"id": id, "key": key}, lambda rows: bool(rows[0][0]))
