@@ -71,7 +71,8 @@ def _execution(row: Sequence[Any]) -> Execution:
     return Execution(
         id=row[0], workflow=row[1], queue=row[2], priority=row[3], status=Status(row[4]),
         args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
-        created_at=row[10], started_at=row[11], finished_at=row[12],
+        created_at=row[10], started_at=row[11], finished_at=row[12], deadline=row[13],
+        waiting_for=row[14], wake_at=row[15], wait_deadline=row[16], queue_limit=row[17],
     )
 
 
