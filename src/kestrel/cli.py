@@ -484,6 +484,8 @@ def _json_arg(text: str, flag: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{flag} is not valid JSON: nested too deeply") from None
 
 
 def _parse_id(text: str) -> uuid.UUID:
@@ -674,8 +676,10 @@ def waits_for(ex: Execution) -> dict[str, Any] | None:
     """What a live execution waits for: ``{"kind", "what", "until"}``, or None.
 
     *kind* is ``signal``, ``child``, ``sleep``, ``start`` (a delayed start), ``worker`` (queued)
-    or ``slot`` (queued in a limited queue); *until* is when the wait ends by itself (a
-    sleep's end, a delayed start) or times out (a signal wait's timeout), if ever.
+    or ``slot`` (queued in a limited queue); a wait's ``waiting_for`` is the signal's name, or
+    ``kestrel.sleep`` / ``kestrel.child:<id>`` (see :mod:`kestrel.workflow`). *until* is when
+    the wait ends by itself (a sleep's end, a delayed start) or times out (a signal wait's
+    timeout), if ever.
     """
     status = ex.status.value
     if status == "queued":
@@ -689,16 +693,13 @@ def waits_for(ex: Execution) -> dict[str, Any] | None:
     on = ex.waiting_for
     if on is None:
         return {"kind": "start", "what": "its delayed start", "until": ex.wake_at}
-    if on.startswith("kestrel.signal:"):
-        name = on.removeprefix("kestrel.signal:")
-        return {"kind": "signal", "what": f"signal {name!r} (kestrel-runtime signal {ex.id} "
-                                          f"{_shell_word(name)})", "until": ex.wait_deadline}
-    if on.startswith("kestrel.child:"):
-        return {"kind": "child", "what": f"child execution {on.removeprefix('kestrel.child:')}",
-                "until": ex.wait_deadline}
     if on == "kestrel.sleep":
         return {"kind": "sleep", "what": "the end of a durable sleep", "until": ex.wake_at}
-    return {"kind": "other", "what": on, "until": ex.wait_deadline or ex.wake_at}
+    if on.startswith("kestrel.child:"):  # a child's outcome arrives as this signal
+        return {"kind": "child", "what": f"child execution {on.removeprefix('kestrel.child:')}",
+                "until": ex.wait_deadline}
+    return {"kind": "signal", "what": f"signal {on!r} (kestrel-runtime signal {ex.id} "
+                                      f"{_shell_word(on)})", "until": ex.wait_deadline}
 
 
 def _shell_word(text: str) -> str:
