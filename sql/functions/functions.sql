@@ -380,8 +380,11 @@ BEGIN
         INSERT INTO __schema__.workflow_history
                (id, workflow, queue, priority, status, args, result, error, idempotency_key,
                 lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+        -- No worker sees these finish: 'uncounted' asks the metrics collector to count them
+        -- (count_cancelled), once, in kestrel_workflows_finished_total.
         SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
-               jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
+               jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request',
+                                  'uncounted', true),
                idempotency_key, lease_epoch, attempts, created_at, started_at,
                __schema__.kestrel_now(), parent_id, deadline
           FROM removed

@@ -23,3 +23,16 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
  WHERE n.nspname = '__schema_name__'
    AND parent.relname IN ('workflow_history', 'step_history')
  ORDER BY parent.relname, child.relname;
+
+-- name: count_cancelled
+-- Executions that cancel() finished while queued or waiting: no worker saw them finish, so
+-- the metrics collector counts them in kestrel_workflows_finished_total. Each is counted
+-- once fleet-wide: the UPDATE takes the key off, and a concurrent collector's UPDATE re-checks
+-- the row after the first one commits and skips it. Bounded to the last day by the
+-- (status, finished_at) index; a collector down longer leaves older ones uncounted.
+UPDATE __schema__.workflow_history AS h
+   SET error = h.error - 'uncounted'
+ WHERE h.status = 'cancelled'
+   AND h.finished_at >= __schema__.kestrel_now() - interval '1 day'
+   AND h.error ? 'uncounted'
+RETURNING h.workflow;

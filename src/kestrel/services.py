@@ -236,8 +236,13 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
+                cancelled = await db.run(conn, db.count_cancelled(self._q))
         except psycopg.Error:
             return
+        for wf in cancelled:
+            # Only registered names become labels (FAULTS S2, P4): others are not counted.
+            if wf in self._workflows:
+                m.finished.labels(wf, "cancelled").inc()
         seen = set()
         for row in rows:
             seen.add((row.queue, row.status))
