@@ -299,9 +299,12 @@ def describe_db_error(exc: psycopg.Error, command: str, cfg: Config) -> str:
 
     what = _line(exc)
     schema = cfg.schema
-    if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName | e.UndefinedFunction):
+    if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName | e.UndefinedFunction
+                  | e.UndefinedColumn):
         what = str(exc).strip().splitlines()[0]  # not the HINT about casts
-        return (f"schema {schema} has no kestrel tables ({what}): run `kestrel-runtime "
+        older = "" if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName) else (
+            " or an older version of them")  # tables there, this code's functions not
+        return (f"schema {schema} has no kestrel tables{older} ({what}): run `kestrel-runtime "
                 f"migrate --schema {schema}` as the schema owner, or name the right schema "
                 "with --schema / KESTREL_SCHEMA")
     if isinstance(exc, e.InsufficientPrivilege):

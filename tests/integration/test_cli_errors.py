@@ -69,11 +69,24 @@ def test_an_unmigrated_or_wrong_schema_says_run_migrate(
         code, out, err = run(pg_dsn, schema, *call)
         line = one_line(err, call[0])
         assert code == 1 and out == ""
-        assert line.startswith(f"schema {schema} has no kestrel tables (")
+        assert line.startswith(f"schema {schema} has no kestrel tables")
         assert line.endswith(f"run `kestrel-runtime migrate --schema {schema}` as the schema "
                              "owner, or name the right schema with --schema / KESTREL_SCHEMA")
     assert q1(pg_dsn, empty_schema, "SELECT count(*) FROM pg_tables WHERE schemaname = %s",
               [empty_schema]) == 0  # nothing was created on the way
+
+
+def test_a_schema_from_an_older_version_says_run_migrate(
+        run: Cli, pg_dsn: str, schema: str) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # as if before migration 0002
+        conn.execute(pgsql.SQL("ALTER TABLE {}.workflow_executions DROP COLUMN waiting_for "
+                               "CASCADE").format(pgsql.Identifier(schema)))
+    code, _, err = run(pg_dsn, schema, "show", str(uuid.UUID(int=1)))
+    line = one_line(err, "show")
+    assert code == 1
+    assert line.startswith(f"schema {schema} has no kestrel tables or an older version of "
+                           "them (column ")
+    assert f"run `kestrel-runtime migrate --schema {schema}`" in line
 
 
 @pytest.mark.parametrize(("dsn", "expect"), [
