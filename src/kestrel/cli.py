@@ -44,7 +44,7 @@ HISTORY = ("history_interval", "history_ahead")
 
 
 def _settings(p: argparse.ArgumentParser, names: Sequence[str] | None = None,
-              title: str = "settings") -> None:
+              title: str = "settings") -> list[argparse.Action]:
     """Add the settings *names* (None: every knob) to *p*, after its own options.
 
     Each default is SUPPRESSed so that an unset flag leaves the environment and the config
@@ -52,8 +52,8 @@ def _settings(p: argparse.ArgumentParser, names: Sequence[str] | None = None,
     """
     g = p.add_argument_group(title, "Each is also a KESTREL_<NAME> environment variable and "
                                     "a key in the --config file.")
-    g.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                   help="TOML file with settings (keys are the flag names with _).")
+    added = [g.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                            help="TOML file with settings (keys are the flag names with _).")]
     defaults = Config()
     for knob in KNOBS:
         if names is not None and knob.name not in names:
@@ -62,9 +62,10 @@ def _settings(p: argparse.ArgumentParser, names: Sequence[str] | None = None,
         if isinstance(default, tuple):
             default = ",".join(default)
         shown = f" (default: {default})" if default not in (None, "") else ""
-        g.add_argument(knob.flag, dest=knob.name, metavar=knob.metavar, type=knob.parse,
-                       default=argparse.SUPPRESS,
-                       help=f"{knob.help}{shown} [env {knob.env}]")
+        added.append(g.add_argument(knob.flag, dest=knob.name, metavar=knob.metavar,
+                                    type=knob.parse, default=argparse.SUPPRESS,
+                                    help=f"{knob.help}{shown} [env {knob.env}]"))
+    return added
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
@@ -107,12 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Print the version and exit.")
     _settings(parser, title="runtime settings (when no COMMAND is given)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    later: list[tuple[argparse.ArgumentParser, list[argparse.Action]]] = []
 
     def add(name: str, help: str, settings: Sequence[str] | None = CONNECTION,
             ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help, epilog=PRECEDENCE,
                            allow_abbrev=False)
-        _settings(p, settings)
+        later.append((p, _settings(p, settings)))
         return p
 
     add("run", "Run the supervisor and its workers (the default command).", None)
@@ -202,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
                None)
     demo.add_argument("--incidents", type=int, default=12,
                       help="How many incidents the demo submits (default: 12).")
+    for p, settings in later:  # the usage line too: a command's own options first
+        p._actions = [a for a in p._actions if a not in settings] + settings
     return parser
 
 

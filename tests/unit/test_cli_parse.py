@@ -106,8 +106,10 @@ def test_operator_help_shows_its_options_and_only_the_connection_settings(
     for flag in RUNTIME_ONLY:  # --procs, --batch-size, --lease…: the runtime's, not ours
         assert flag not in flags, flag
         assert f"[{flag} " not in out, flag
-    # Its own options come before the settings.
+    # Its own options come before the settings, in the usage line too.
     assert out.index("options:") < out.index("settings:")
+    if "[--json]" in out:
+        assert out.index("[--json]") < out.index("[--dsn DSN]")
 
 
 def test_a_runtime_setting_on_an_operator_command_is_refused(
