@@ -168,6 +168,7 @@ class ExecutionSummary:
     attempts: int
     created_at: datetime
     finished_at: datetime | None
+    app_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
