@@ -17,7 +17,17 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from kestrel.sql import Queries
-from kestrel.types import Execution, ExecutionSummary, QueueStat, Stats, Status, StepRow
+from kestrel.types import (
+    Execution,
+    ExecutionSummary,
+    LiveWorker,
+    PatchUse,
+    QueueStat,
+    Stats,
+    Status,
+    StepRow,
+    Unclaimable,
+)
 
 T = TypeVar("T")
 
@@ -211,9 +221,11 @@ def unregister_worker(q: Queries, *, worker_id: str) -> Stmt[None]:
     return command(q.unregister_worker, {"worker_id": worker_id})
 
 
-def live_workers(q: Queries) -> Stmt[list[tuple[Any, ...]]]:
-    """Live workers: (worker_id, app_version, workflows, queues, started_at, seen_at)."""
-    return Stmt(q.live_workers, None, list)
+def live_workers(q: Queries) -> Stmt[list[LiveWorker]]:
+    """Workers seen within their lifetime, newest first."""
+    return Stmt(q.live_workers, None, lambda rows: [
+        LiveWorker(worker_id=r[0], app_version=r[1], workflows=list(r[2]), queues=list(r[3]),
+                   started_at=r[4], seen_at=r[5]) for r in rows])
 
 
 def unclaimable_total(q: Queries) -> Stmt[tuple[int, int]]:
@@ -222,12 +234,15 @@ def unclaimable_total(q: Queries) -> Stmt[tuple[int, int]]:
                 lambda rows: (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0))
 
 
-def unclaimable_by_workflow(q: Queries, *, limit: int) -> Stmt[list[tuple[Any, ...]]]:
-    """Unclaimable executions by (workflow, queue): (workflow, queue, count, oldest)."""
-    return Stmt(q.unclaimable_by_workflow, {"limit": limit}, list)
+def unclaimable_by_workflow(q: Queries, *, limit: int) -> Stmt[list[Unclaimable]]:
+    """Unclaimable executions by workflow and queue, the most first, at most *limit* lines."""
+    return Stmt(q.unclaimable_by_workflow, {"limit": limit}, lambda rows: [
+        Unclaimable(workflow=r[0], queue=r[1], count=int(r[2]), oldest_created_at=r[3])
+        for r in rows])
 
 
-def patch_summary(q: Queries, *, patch: str | None) -> Stmt[list[tuple[Any, ...]]]:
-    """Per (workflow, patch): (workflow, patch, at_step, total_with, live_with,
-    live_without)."""
-    return Stmt(q.patch_summary, {"patch": patch}, list)
+def patch_summary(q: Queries, *, patch: str | None) -> Stmt[list[PatchUse]]:
+    """Every recorded patch (or only *patch*) by workflow, with who still lacks it."""
+    return Stmt(q.patch_summary, {"patch": patch}, lambda rows: [
+        PatchUse(workflow=r[0], patch=r[1], at_step=r[2], total_with=int(r[3]),
+                 live_with=int(r[4]), live_without=int(r[5])) for r in rows])
