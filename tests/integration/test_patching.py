@@ -188,3 +188,34 @@ def test_sql_looking_and_unicode_patch_ids_are_stored_verbatim(pg_dsn: str, sche
                   [h.id]) == i
     [use] = SyncClient(pg_dsn, schema=schema, pool_size=0).patches(ids[0])
     assert (use.workflow, use.total_with) == ("patching.hostile", 1)
+
+
+@kestrel.workflow(name="patching.two")
+async def two_patches(ctx: kestrel.Context, n: int) -> dict[str, Any]:
+    """Two patches taken in one attempt, then a park: the replay after the signal must see
+    both markers as this code's own and read every checkpoint back."""
+    a = await ctx.step(step_a, n)
+    first = await ctx.step(step_new, a) if await ctx.patched("first") else None
+    b = await ctx.step(step_b, a)
+    second = await ctx.step(step_new, b) if await ctx.patched("second") else None
+    go = await ctx.wait_for_signal("go", timeout=3600)
+    return {"first": first, "second": second, "go": go.payload, "last": await ctx.step(step_b, b)}
+
+
+def test_two_patches_taken_in_one_attempt_replay_without_a_false_divergence(
+    pg_dsn: str, schema: str
+) -> None:
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit(two_patches, 1)
+    run_worker_until(pg_dsn, config(schema),
+                     lambda: client.get(h.id).status.value == "waiting")
+    calls.clear()
+    client.signal(h.id, "go", "yes")
+    run_all(pg_dsn, schema, 1)
+    assert client.get(h.id).status.value == "completed"
+    assert h.result(timeout=1) == {"first": 200, "second": 400, "go": "yes", "last": 6}
+    assert steps(pg_dsn, schema, h.id) == [
+        (-2, "kestrel.patch:second"), (-1, "kestrel.patch:first"), (0, "patching.a"),
+        (1, "patching.new"), (2, "patching.b"), (3, "patching.new"), (4, "kestrel.signal:go"),
+        (5, "patching.b")]
+    assert calls == {}  # the replay read every step back; nothing ran twice
