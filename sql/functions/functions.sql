@@ -379,14 +379,15 @@ BEGIN
     ), moved AS (
         INSERT INTO __schema__.workflow_history
                (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+                app_version)
         -- No worker sees these finish: 'uncounted' asks the metrics collector to count them
         -- (count_cancelled), once, in kestrel_workflows_finished_total.
         SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
                jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request',
                                   'uncounted', true),
                idempotency_key, lease_epoch, attempts, created_at, started_at,
-               __schema__.kestrel_now(), parent_id, deadline
+               __schema__.kestrel_now(), parent_id, deadline, app_version
           FROM removed
         RETURNING id, parent_id
     )
@@ -447,9 +448,9 @@ BEGIN
     )
     INSERT INTO __schema__.workflow_executions
            (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-            started_at, parent_id)
+            started_at, parent_id, app_version)
     SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-           started_at, parent_id
+           started_at, parent_id, app_version
       FROM removed;
     IF FOUND THEN
         WITH back AS (

@@ -91,7 +91,8 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 
 
 RUNTIME_ONLY = [k.flag for k in KNOBS if k.name not in cli.CONNECTION + cli.HISTORY
-                + ("history_retention_days",)]
+                + ("history_retention_days",
+                   "app_version")]  # `list --app-version` is a filter of its own
 
 
 @pytest.mark.parametrize("command", ["submit", "list", "show", "cancel", "retry", "fork",
