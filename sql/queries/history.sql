@@ -25,14 +25,18 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
  ORDER BY parent.relname, child.relname;
 
 -- name: count_cancelled
--- Executions that cancel() finished while queued or waiting: no worker saw them finish, so
--- the metrics collector counts them in kestrel_workflows_finished_total. Each is counted
--- once fleet-wide: the UPDATE takes the key off, and a concurrent collector's UPDATE re-checks
--- the row after the first one commits and skips it. Bounded to the last day by the
--- (status, finished_at) index; a collector down longer leaves older ones uncounted.
-UPDATE __schema__.workflow_history AS h
-   SET error = h.error - 'uncounted'
- WHERE h.status = 'cancelled'
-   AND h.finished_at >= __schema__.kestrel_now() - interval '1 day'
-   AND h.error ? 'uncounted'
-RETURNING h.workflow;
+-- Executions that cancel() finished while queued or waiting (no worker saw them finish) of
+-- the workflows this process registers (%(workflows)s): taken from uncounted_finishes, so
+-- each is counted once fleet-wide (SKIP LOCKED: a concurrent collector takes other rows),
+-- at most 10,000 a round. Rows of names nobody registers go after a day.
+WITH taken AS (
+    SELECT execution_id FROM __schema__.uncounted_finishes
+     WHERE workflow = ANY (%(workflows)s::text[])
+        OR finished_at < __schema__.kestrel_now() - interval '1 day'
+     LIMIT 10000
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM __schema__.uncounted_finishes AS u
+ USING taken
+ WHERE u.execution_id = taken.execution_id
+RETURNING u.workflow;

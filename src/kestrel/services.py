@@ -236,11 +236,13 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
-                cancelled = await db.run(conn, db.count_cancelled(self._q))
+                cancelled = await db.run(conn, db.count_cancelled(
+                    self._q, workflows=self._workflows))
         except psycopg.Error:
             return
         for wf in cancelled:
-            # Only registered names become labels (FAULTS S2, P4): others are not counted.
+            # Only registered names become labels (FAULTS S2, P4): a day-old row of a name
+            # no worker registers comes back too, and is dropped uncounted.
             if wf in self._workflows:
                 m.finished.labels(wf, "cancelled").inc()
         seen = set()

@@ -147,10 +147,10 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                               for r in rows])
 
 
-def count_cancelled(q: Queries) -> Stmt[list[str]]:
-    """Take the executions cancel() finished while queued or waiting that no collector has
-    counted yet; return their workflow names (one per execution)."""
-    return Stmt(q.count_cancelled, None, lambda rows: [r[0] for r in rows])
+def count_cancelled(q: Queries, *, workflows: list[str]) -> Stmt[list[str]]:
+    """Take the executions of *workflows* that cancel() finished while queued or waiting and
+    no collector has counted yet; return their workflow names (one per execution)."""
+    return Stmt(q.count_cancelled, {"workflows": workflows}, lambda rows: [r[0] for r in rows])
 
 
 def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
