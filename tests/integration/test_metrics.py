@@ -24,7 +24,6 @@ from tests.helpers import (
     finished_count,
     kill,
     q,
-    q1,
     runtime,
     submit_many,
     wait_until,
