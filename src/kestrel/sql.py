@@ -53,6 +53,7 @@ class Queries:
     count_by_status: str
     list_executions: str
     queue_stats: str
+    count_cancelled: str
     worker_stats: str
     listen: str
     listen_done: str
@@ -75,6 +76,12 @@ class Queries:
     current_migration: str
     record_migration: str
     ensure_current_partitions: str
+    register_worker: str
+    unregister_worker: str
+    live_workers: str
+    unclaimable_total: str
+    unclaimable_by_workflow: str
+    patch_summary: str
     # The HTTP door (sql/queries/http.sql).
     create_token: str
     list_tokens: str
