@@ -66,6 +66,9 @@ def test_submit_runs_to_completion_and_the_page_shows_its_timeline(server: dict[
                              "updated_at": ex["events"][0]["updated_at"]}]
     assert len(ex["children"]) == 1 and ex["children"][0]["workflow"] == "http.echo"
     assert ex["children"][0]["status"] == "completed"
+    assert ex["app_version"]  # stamped by the claim (versions), shown here and in lists
+    listed = api.get(f"{API}/executions?workflow=http.steps&limit=500").json()["executions"]
+    assert next(e for e in listed if e["id"] == eid)["app_version"] == ex["app_version"]
     child = api.get(f"{API}/executions/{ex['children'][0]['id']}").json()
     assert child["parent_id"] == eid and child["result"] == 10
 
