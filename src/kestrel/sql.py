@@ -65,6 +65,11 @@ class Queries:
     lock_queue_limit: str
     claim_limited: str
     db_now: str
+    advance_clock: str
+    skip_to_next_sleep: str
+    waiting_for: str
+    reset_for_test: str
+    drop_schema: str
     upsert_schedule: str
     advance_schedule: str
     get_schedule: str

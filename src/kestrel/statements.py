@@ -188,3 +188,27 @@ def upsert_schedule(q: Queries, *, name: str, cron: str, workflow: str,
     """Register a schedule; its last tick (kept if it existed)."""
     return Stmt(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
                                     "last_tick": last_tick}, _first)
+
+
+# -- kestrel.testing: the database clock and a clean slate per test --------------------------
+
+
+def advance_clock(q: Queries, *, seconds: float) -> Stmt[datetime]:
+    """Move the database clock (kestrel_now()) forward by *seconds*; the new time."""
+    return Stmt(q.advance_clock, {"seconds": seconds}, _first)
+
+
+def skip_to_next_sleep(q: Queries) -> Stmt[float | None]:
+    """If nothing can run now, move the clock to the end of the earliest durable sleep; the
+    seconds skipped, or None when something can run or nothing sleeps."""
+    return Stmt(q.skip_to_next_sleep, None, _first)
+
+
+def waiting_for(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[Any, ...] | None]:
+    """A live execution's (status, waiting_for, wake_at); None once it finished."""
+    return Stmt(q.waiting_for, {"id": id}, lambda rows: tuple(rows[0]) if rows else None)
+
+
+def reset_for_test(q: Queries) -> Stmt[None]:
+    """Empty every table but the migration record; set the clock back to now()."""
+    return Stmt(q.reset_for_test, None, lambda _: None)
