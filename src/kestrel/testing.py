@@ -103,6 +103,7 @@ class Run:
         Raises:
             AssertionError: no step of that name was recorded.
         """
+        __tracebackhide__ = True
         for s in self.steps:
             if s.name == name:
                 return s
@@ -114,6 +115,7 @@ class Run:
         Raises:
             AssertionError: naming the first difference and showing both timelines.
         """
+        __tracebackhide__ = True  # pytest shows the caller's line, not this one
         got = self.timeline
         want = [e if isinstance(e, tuple) else (e,) for e in expected]
         shown = [tuple(g[:len(w)]) for g, w in zip(got, want, strict=False)]
@@ -129,6 +131,7 @@ class Run:
         Raises:
             AssertionError: it ended otherwise (its error is in the message).
         """
+        __tracebackhide__ = True
         if self.status is not Status.COMPLETED:
             raise AssertionError(f"execution {self.id} ({self.workflow}) ended "
                                  f"{self.status.value}: {self.error}")
@@ -261,6 +264,24 @@ class KestrelTestEnv:
                 **submit))
         raise RuntimeError("run_to_completion() inside a running event loop: use "
                            "`await kestrel_env.arun_to_completion(...)` in an async test")
+
+    def run_until_finished(self, execution_id: uuid.UUID | str, *, skip_sleeps: bool = True,
+                           timeout: float = 60.0) -> Run:
+        """Run a worker in this process until *execution_id* (submitted before, perhaps by
+        an earlier run that timed out) ends; return the :class:`Run`.
+
+        Raises:
+            RuntimeError: called inside a running event loop (await
+                :meth:`arun_until_finished` there).
+            TimeoutError: it has not ended after *timeout* seconds.
+        """
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun_until_finished(
+                uuid.UUID(str(execution_id)), skip_sleeps=skip_sleeps, timeout=timeout))
+        raise RuntimeError("run_until_finished() inside a running event loop: use "
+                           "`await kestrel_env.arun_until_finished(...)` in an async test")
 
     async def arun_to_completion(self, wf: WorkflowFn | str, *args: Any,
                                  signals: Mapping[str, Any] | None = None,
