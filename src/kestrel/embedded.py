@@ -66,7 +66,7 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
 
         server = get_server(path, cleanup_mode="stop")
     dsn = str(server.get_uri())
-    log.info("embedded PostgreSQL running in %s (%s)", path, dsn)
+    log.debug("embedded PostgreSQL running in %s (%s)", path, dsn)
     return dsn, server
 
 
