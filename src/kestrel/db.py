@@ -127,6 +127,9 @@ from kestrel.statements import (
     waiting_for as waiting_for,
 )
 from kestrel.statements import (
+    waiting_stats as waiting_stats,
+)
+from kestrel.statements import (
     worker_stats as worker_stats,
 )
 from kestrel.types import (

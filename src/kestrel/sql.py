@@ -54,6 +54,7 @@ class Queries:
     list_executions: str
     queue_stats: str
     worker_stats: str
+    waiting_stats: str
     listen: str
     listen_done: str
     listen_events: str

@@ -212,3 +212,10 @@ def waiting_for(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[Any, ...] | None]:
 def reset_for_test(q: Queries) -> Stmt[None]:
     """Empty every table but the migration record; set the clock back to now()."""
     return Stmt(q.reset_for_test, None, lambda _: None)
+
+
+def waiting_stats(q: Queries, *, workflows: Sequence[str],
+                  limit: int) -> Stmt[list[tuple[str, str, int]]]:
+    """Waiting executions of *workflows* by (workflow, what they wait for), largest first."""
+    return Stmt(q.waiting_stats, {"workflows": list(workflows), "limit": limit},
+                lambda rows: [(r[0], r[1], int(r[2])) for r in rows])

@@ -58,8 +58,12 @@ def test_grafana_provisions_the_dashboard_from_the_mounted_folder() -> None:
     dash = json.loads((ROOT / "grafana/dashboards/kestrel.json").read_text())
     datasource = yaml.safe_load(
         (ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
-    uid = datasource["datasources"][0]["uid"]
-    assert dash["panels"] and all(p["datasource"]["uid"] == uid for p in dash["panels"])
+    # The dashboard names no data source: its $datasource variable picks the default one,
+    # which the provisioned Prometheus is.
+    assert datasource["datasources"][0]["isDefault"] is True
+    assert datasource["datasources"][0]["type"] == "prometheus"
+    assert dash["panels"] and all(p["datasource"]["uid"] == "${datasource}"
+                                  for p in dash["panels"])
 
 
 # -- the image and the "your own layer" recipe (there is no Docker engine here: the Dockerfile
