@@ -376,8 +376,16 @@ def _describe_wait(execution_id: uuid.UUID, row: tuple[Any, ...] | None) -> str:
 
 def _step_name(step: Callable[..., Any] | str) -> str:
     """The name *step* is recorded under: the ``@kestrel.step(name=…)``, else its qualified
-    name, as ``ctx.step`` records it."""
-    return step if isinstance(step, str) else _spec(step).name
+    name, as ``ctx.step`` records it.
+
+    Raises:
+        TypeError: *step* is neither a name nor a callable.
+    """
+    if isinstance(step, str):
+        return step
+    if not callable(step):
+        raise TypeError(f"a step is a step function or its name, not {type(step).__name__}")
+    return _spec(step).name
 
 
 def _halted(task: asyncio.Task[None]) -> bool:

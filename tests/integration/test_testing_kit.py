@@ -207,6 +207,10 @@ def test_fault_arguments_are_checked(kestrel_env: KestrelTestEnv) -> None:
         kestrel_env.fail_step(app.analyze, times=0)
     with pytest.raises(ValueError, match="at least once"):
         kestrel_env.crash_after_checkpoint(app.analyze, times=-1)
+    with pytest.raises(TypeError, match="not int"):
+        kestrel_env.fail_step(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not NoneType"):
+        kestrel_env.crash_after_checkpoint(None)  # type: ignore[arg-type]
 
 
 def test_an_async_test_awaits_the_run_in_its_own_event_loop(
