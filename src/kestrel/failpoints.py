@@ -69,14 +69,15 @@ class _Armed:
     mode: str
     times: int
     match: Callable[[Any], bool] | None
-    error: BaseException | None
+    error: BaseException | type[BaseException] | None
 
 
 _ARMED: dict[str, list[_Armed]] = {}
 
 
 def arm(name: str, mode: str = "raise", *, times: int = 1,
-        match: Callable[[Any], bool] | None = None, error: BaseException | None = None) -> None:
+        match: Callable[[Any], bool] | None = None,
+        error: BaseException | type[BaseException] | None = None) -> None:
     """Make *name* fire *times* times in this process, when *match* (if given) accepts the
     subject the point is fired with.
 
@@ -85,7 +86,11 @@ def arm(name: str, mode: str = "raise", *, times: int = 1,
 
     Raises:
         ValueError: an unknown point or mode, or ``error`` without an exception.
+        TypeError: *error* is neither an exception nor an exception class.
     """
+    if error is not None and not (isinstance(error, BaseException) or (
+            isinstance(error, type) and issubclass(error, BaseException))):
+        raise TypeError(f"failpoint error must be an exception, not {type(error).__name__}")
     if name not in FAILPOINTS:
         raise ValueError(f"unknown failpoint {name!r}; expected one of {', '.join(FAILPOINTS)}")
     if mode not in ("raise", "crash", "error", "halt") or (mode == "error") != (error is not None):

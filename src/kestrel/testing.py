@@ -35,7 +35,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from kestrel.workflow import WorkflowFn
 
 __all__ = ["KestrelTestEnv", "Run", "TimelineEntry", "dsn_for_tests"]
+
+MAX_ADVANCE_S = 100 * 365.25 * 24 * 3600
+"""The most :meth:`KestrelTestEnv.advance_clock` moves the clock at once (100 years)."""
 
 _DSN_HELP = ("give the tests a PostgreSQL with --kestrel-dsn=postgresql://… or "
              "KESTREL_TEST_DSN, or pip install 'kestrel-runtime[embedded]' for a private one")
@@ -147,7 +150,6 @@ class KestrelTestEnv:
     schema: str
     lease: float = 30.0
     concurrency: int = 16
-    _clients: list[Client] = field(default_factory=list, init=False, repr=False)
 
     @property
     def client(self) -> SyncClient:
@@ -183,10 +185,12 @@ class KestrelTestEnv:
         lease is what the test is about).
 
         Raises:
-            ValueError: *seconds* is negative or not finite (time does not go back).
+            ValueError: *seconds* is negative, not a number, or over 100 years (time does not
+                go back, and PostgreSQL's intervals end).
         """
-        if not 0 <= seconds < float("inf"):
-            raise ValueError(f"advance_clock: seconds must be >= 0 and finite, got {seconds}")
+        if not 0 <= seconds <= MAX_ADVANCE_S:
+            raise ValueError(f"advance_clock: seconds must be between 0 and {MAX_ADVANCE_S:.0f}"
+                             f" (100 years), got {seconds}")
         with self._sync() as conn:
             now: datetime = db.run_sync(conn, db.advance_clock(queries(self.schema),
                                                                seconds=float(seconds)))
@@ -198,17 +202,19 @@ class KestrelTestEnv:
             now: datetime = db.run_sync(conn, db.db_now(queries(self.schema)))
         return now
 
-    def fail_step(self, step: Callable[..., Any] | str, error: BaseException | None = None,
-                  *, times: int = 1, attempt: int | None = None) -> None:
-        """Make the body of *step* (a step function or its name) raise *error* (default a
-        RuntimeError) instead of running, *times* times (only on its *attempt*-th attempt,
-        if given).
+    def fail_step(self, step: Callable[..., Any] | str,
+                  error: BaseException | type[BaseException] | None = None, *, times: int = 1,
+                  attempt: int | None = None) -> None:
+        """Make the body of *step* (a step function or its name) raise *error* (an exception
+        or its class; default a RuntimeError) instead of running, *times* times (only on its
+        *attempt*-th attempt, if given).
 
         The error goes where a real one would: the step's retry policy, then ``StepFailed``
         in the workflow. Disarmed by :meth:`reset` (each test starts with none).
 
         Raises:
             ValueError: *times* is under 1.
+            TypeError: *step* is not a step or a name, or *error* is not an exception.
         """
         name = _step_name(step)
         err = error if error is not None else RuntimeError(f"injected failure in {name!r}")

@@ -78,6 +78,14 @@ def test_a_failure_outside_retry_on_fails_the_step_at_once(kestrel_env: KestrelT
     assert "injected failure in 'kit.analyze'" in run.step("kit.analyze").error["message"]
 
 
+def test_an_exception_class_is_raised_as_the_step_error(kestrel_env: KestrelTestEnv) -> None:
+    kestrel_env.fail_step(app.generate_fix, PermissionError)
+    run = kestrel_env.run_to_completion(app.incident, ALERT)
+    assert run.status is kestrel.Status.FAILED
+    assert run.timeline == [("kit.analyze", 1, "ok"), ("kit.generate_fix", 1, "error")]
+    assert run.step("kit.generate_fix").error["type"] == "builtins.PermissionError"
+
+
 def test_a_failure_armed_for_another_attempt_or_step_never_fires(
     kestrel_env: KestrelTestEnv,
 ) -> None:
@@ -158,7 +166,7 @@ def test_reset_empties_the_schema_sets_the_clock_back_and_disarms(
     assert run.timeline[0] == ("kit.analyze", 1, "ok")
 
 
-@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf])
+@pytest.mark.parametrize("seconds", [-1.0, math.nan, math.inf, 1e300, -0.001])
 def test_the_clock_only_moves_forward_by_a_finite_amount(
     kestrel_env: KestrelTestEnv, seconds: float
 ) -> None:
@@ -209,6 +217,8 @@ def test_fault_arguments_are_checked(kestrel_env: KestrelTestEnv) -> None:
         kestrel_env.crash_after_checkpoint(app.analyze, times=-1)
     with pytest.raises(TypeError, match="not int"):
         kestrel_env.fail_step(42)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must be an exception, not str"):
+        kestrel_env.fail_step(app.analyze, "boom")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="not NoneType"):
         kestrel_env.crash_after_checkpoint(None)  # type: ignore[arg-type]
 
