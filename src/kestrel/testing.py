@@ -156,11 +156,16 @@ class KestrelTestEnv:
         """A blocking client on this schema (submit, signal, get, steps, …)."""
         return SyncClient(self.dsn, schema=self.schema, pool_size=0)
 
-    def config(self) -> Config:
+    def config(self, queues: Sequence[str] = ()) -> Config:
         """The settings of the worker :meth:`run_to_completion` runs: fast polls and
         sweeps, the connection mode the environment asks for (KESTREL_CONNECTION_MODE,
-        KESTREL_LISTEN_DSN), polling only."""
+        KESTREL_LISTEN_DSN), polling only; it serves ``default``, every queue declared with
+        ``kestrel.queue()`` (with its limits) and *queues*."""
+        from kestrel.queues import declared
+
+        served = tuple(dict.fromkeys(("default", *declared(), *queues)))
         return Config(schema=self.schema, lease=self.lease, heartbeat=self.lease / 3,
+                      queues=served,
                       poll_interval=0.05, sweep_interval=0.1, concurrency=self.concurrency,
                       listen=False, pool_size=4, worker_id="kestrel-test-worker",
                       connection_mode=os.environ.get("KESTREL_CONNECTION_MODE", "direct"),
@@ -309,6 +314,7 @@ class KestrelTestEnv:
         the clock moved past its lease, as a restarted process would find it.
 
         Raises:
+            LookupError: there is no such execution.
             TimeoutError: it has not ended after *timeout* seconds.
         """
         from kestrel.worker import Worker
@@ -319,8 +325,11 @@ class KestrelTestEnv:
         # One connection watches (no prepared statements: it may go through PgBouncer).
         async with await psycopg.AsyncConnection.connect(
                 self.dsn, autocommit=True, prepare_threshold=None) as conn:
+            submitted = await db.run(conn, db.get_execution(q, id=execution_id))
+            if submitted is None:
+                raise LookupError(f"no execution {execution_id} in schema {self.schema}")
             while True:
-                worker = Worker(self.config(), registry(), dsn=self.dsn)
+                worker = Worker(self.config([submitted.queue]), registry(), dsn=self.dsn)
                 task = asyncio.create_task(worker.run(), name="kestrel-test-worker")
                 try:
                     skipped += await self._watch(conn, q, execution_id, task, skip_sleeps,

@@ -54,3 +54,12 @@ async def cooldown(ctx: kestrel.Context, days: int) -> dict[str, Any]:
     woke = await ctx.now()
     fix = await ctx.step(generate_fix, alert, rca)
     return {"slept_s": (woke - started).total_seconds(), "pr": await ctx.step(open_pr, fix)}
+
+
+kestrel.queue("kit-ai", concurrency=1, rate=100, period=60)
+
+
+@kestrel.workflow(name="kit.in_a_queue")
+async def in_a_queue(ctx: kestrel.Context, alert: dict[str, Any]) -> str:
+    rca = await ctx.step(analyze, alert)
+    return str(rca["cause"])

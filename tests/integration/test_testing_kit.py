@@ -43,6 +43,22 @@ def test_a_run_returns_the_result_and_the_step_timeline(kestrel_env: KestrelTest
     assert run.crashes == 0 and run.skipped_s == 0
 
 
+@pytest.mark.parametrize("queue", ["kit-ai", "kit-undeclared.queue:1"])
+def test_the_worker_serves_the_queue_the_execution_is_in(
+    kestrel_env: KestrelTestEnv, queue: str
+) -> None:
+    run = kestrel_env.run_to_completion(app.in_a_queue, ALERT, queue=queue, timeout=20)
+    assert run.assert_completed() == "api ran out of memory"
+    assert kestrel_env.client.get(run.id).queue == queue
+
+
+def test_an_unknown_execution_id_is_a_lookup_error(kestrel_env: KestrelTestEnv) -> None:
+    with pytest.raises(LookupError, match="no execution"):
+        kestrel_env.run_until_finished("00000000-0000-0000-0000-000000000000", timeout=1)
+    with pytest.raises(ValueError, match="badly formed"):
+        kestrel_env.run_until_finished("'); DROP TABLE x; --", timeout=1)
+
+
 def test_assert_timeline_names_the_difference(kestrel_env: KestrelTestEnv) -> None:
     run = kestrel_env.run_to_completion("kit.incident", ALERT, signals=APPROVED)
     with pytest.raises(AssertionError, match=r"recorded\n  TimelineEntry\(name='kit.analyze'"):
