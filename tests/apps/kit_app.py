@@ -63,3 +63,9 @@ kestrel.queue("kit-ai", concurrency=1, rate=100, period=60)
 async def in_a_queue(ctx: kestrel.Context, alert: dict[str, Any]) -> str:
     rca = await ctx.step(analyze, alert)
     return str(rca["cause"])
+
+
+@kestrel.workflow(name="kit.wait_named")
+async def wait_named(ctx: kestrel.Context, signal: str) -> Any:
+    """Wait for the signal named by the caller (tests of the waiting gauge's bound)."""
+    return (await ctx.wait_for_signal(signal)).payload
