@@ -291,7 +291,9 @@ def _user_pytest(folder: Path, env: dict[str, str]) -> subprocess.CompletedProce
     (folder / "test_myapp.py").write_text(USER_TEST)
     clean = {k: v for k, v in os.environ.items()
              if k not in ("PYTHONPATH", "KESTREL_TEST_DSN", "PYTEST_ADDOPTS")}
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+    # A basetemp of its own: the inner session never rotates the outer one's temp folders.
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"--basetemp={folder / '.tmp'}"],
                           cwd=folder, env=clean | env, capture_output=True, text=True,
                           timeout=300)
 
