@@ -379,11 +379,12 @@ BEGIN
     ), moved AS (
         INSERT INTO __schema__.workflow_history
                (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+                app_version)
         SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
                jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
                idempotency_key, lease_epoch, attempts, created_at, started_at,
-               __schema__.kestrel_now(), parent_id, deadline
+               __schema__.kestrel_now(), parent_id, deadline, app_version
           FROM removed
         RETURNING id, parent_id
     )
@@ -444,9 +445,9 @@ BEGIN
     )
     INSERT INTO __schema__.workflow_executions
            (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-            started_at, parent_id)
+            started_at, parent_id, app_version)
     SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-           started_at, parent_id
+           started_at, parent_id, app_version
       FROM removed;
     IF FOUND THEN
         WITH back AS (

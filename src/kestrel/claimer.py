@@ -135,12 +135,13 @@ class Claimer:
                     conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
-                    take_suspect=not self._holds_suspect())
+                    take_suspect=not self._holds_suspect(), app_version=self.cfg.app_version)
             else:
                 got = await db.claim_limited(
                     conn, self._q, queue=queue, owner=self.id, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
-                    max_history_bytes=self.cfg.max_history_bytes)
+                    max_history_bytes=self.cfg.max_history_bytes,
+                    app_version=self.cfg.app_version)
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got

@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--workflow", help="Only this workflow.")
     ls.add_argument("--since", help="Created since: an ISO time or an age like 30m, 6h, 7d.")
     ls.add_argument("--limit", type=int, default=50)
+    # --app-version (a setting every command takes) filters here: given as a flag, not
+    # inherited from KESTREL_APP_VERSION.
+    ls.add_argument("--patch", metavar="ID", help="Only executions that recorded this patch.")
+    ls.add_argument("--without-patch", metavar="ID", help="Only executions of the workflows "
+                    "using this patch that did not record it (may need the old code path).")
     _json_flag(ls)
+    _add_version_commands(add)
     show = add("show", "Show an execution with its steps as a timeline.")
     show.add_argument("id")
     _json_flag(show)
@@ -429,10 +435,14 @@ def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
     The filters are ``--status``, ``--workflow`` and ``--since``; ``--limit`` caps the rows.
     """
     client, _server = _client(cfg)
+    if ns.patch and ns.without_patch:
+        raise ConfigError("--patch and --without-patch exclude each other")
     rows = client.list(status=ns.status, workflow=ns.workflow, since=_since(ns.since),
-                       limit=ns.limit)
+                       limit=ns.limit, app_version=getattr(ns, "app_version", None),
+                       patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch)
     data = [{"id": r.id, "workflow": r.workflow, "queue": r.queue, "status": r.status.value,
-             "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at}
+             "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at,
+             "app_version": r.app_version}
             for r in rows]
 
     def table() -> None:
@@ -558,6 +568,71 @@ def _short(value: Any, width: int = 90) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+# -- versions and rolling deploys (issue 18) ---------------------------------------------------
+
+def _add_version_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    uc = add("unclaimable", "Live executions no live worker can claim (no worker registers "
+                            "their workflow and queue): they wait, unfailed; and the live "
+                            "workers with their app versions.")
+    uc.add_argument("--limit", type=int, default=100, help="Most lines (default: 100).")
+    _json_flag(uc)
+    pt = add("patches", "Patches recorded by executions (ctx.patched), by workflow: how many "
+                        "took the new path, and how many live ones may still need the old.")
+    pt.add_argument("patch", nargs="?", help="Only this patch id.")
+    _json_flag(pt)
+
+
+def cmd_unclaimable(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime unclaimable``: what waits for a worker that knows it, and who runs."""
+    client, _server = _client(cfg)
+    if not 1 <= ns.limit <= 10_000:
+        raise ConfigError(f"--limit {ns.limit}: must be 1-10000")
+    groups = client.unclaimable(limit=ns.limit)
+    workers = client.workers()
+    data = {"unclaimable": [{"workflow": g.workflow, "queue": g.queue, "count": g.count,
+                             "oldest_created_at": g.oldest_created_at} for g in groups],
+            "workers": [{"worker_id": w.worker_id, "app_version": w.app_version,
+                         "workflows": w.workflows, "queues": w.queues,
+                         "seen_at": w.seen_at} for w in workers]}
+
+    def table() -> None:
+        print(f"{'workflow':<32} {'queue':<16} {'count':>8}  oldest")
+        for g in groups:
+            print(f"{g.workflow[:32]!s:<32} {g.queue[:16]:<16} {g.count:>8}  "
+                  f"{g.oldest_created_at:%Y-%m-%d %H:%M:%S}")
+        if not groups:
+            print("(nothing unclaimable)")
+        print(f"\n{'worker':<30} {'app version':<20} workflows")
+        for w in workers:
+            print(f"{w.worker_id[:30]:<30} {w.app_version[:20]:<20} "
+                  f"{_short(w.workflows, 60)}")
+        if not workers:
+            print("(no live workers)")
+
+    return _emit(ns, data, table)
+
+
+def cmd_patches(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime patches``: per workflow and patch, who took the new path and how
+    many live executions may still need the old one (remove the old branch at 0)."""
+    client, _server = _client(cfg)
+    uses = client.patches(ns.patch)
+    data = [{"workflow": u.workflow, "patch": u.patch, "at_step": u.at_step,
+             "executions_with": u.total_with, "live_with": u.live_with,
+             "live_without": u.live_without} for u in uses]
+
+    def table() -> None:
+        print(f"{'workflow':<28} {'patch':<28} {'with':>8} {'live with':>10} "
+              f"{'live without':>13}")
+        for u in uses:
+            print(f"{u.workflow[:28]!s:<28} {u.patch[:28]!s:<28} {u.total_with:>8} "
+                  f"{u.live_with:>10} {u.live_without:>13}")
+        if not uses:
+            print("(no patch markers recorded)")
+
+    return _emit(ns, data, table)
+
+
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime demo``: run the incident-response demo; return its exit status.
 
@@ -582,6 +657,8 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "stats": cmd_stats,
     "partitions": cmd_partitions,
     "demo": cmd_demo,
+    "unclaimable": cmd_unclaimable,
+    "patches": cmd_patches,
 }
 
 if __name__ == "__main__":  # pragma: no cover

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import db
+from kestrel import codec, db
 from kestrel._client_common import (
     POLL_CAP_S,
     ClientBase,
@@ -29,7 +29,17 @@ from kestrel._client_common import (
     remaining,
 )
 from kestrel.errors import ConfigError, ExecutionNotFound
-from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
+from kestrel.types import (
+    Execution,
+    ExecutionSummary,
+    LiveWorker,
+    PatchUse,
+    Stats,
+    Status,
+    StepRow,
+    Unclaimable,
+)
+from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn
 
 
@@ -178,14 +188,47 @@ class Client(ClientBase):
         counts: dict[str, int] = await self._run(db.count_by_status(self._q))
         return counts
 
+    async def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
+        """Live executions that no live worker can claim (no worker registers their workflow
+        and queue), by workflow and queue, the most first, at most *limit* lines. They wait
+        for a worker that knows them; none is ever failed for it."""
+        rows: list[Unclaimable] = await self._run(db.unclaimable_by_workflow(
+            self._q, limit=limit))
+        return rows
+
+    async def workers(self) -> list[LiveWorker]:
+        """The live workers: what each claims, and its app version."""
+        rows: list[LiveWorker] = await self._run(db.live_workers(self._q))
+        return rows
+
+    async def patches(self, patch: str | None = None) -> list[PatchUse]:
+        """Every recorded patch (or only *patch*) by workflow: executions with its marker,
+        and live executions without it, which may still need the old code path."""
+        if patch is not None:
+            codec.check_text(patch, what="patch id")
+        rows: list[PatchUse] = await self._run(db.patch_summary(self._q, patch=patch))
+        return rows
+
     async def list(self, *, status: str | None = None, workflow: str | None = None,
-                   since: datetime | None = None, limit: int = 50) -> list[ExecutionSummary]:
-        """Executions newest first, live and finished, optionally filtered."""
+                   since: datetime | None = None, limit: int = 50,
+                   app_version: str | None = None, patch: str | None = None,
+                   with_patch: bool = True) -> list[ExecutionSummary]:
+        """Executions newest first, live and finished, optionally filtered.
+
+        *app_version*: only those first claimed by that version. *patch*: only those that
+        recorded that patch's marker (``with_patch=False``: only those of the same workflows
+        that did not, which may still need the old code path).
+        """
         if status is not None and status not in {s.value for s in Status}:
             raise ConfigError(f"unknown status {status!r}; one of "
                               f"{', '.join(s.value for s in Status)}")
+        if app_version is not None:
+            check_app_version(app_version)
+        if patch is not None:
+            codec.check_text(patch, what="patch id")
         rows: list[ExecutionSummary] = await self._run(db.list_executions(
-            self._q, status=status, workflow=workflow, since=since, limit=limit))
+            self._q, status=status, workflow=workflow, since=since, limit=limit,
+            app_version=app_version, patch=patch, with_patch=with_patch))
         return rows
 
     async def stats(self) -> Stats:

@@ -110,6 +110,14 @@ class Metrics:
                              multiprocess_mode="livesum")
         self.workers = Gauge("kestrel_workers", "Worker processes alive",
                              multiprocess_mode="livesum")
+        # No workflow label: an unclaimable name may be anything a client submitted, so it
+        # never becomes a label (FAULTS P4, S2); `kestrel-runtime unclaimable` names them.
+        self.unclaimable = Gauge("kestrel_unclaimable_executions",
+                                 "Live executions whose workflow and queue no live worker "
+                                 "registers (they wait)", multiprocess_mode="livemax")
+        self.unclaimable_workflows = Gauge("kestrel_unclaimable_workflows",
+                                           "Distinct workflow names among the unclaimable "
+                                           "executions", multiprocess_mode="livemax")
 
 
 _metrics: Metrics | None = None

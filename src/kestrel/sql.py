@@ -81,6 +81,12 @@ class Queries:
     current_migration: str
     record_migration: str
     ensure_current_partitions: str
+    register_worker: str
+    unregister_worker: str
+    live_workers: str
+    unclaimable_total: str
+    unclaimable_by_workflow: str
+    patch_summary: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

@@ -17,7 +17,17 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from kestrel.sql import Queries
-from kestrel.types import Execution, ExecutionSummary, QueueStat, Stats, Status, StepRow
+from kestrel.types import (
+    Execution,
+    ExecutionSummary,
+    LiveWorker,
+    PatchUse,
+    QueueStat,
+    Stats,
+    Status,
+    StepRow,
+    Unclaimable,
+)
 
 T = TypeVar("T")
 
@@ -120,13 +130,19 @@ def count_by_status(q: Queries) -> Stmt[dict[str, int]]:
 
 
 def list_executions(q: Queries, *, status: str | None, workflow: str | None,
-                    since: datetime | None, limit: int) -> Stmt[list[ExecutionSummary]]:
-    """Executions newest first, live and finished, optionally filtered."""
+                    since: datetime | None, limit: int, app_version: str | None = None,
+                    patch: str | None = None, with_patch: bool = True,
+                    ) -> Stmt[list[ExecutionSummary]]:
+    """Executions newest first, live and finished, optionally filtered (by status,
+    workflow, creation time, the app version that started them, and whether they recorded
+    *patch*'s marker)."""
     return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
-                                    "limit": limit},
+                                    "limit": limit, "app_version": app_version,
+                                    "patch": patch, "with_patch": with_patch},
                 lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
                                                status=Status(r[3]), attempts=r[4],
-                                               created_at=r[5], finished_at=r[6])
+                                               created_at=r[5], finished_at=r[6],
+                                               app_version=r[7])
                               for r in rows])
 
 
@@ -188,6 +204,48 @@ def upsert_schedule(q: Queries, *, name: str, cron: str, workflow: str,
     """Register a schedule; its last tick (kept if it existed)."""
     return Stmt(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
                                     "last_tick": last_tick}, _first)
+
+
+# -- versions and the live fleet (kestrel.versions, migration 0010) --------------------------
+
+def register_worker(q: Queries, *, worker_id: str, app_version: str, workflows: list[str],
+                    queues: list[str], stale_after_s: float) -> Stmt[None]:
+    """Upsert a worker's row: what it claims, its version, when it counts as dead."""
+    return command(q.register_worker, {"worker_id": worker_id, "app_version": app_version,
+                                       "workflows": workflows, "queues": queues,
+                                       "stale_after_s": stale_after_s})
+
+
+def unregister_worker(q: Queries, *, worker_id: str) -> Stmt[None]:
+    """Delete a worker's row (it stopped cleanly)."""
+    return command(q.unregister_worker, {"worker_id": worker_id})
+
+
+def live_workers(q: Queries) -> Stmt[list[LiveWorker]]:
+    """Workers seen within their lifetime, newest first."""
+    return Stmt(q.live_workers, None, lambda rows: [
+        LiveWorker(worker_id=r[0], app_version=r[1], workflows=list(r[2]), queues=list(r[3]),
+                   started_at=r[4], seen_at=r[5]) for r in rows])
+
+
+def unclaimable_total(q: Queries) -> Stmt[tuple[int, int]]:
+    """Live executions no live worker can claim, and their distinct workflow names."""
+    return Stmt(q.unclaimable_total, None,
+                lambda rows: (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0))
+
+
+def unclaimable_by_workflow(q: Queries, *, limit: int) -> Stmt[list[Unclaimable]]:
+    """Unclaimable executions by workflow and queue, the most first, at most *limit* lines."""
+    return Stmt(q.unclaimable_by_workflow, {"limit": limit}, lambda rows: [
+        Unclaimable(workflow=r[0], queue=r[1], count=int(r[2]), oldest_created_at=r[3])
+        for r in rows])
+
+
+def patch_summary(q: Queries, *, patch: str | None) -> Stmt[list[PatchUse]]:
+    """Every recorded patch (or only *patch*) by workflow, with who still lacks it."""
+    return Stmt(q.patch_summary, {"patch": patch}, lambda rows: [
+        PatchUse(workflow=r[0], patch=r[1], at_step=r[2], total_with=int(r[3]),
+                 live_with=int(r[4]), live_without=int(r[5])) for r in rows])
 
 
 # -- kestrel.testing: the database clock and a clean slate per test --------------------------
