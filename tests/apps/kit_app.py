@@ -69,3 +69,9 @@ async def in_a_queue(ctx: kestrel.Context, alert: dict[str, Any]) -> str:
 async def wait_named(ctx: kestrel.Context, signal: str) -> Any:
     """Wait for the signal named by the caller (tests of the waiting gauge's bound)."""
     return (await ctx.wait_for_signal(signal)).payload
+
+
+@kestrel.workflow(name="kit.parent_of_a_sleeper")
+async def parent_of_a_sleeper(ctx: kestrel.Context, days: int) -> dict[str, Any]:
+    """A child that sleeps *days* days: the parent waits on the child, the child sleeps."""
+    return dict(await ctx.child(cooldown, days))

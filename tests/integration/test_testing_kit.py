@@ -143,6 +143,17 @@ def test_a_durable_sleep_is_skipped_by_moving_the_database_clock(
                          "kit.generate_fix", "kit.open_pr"])
 
 
+def test_a_childs_sleep_is_skipped_while_its_parent_waits_for_it(
+    kestrel_env: KestrelTestEnv,
+) -> None:
+    run = kestrel_env.run_to_completion(app.parent_of_a_sleeper, 3)
+    assert run.assert_completed()["slept_s"] >= 3 * 24 * 3600
+    [child] = [e for e in kestrel_env.client.list() if e.workflow == "kit.cooldown"]
+    assert child.status is kestrel.Status.COMPLETED
+    assert run.step_names == ["kestrel.start_child:kit.cooldown",
+                              f"kestrel.signal:kestrel.child:{child.id}"]
+
+
 def test_without_skipping_a_sleep_never_wakes_early(kestrel_env: KestrelTestEnv) -> None:
     with pytest.raises(TimeoutError, match=r"it is waiting for kestrel\.sleep"):
         kestrel_env.run_to_completion(app.cooldown, 2, skip_sleeps=False, timeout=2)
