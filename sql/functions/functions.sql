@@ -386,7 +386,13 @@ BEGIN
                idempotency_key, lease_epoch, attempts, created_at, started_at,
                __schema__.kestrel_now(), parent_id, deadline, app_version
           FROM removed
-        RETURNING id, parent_id
+        RETURNING id, parent_id, workflow
+    ), uncounted AS (
+        -- No worker sees these finish: the metrics collector counts them (count_cancelled),
+        -- once, in kestrel_workflows_finished_total (migration 0011).
+        INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status)
+        SELECT id, workflow, 'cancelled' FROM moved
+        ON CONFLICT (execution_id) DO NOTHING
     )
     SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
     IF v_moved IS NOT NULL THEN

@@ -22,13 +22,16 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import codec, db
 from kestrel._client_common import (
     POLL_CAP_S,
+    RECONNECT_FIRST_S,
     ClientBase,
     count_submitted,
     ident,
+    log,
     outcome,
     remaining,
 )
 from kestrel.errors import ConfigError, ExecutionNotFound
+from kestrel.outage import reason
 from kestrel.types import (
     Execution,
     ExecutionSummary,
@@ -63,7 +66,8 @@ class Client(ClientBase):
         return conn
 
     @asynccontextmanager
-    async def _borrow(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    async def _borrow(self, timeout: float | None = None,
+                      ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         if self._pool_size == 0:
             async with await self._connect() as conn:
                 yield conn
@@ -76,7 +80,7 @@ class Client(ClientBase):
                     name=f"kestrel-client-{self.schema}")
                 await pool.open()
                 self._pool = pool
-        async with self._pool.connection() as conn:
+        async with self._pool.connection(timeout=timeout) as conn:
             yield conn
 
     async def close(self) -> None:
@@ -239,9 +243,12 @@ class Client(ClientBase):
     async def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
 
+        A restart of PostgreSQL while waiting is ridden out: the wait reconnects and goes on.
+
         Raises:
             WorkflowFailed: it ended failed, cancelled or quarantined.
-            TimeoutError: it did not finish within *timeout* seconds.
+            TimeoutError: it did not finish within *timeout* seconds (also when the
+                database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
 
@@ -272,30 +279,55 @@ class Client(ClientBase):
 
     async def _wait(self, check: Any, listen: str, timeout: float | None,
                     message: Any) -> Any:
-        """Re-run *check* on each notification (or poll) until it says done."""
+        """Re-run *check* on each notification (or poll) until it says done.
+
+        A lost connection (PostgreSQL restarted, failed over, or a pooler restarted) does not
+        end the wait: it reconnects with backoff and goes on until *timeout*, then raises
+        TimeoutError saying the database was unreachable.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
-        waiter = await self._connect(self._listen_dsn) if self._listen_dsn else None
+        retry = RECONNECT_FIRST_S
+        waiter: psycopg.AsyncConnection[Any] | None = None
         try:
-            if waiter is not None:
-                await db.run(waiter, db.command(listen))
             while True:
-                # Same connection when it is direct; a pooled one otherwise.
-                if waiter is not None and self._listen_dsn == self.dsn:
-                    done, value = await check(waiter)
-                else:
-                    async with self._borrow() as conn:
-                        done, value = await check(conn)
-                if done:
-                    return value
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(message())
-                if waiter is not None:
-                    async for _ in waiter.notifies(timeout=remaining(deadline), stop_after=1):
-                        pass
-                else:
-                    await asyncio.sleep(min(delay, remaining(deadline)))
-                    delay = min(delay * 1.5, POLL_CAP_S)
+                try:
+                    if waiter is None and self._listen_dsn:
+                        waiter = await self._connect(self._listen_dsn)
+                        await db.run(waiter, db.command(listen))
+                    # Same connection when it is direct; a pooled one otherwise.
+                    if waiter is not None and self._listen_dsn == self.dsn:
+                        done, value = await check(waiter)
+                    else:
+                        async with self._borrow(timeout=max(0.1, remaining(deadline))) as conn:
+                            done, value = await check(conn)
+                    if done:
+                        return value
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(message())
+                    if waiter is not None:
+                        async for _ in waiter.notifies(timeout=remaining(deadline),
+                                                       stop_after=1):
+                            pass
+                    else:
+                        await asyncio.sleep(min(delay, remaining(deadline)))
+                        delay = min(delay * 1.5, POLL_CAP_S)
+                    retry = RECONNECT_FIRST_S
+                except TimeoutError:
+                    raise  # ours, above (an OSError, which is_transient would take for a link)
+                except Exception as exc:
+                    if not db.is_transient(exc):
+                        raise
+                    if waiter is not None:
+                        await waiter.close()
+                        waiter = None
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{message()}; the database was unreachable "
+                                           f"({reason(exc)})") from None
+                    log.debug("waiting: connection lost (%s); reconnecting in %.2fs",
+                              reason(exc), retry)
+                    await asyncio.sleep(min(retry, remaining(deadline)))
+                    retry = min(retry * 2, POLL_CAP_S)
         finally:
             if waiter is not None:
                 await waiter.close()

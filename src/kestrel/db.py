@@ -76,6 +76,9 @@ from kestrel.statements import (
     count_by_status as count_by_status,
 )
 from kestrel.statements import (
+    count_cancelled as count_cancelled,
+)
+from kestrel.statements import (
     db_now as db_now,
 )
 from kestrel.statements import (

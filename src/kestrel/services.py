@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
+from kestrel.outage import OUTAGE
 from kestrel.schedule import Schedule, due_ticks
 from kestrel.sql import Queries
 from kestrel.writer import Backoff
@@ -40,9 +41,13 @@ async def _every(interval: Callable[[], float], round_: Callable[[], Any], what:
         try:
             await round_()
         except psycopg.Error as exc:
-            level = logging.WARNING if db.is_transient(exc) else logging.ERROR
-            log.log(level, "%s round failed (%s: %s)", what, type(exc).__name__,
-                    str(exc).strip()[:200])
+            if db.is_transient(exc):
+                OUTAGE.failed(exc, what)
+            else:
+                log.error("%s round failed (%s: %s)", what, type(exc).__name__,
+                          str(exc).strip()[:200])
+        else:
+            OUTAGE.succeeded()
 
 
 class Sweeper:
@@ -149,7 +154,10 @@ class Scheduler:
             try:
                 wait = await self.run_once()
             except psycopg.Error as exc:
-                log.warning("scheduler round failed (%s)", type(exc).__name__)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "scheduler")
+                else:
+                    log.warning("scheduler round failed (%s)", type(exc).__name__)
                 wait = self._cfg.poll_interval
             await asyncio.sleep(wait * random.uniform(0.9, 1.1))
 
@@ -233,8 +241,15 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
+                cancelled = await db.run(conn, db.count_cancelled(
+                    self._q, workflows=self._workflows))
         except psycopg.Error:
             return
+        for wf in cancelled:
+            # Only registered names become labels (FAULTS S2, P4): a day-old row of a name
+            # no worker registers comes back too, and is dropped uncounted.
+            if wf in self._workflows:
+                m.finished.labels(wf, "cancelled").inc()
         seen = set()
         for row in rows:
             seen.add((row.queue, row.status))
@@ -295,12 +310,16 @@ class Listener:
                     **db.link_params(self._dsn))
                 async with conn:
                     await db.listen(conn, self._q)
+                    OUTAGE.succeeded()
                     backoff.reset()
                     self._on_work()  # anything submitted while we were not listening
                     async for _ in conn.notifies():
                         self._on_work()
             except (psycopg.Error, OSError) as exc:
                 delay = backoff.next_delay()
-                log.warning("LISTEN connection lost (%s); polling until it is back in %.1fs",
-                            type(exc).__name__, delay)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "LISTEN")
+                else:
+                    log.warning("LISTEN connection lost (%s); polling until it is back in "
+                                "%.1fs", type(exc).__name__, delay)
                 await asyncio.sleep(delay)

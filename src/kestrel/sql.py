@@ -53,6 +53,7 @@ class Queries:
     count_by_status: str
     list_executions: str
     queue_stats: str
+    count_cancelled: str
     worker_stats: str
     waiting_stats: str
     listen: str

@@ -81,7 +81,8 @@ def _execution(row: Sequence[Any]) -> Execution:
     return Execution(
         id=row[0], workflow=row[1], queue=row[2], priority=row[3], status=Status(row[4]),
         args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
-        created_at=row[10], started_at=row[11], finished_at=row[12],
+        created_at=row[10], started_at=row[11], finished_at=row[12], deadline=row[13],
+        waiting_for=row[14], wake_at=row[15], wait_deadline=row[16], queue_limit=row[17],
     )
 
 
@@ -144,6 +145,12 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                                                created_at=r[5], finished_at=r[6],
                                                app_version=r[7])
                               for r in rows])
+
+
+def count_cancelled(q: Queries, *, workflows: list[str]) -> Stmt[list[str]]:
+    """Take the executions of *workflows* that cancel() finished while queued or waiting and
+    no collector has counted yet; return their workflow names (one per execution)."""
+    return Stmt(q.count_cancelled, {"workflows": workflows}, lambda rows: [r[0] for r in rows])
 
 
 def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:

@@ -141,6 +141,17 @@ class Execution:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    deadline: datetime | None = None
+    """When it ends failed if it has not finished (``submit(timeout=…)``)."""
+    waiting_for: str | None = None
+    """While waiting: ``kestrel.signal:<name>``, ``kestrel.child:<id>``, ``kestrel.sleep``, or
+    None for a delayed start."""
+    wake_at: datetime | None = None
+    """While waiting: when it is claimed again (a sleep's end, a delayed start, a timeout)."""
+    wait_deadline: datetime | None = None
+    """While waiting: when the current wait times out."""
+    queue_limit: str | None = None
+    """While live, in a limited queue: its limits (a queued one may wait for a slot)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -29,6 +29,7 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import db, metrics
 from kestrel.config import APP_VERSION, Config
 from kestrel.errors import ConfigError
+from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
 
 log = logging.getLogger("kestrel.worker")
@@ -99,7 +100,13 @@ class Registration:
             try:
                 await self.run_once()
             except psycopg.Error as exc:
-                log.warning("worker registration failed (%s); retrying", type(exc).__name__)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "worker registration")  # one line per outage
+                else:
+                    log.warning("worker registration failed (%s); retrying",
+                                type(exc).__name__)
+            else:
+                OUTAGE.succeeded()
             await asyncio.sleep(self.interval)
 
     async def run_once(self) -> None:

@@ -237,3 +237,45 @@ def test_dead_workers_gauges_are_dropped_and_restarts_counted(
                    what="the dead worker's gauge to go")
         time.sleep(6)
         assert value("kestrel_workers") == 2  # not 3: the dead one was marked dead
+
+
+def _finished(port: int, outcome: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {s.labels["workflow"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "kestrel_workflows_finished_total"
+            and s.labels["outcome"] == outcome and s.value}
+
+
+def test_cancelling_a_parked_or_queued_execution_counts_as_finished(
+        pg_dsn: str, schema: str, tmp_path: Path) -> None:
+    """cancel() moves a waiting or queued execution to history itself, so no worker saw it
+    finish and kestrel_workflows_finished_total never counted it (issue 18). The metrics
+    collector now counts each once, registered workflow names only."""
+    from kestrel.client import SyncClient
+    from tests.apps import ledger_app as app
+
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    port = free_port()
+    with runtime(pg_dsn, schema, procs=2, args=["--metrics-port", str(port)],
+                 log=tmp_path / "rt.log"):
+        parked = [client.submit(app.waiter) for _ in range(3)]
+        parked.append(client.submit(app.sleeper, 1, 3600.0))
+        wait_until(lambda: all(client.get(h.id).status.value == "waiting" for h in parked),
+                   timeout=60, what="the parked executions")
+        delayed = client.submit(app.quick, 1, delay=3600)  # waiting for its start
+        queued = client.submit(app.quick, 2, queue="nobody-claims-this")
+        unknown = client.submit("no_worker_knows_this", 3)
+        for h in [*parked, delayed, queued, unknown]:
+            assert client.cancel(h.id) == "cancelled"
+        wait_until(lambda: _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1,
+                                                            "quick": 2},
+                   timeout=60, what="the cancels counted")
+        # Counted once: nothing is left to count, and the unknown name is no label.
+        assert q(pg_dsn, schema, "SELECT workflow FROM {s}.uncounted_finishes") == [
+            ("no_worker_knows_this",)]  # left for a worker that registers it
+        assert _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1, "quick": 2}
+        assert client.get(parked[0].id).error == {"type": "Cancelled",
+                                                  "message": "cancelled by request"}
