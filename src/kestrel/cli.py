@@ -252,15 +252,29 @@ def config_from_args(ns: argparse.Namespace, environ: dict[str, str] | None = No
 def import_app(modules: str) -> dict[str, WorkflowFn]:
     """Import the comma-separated *modules*; return the workflows they registered.
 
+    The current folder is searched first, as ``python -m`` would: ``kestrel-runtime --app
+    myapp.workflows`` run from the project folder finds ``myapp/`` there (a console script
+    puts only its own folder on ``sys.path``).
+
     Raises:
-        ConfigError: a module cannot be imported.
+        ConfigError: a module cannot be imported (the message says where it was looked for).
     """
+    import os
+
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     for name in (m.strip() for m in modules.split(",") if m.strip()):
         try:
             importlib.import_module(name)
-        except ImportError as exc:
+        except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name
+            top = name.partition(".")[0]
+            hint = ""
+            if isinstance(exc, ModuleNotFoundError) and exc.name in (top, name):
+                hint = (f"; run kestrel-runtime from the folder that holds {top!r} (now "
+                        f"{here}), or add that folder to PYTHONPATH")
             raise ConfigError(f"invalid setting --app / KESTREL_APP={name!r}: cannot import "
-                              f"it ({exc})") from None
+                              f"it ({exc}){hint}") from None
     return registry()
 
 

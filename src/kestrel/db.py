@@ -67,6 +67,9 @@ from kestrel.statements import (
     Stmt as Stmt,
 )
 from kestrel.statements import (
+    advance_clock as advance_clock,
+)
+from kestrel.statements import (
     command as command,
 )
 from kestrel.statements import (
@@ -109,7 +112,13 @@ from kestrel.statements import (
     register_worker as register_worker,
 )
 from kestrel.statements import (
+    reset_for_test as reset_for_test,
+)
+from kestrel.statements import (
     run_maintenance as run_maintenance,
+)
+from kestrel.statements import (
+    skip_to_next_sleep as skip_to_next_sleep,
 )
 from kestrel.statements import (
     stats as stats,
@@ -134,6 +143,12 @@ from kestrel.statements import (
 )
 from kestrel.statements import (
     value as value,
+)
+from kestrel.statements import (
+    waiting_for as waiting_for,
+)
+from kestrel.statements import (
+    waiting_stats as waiting_stats,
 )
 from kestrel.statements import (
     worker_stats as worker_stats,

@@ -96,6 +96,10 @@ class Metrics:
                                        "Worker processes restarted after they died")
         self.queue_depth = Gauge("kestrel_queue_depth", "Live executions by queue and status",
                                  ["queue", "status"], multiprocess_mode="livemax")
+        self.waiting = Gauge("kestrel_waiting_executions",
+                             "Waiting executions by workflow and what they wait for: a "
+                             "signal's name (an approval), kestrel.sleep or kestrel.child",
+                             ["workflow", "waiting_for"], multiprocess_mode="livemax")
         self.oldest_queued = Gauge("kestrel_oldest_queued_seconds",
                                    "Age of the oldest queued execution", ["queue"],
                                    multiprocess_mode="livemax")

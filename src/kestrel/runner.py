@@ -332,7 +332,7 @@ class Runner:
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
             saved = await db.save_steps(conn, self._q, writes)
-            failpoint("after_checkpoint_commit_before_ack")
+            failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
             m.checkpoint_batch.observe(len(writes))

@@ -186,6 +186,10 @@ class Scheduler:
         return nearest
 
 
+MAX_WAITING_SERIES = 100
+"""Most (workflow, waiting_for) label sets the waiting gauge exports from one process."""
+
+
 class Stats:
     """Every few seconds: this process's pool and running gauges; in the one process chosen
     by the supervisor, queue depth from one cheap query for the whole fleet."""
@@ -198,6 +202,7 @@ class Stats:
         self._interval = interval
         self._running = running
         self._known: set[tuple[str, str]] = set()
+        self._known_waits: set[tuple[str, str]] = set()
 
     async def run(self) -> NoReturn:
         """Call :meth:`run_once` every *interval* seconds forever.
@@ -256,6 +261,33 @@ class Stats:
             if status == "queued":
                 m.oldest_queued.labels(queue).set(0)
         self._known |= seen
+        await self._collect_waiting()
+
+    async def _collect_waiting(self) -> None:
+        """Set the waiting gauge: executions waiting, by workflow and what they wait for.
+
+        Signal names come from workflow code but may be built at run time, so the label sets
+        this process ever exports are capped (MAX_WAITING_SERIES): past the cap, new names
+        count under ``other`` (FAULTS S2: labels stay bounded).
+        """
+        m = metrics.get()
+        try:
+            async with self._pool.connection() as conn:
+                rows = await db.run(conn, db.waiting_stats(
+                    self._q, workflows=self._workflows, limit=MAX_WAITING_SERIES))
+        except psycopg.Error:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for workflow, waiting_for, n in rows:
+            key = (workflow, waiting_for)
+            if key not in self._known_waits and len(self._known_waits) >= MAX_WAITING_SERIES:
+                key = (workflow, "other")
+            counts[key] = counts.get(key, 0) + n
+        for key in self._known_waits - counts.keys():
+            m.waiting.labels(*key).set(0)
+        for key, n in counts.items():
+            m.waiting.labels(*key).set(n)
+        self._known_waits |= counts.keys()
 
 
 class Listener:

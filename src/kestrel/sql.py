@@ -55,6 +55,7 @@ class Queries:
     queue_stats: str
     count_cancelled: str
     worker_stats: str
+    waiting_stats: str
     listen: str
     listen_done: str
     listen_events: str
@@ -66,6 +67,11 @@ class Queries:
     lock_queue_limit: str
     claim_limited: str
     db_now: str
+    advance_clock: str
+    skip_to_next_sleep: str
+    waiting_for: str
+    reset_for_test: str
+    drop_schema: str
     upsert_schedule: str
     advance_schedule: str
     get_schedule: str

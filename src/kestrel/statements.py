@@ -253,3 +253,34 @@ def patch_summary(q: Queries, *, patch: str | None) -> Stmt[list[PatchUse]]:
     return Stmt(q.patch_summary, {"patch": patch}, lambda rows: [
         PatchUse(workflow=r[0], patch=r[1], at_step=r[2], total_with=int(r[3]),
                  live_with=int(r[4]), live_without=int(r[5])) for r in rows])
+
+
+# -- kestrel.testing: the database clock and a clean slate per test --------------------------
+
+
+def advance_clock(q: Queries, *, seconds: float) -> Stmt[datetime]:
+    """Move the database clock (kestrel_now()) forward by *seconds*; the new time."""
+    return Stmt(q.advance_clock, {"seconds": seconds}, _first)
+
+
+def skip_to_next_sleep(q: Queries) -> Stmt[float | None]:
+    """If nothing can run now, move the clock to the end of the earliest durable sleep; the
+    seconds skipped, or None when something can run or nothing sleeps."""
+    return Stmt(q.skip_to_next_sleep, None, _first)
+
+
+def waiting_for(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[Any, ...] | None]:
+    """A live execution's (status, waiting_for, wake_at); None once it finished."""
+    return Stmt(q.waiting_for, {"id": id}, lambda rows: tuple(rows[0]) if rows else None)
+
+
+def reset_for_test(q: Queries) -> Stmt[None]:
+    """Empty every table but the migration record; set the clock back to now()."""
+    return Stmt(q.reset_for_test, None, lambda _: None)
+
+
+def waiting_stats(q: Queries, *, workflows: Sequence[str],
+                  limit: int) -> Stmt[list[tuple[str, str, int]]]:
+    """Waiting executions of *workflows* by (workflow, what they wait for), largest first."""
+    return Stmt(q.waiting_stats, {"workflows": list(workflows), "limit": limit},
+                lambda rows: [(r[0], r[1], int(r[2])) for r in rows])

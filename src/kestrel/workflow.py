@@ -85,6 +85,7 @@ from kestrel.errors import (
     StepFailed,
     WriteRejected,
 )
+from kestrel.failpoints import failpoint
 from kestrel.types import Claimed, RecordedStep, SignalTaken, StepSaved, StepWrite
 
 if TYPE_CHECKING:
@@ -353,6 +354,7 @@ class Context:
     ) -> Any:
         token = _current_step.set(info)
         try:
+            failpoint("step_body", info)  # kestrel.testing's injected step failures
             if inspect.iscoroutinefunction(fn):
                 return await fn(*args, **kwargs)
             loop = asyncio.get_running_loop()

@@ -55,9 +55,20 @@ def series(text: str) -> list[str]:
             if line and not line.startswith("#")]
 
 
-def dashboard_exprs() -> list[str]:
+def dashboard_exprs(workflow: str = ".*", queue: str = ".*") -> list[str]:
+    """Every panel query as Grafana sends it: variables substituted (All is ``.*``), then
+    the template variables' own queries (``label_values(m, l)`` as ``count by (l) (m)``)."""
     data = json.loads(DASHBOARD.read_text())
-    return [t["expr"] for p in data["panels"] for t in p["targets"]]
+    found = [t["expr"].replace("$workflow", workflow).replace("$queue", queue)
+             .replace("$__rate_interval", "1m")
+             for p in data["panels"] for t in p["targets"]]
+    for var in data["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]["query"])
+            assert m is not None, var
+            found.append(f"count by ({m.group(2)}) ({m.group(1)})")
+    assert not [e for e in found if "$" in e], found
+    return found
 
 
 def test_dashboard_queries_use_only_exported_metric_names() -> None:
@@ -122,6 +133,24 @@ def test_prometheus_evaluates_every_dashboard_query(
                            what="every dashboard query to return data")
             except AssertionError:
                 raise AssertionError(f"queries without data: {missing}") from None
+
+            # One workflow and one queue picked: every query still parses and runs, and the
+            # filters filter (the waiting panel shows the waiter's signal, not another's).
+            def result(expr: str) -> list[dict[str, object]]:
+                status, body = get(api + urllib.parse.quote(expr))
+                data = json.loads(body)
+                assert status == 200 and data["status"] == "success", (expr, body)
+                return data["data"]["result"]  # type: ignore[no-any-return]
+
+            for expr in dashboard_exprs(workflow="waiter|quick", queue="default"):
+                result(expr)
+            waiting = next(e for e in dashboard_exprs(workflow="waiter")
+                           if "kestrel_waiting_executions" in e)
+            assert [(r["metric"], r["value"][1]) for r in result(waiting)] == [  # type: ignore[index]
+                ({"workflow": "waiter", "waiting_for": "go"}, "20")]
+            other = next(e for e in dashboard_exprs(workflow="quick")
+                         if "kestrel_waiting_executions" in e)
+            assert result(other) == []
     finally:
         prom.terminate()
         prom.wait(timeout=20)
