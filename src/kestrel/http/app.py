@@ -595,9 +595,12 @@ def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     *hooks*: the configured webhooks by name. The database client is created at start-up
     (the lifespan), in the process that serves, so the app can be built before a fork.
     """
+    from kestrel.http.ui import routes as ui_routes  # the web UI (it imports this module)
+
     routes = [Route(e.path, _guarded(e.handler), methods=[e.method]) for e in ENDPOINTS]
     app = Starlette(routes=routes, lifespan=_lifespan,
                     exception_handlers={404: _not_found, 405: _not_allowed})
+    app.router.routes.extend(ui_routes())
     app.state.cfg = cfg
     app.state.dsn = dsn
     app.state.q = queries(cfg.schema)
