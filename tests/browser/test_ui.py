@@ -139,6 +139,14 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     assert driver.current_url == server.base + "/ui/"
     assert_page_ok(driver)
     shot(driver, "executions", tmp_path)
+    # The live counts follow the database without a reload (the page's one script).
+    counter = driver.find_element(By.CSS_SELECTOR, "[data-count='live.waiting']")
+    assert counter.text == "1"
+    extra = incident(client, "cart-api")
+    wait_until(lambda: counter.text == "2", timeout=30, interval=0.5, what="count refreshed")
+    client.cancel(extra)
+    wait_until(lambda: counter.text == "1", timeout=30, interval=0.5, what="count refreshed")
+    assert_page_ok(driver)
 
     driver.find_element(By.CSS_SELECTOR, "a.count.st-waiting").click()
     assert driver.current_url.endswith("/ui/?status=waiting")
@@ -152,7 +160,12 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     shot(driver, "execution-waiting", tmp_path)
     driver.set_window_size(390, 844)
     shot(driver, "execution-phone", tmp_path)
+    for path in ("/ui/executions/" + eid, "/ui/", "/ui/queues", "/ui/search"):
+        driver.get(server.base + path)  # readable on a phone: nothing wider than the screen
+        assert driver.execute_script(
+            "return document.documentElement.scrollWidth <= window.innerWidth"), path
     driver.set_window_size(1280, 900)
+    driver.get(f"{server.base}/ui/executions/{eid}")
 
     driver.find_element(By.ID, "approve").click()
     assert driver.find_element(By.CSS_SELECTOR, ".notice").text == "Approval sent."

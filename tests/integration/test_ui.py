@@ -315,3 +315,14 @@ def test_pages_show_queues_schedules_search_and_live_counts(server: UiServer,
     for header in ("content-security-policy", "x-frame-options", "x-content-type-options"):
         assert header in {k.lower() for k in first.headers}
     assert ui.get("/ui/static/ui.css").status == 200
+
+
+def test_tokens_and_cookies_never_reach_the_server_log(server: UiServer) -> None:
+    """S5 for the UI: logins, pages and refused forms leave no token in the log."""
+    for scope in ("operator", "reader"):
+        server.client(scope).get("/ui/")
+    Browserless(server.api).post_form("/ui/login", {"token": server.tokens["operator"] + "x"})
+    text = server.log.read_text()
+    for token in server.tokens.values():
+        secret = token[len("kst_0123456789abcdef_"):]
+        assert secret not in text and token not in text
