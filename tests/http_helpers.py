@@ -44,6 +44,7 @@ class Api:
     token: str | None = None
     tls: ssl.SSLContext | None = None
     host: str = "127.0.0.1"
+    proc: Any = None  # the kestrel-runtime process serving it, when a test started one
 
     def request(self, method: str, path: str, body: bytes | str | Any = None, *,
                 headers: dict[str, str] | None = None, token: str | None = "default",
@@ -93,8 +94,8 @@ def http_runtime(dsn: str, schema: str, *, port: int, log: Path, procs: int = 1,
     from tests.helpers import runtime
 
     with runtime(dsn, schema, procs=procs, app=APP, log=log, env=env,
-                 args=["--http-port", str(port), *(args or [])]):
-        api = Api(port, tls=tls)
+                 args=["--http-port", str(port), *(args or [])]) as proc:
+        api = Api(port, tls=tls, proc=proc)
         wait_until(lambda: _up(api), timeout=60, what="the HTTP API")
         yield api
 
@@ -104,3 +105,25 @@ def _up(api: Api) -> bool:
         return api.get("/healthz", token=None).status == 200
     except OSError:
         return False
+
+
+@contextmanager
+def serve_process(dsn: str, schema: str, *, port: int, log: Path,
+                  args: list[str] | None = None, env: dict[str, str] | None = None,
+                  ) -> Iterator[Api]:
+    """``kestrel-runtime serve`` alone (no workers), for the duration of the block."""
+    import os
+
+    from tests.helpers import stop_runtime
+
+    cmd = [sys.executable, "-m", "kestrel", "serve", "--app", APP, "--dsn", dsn, "--schema",
+           schema, "--http-port", str(port), *(args or [])]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    api = Api(port, proc=proc)
+    try:
+        wait_until(lambda: _up(api), timeout=60, what="kestrel-runtime serve")
+        yield api
+    finally:
+        stop_runtime(proc)

@@ -211,7 +211,7 @@ def test_the_same_flow_without_a_session_or_with_a_read_only_token_is_refused(
     assert "/ui/login?next=%2Fui%2Fexecutions%2F" in driver.current_url
     driver.find_element(By.ID, "token").send_keys("kst_not_a_token")
     driver.find_element(By.ID, "login").click()
-    assert refusal(driver) == "that is not a kestrel token (kst_…)"
+    assert refusal(driver) == "malformed token (kst_…)"
 
     log_in(driver, server, server.tokens["operator"], f"/ui/executions/{eid}")
     assert driver.current_url == page

@@ -215,3 +215,36 @@ def test_each_route_needs_its_scope_and_a_refusal_writes_nothing(server: dict[st
 def test_runtime_log_has_the_http_child(server: dict[str, Any]) -> None:
     text = Path(server["log"]).read_text()
     assert "started HTTP server" in text and "serving the HTTP API on http://127.0.0.1" in text
+
+
+def test_a_killed_http_child_is_restarted_and_the_workers_never_notice(
+        server: dict[str, Any]) -> None:
+    """Last in the module: it kills the HTTP server the others use."""
+    import signal
+
+    import psutil
+
+    api: Api = server["api"]
+
+    def http_child() -> psutil.Process | None:
+        for child in psutil.Process(api.proc.pid).children():
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == api.port
+                       for c in child.net_connections("inet")):
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    old = wait_until(http_child, timeout=30, what="the HTTP child")
+    workers = {p.pid for p in psutil.Process(api.proc.pid).children()} - {old.pid}
+    assert len(workers) == 2
+    old.send_signal(signal.SIGKILL)
+    # Work submitted while the door is down still runs: the workers are another process.
+    eid = str(q1(server["dsn"], server["schema"], "SELECT {s}.submit('http.steps', '[2]')"))
+    new = wait_until(lambda: (c := http_child()) is not None and c.pid != old.pid and c,
+                     timeout=60, what="a new HTTP child")
+    assert finished(api, eid)["result"] == 6
+    assert {p.pid for p in psutil.Process(api.proc.pid).children()} - {new.pid} == workers
+    assert "HTTP server" in Path(server["log"]).read_text()
+    assert "exited (killed by SIGKILL); restarting in 1s" in Path(server["log"]).read_text()

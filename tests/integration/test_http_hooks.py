@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql as pgsql
 
 from tests.helpers import ROOT, q1, wait_until
-from tests.http_helpers import Api, free_port, http_runtime
+from tests.http_helpers import Api, free_port, http_runtime, serve_process
 
 GITHUB_SECRET = "gh-secret-" + uuid.uuid4().hex
 SLACK_SECRET = "slack-secret-" + uuid.uuid4().hex
@@ -30,6 +30,12 @@ CONFIG = """
 workflow = "http.echo"
 format = "github"
 secret_env = "T_GITHUB_SECRET"
+
+[hooks.gh-push]
+workflow = "http.echo"
+format = "github"
+secret_env = "T_GITHUB_SECRET"
+events = ["push"]
 
 [hooks.slack]
 workflow = "http.echo"
@@ -112,6 +118,22 @@ def test_github_push_runs_once_per_delivery(server: dict[str, Any]) -> None:
     clash = api.post("/hooks/gh", other, headers=github(other, delivery), token=None)
     assert clash.status == 409
     assert executions(server) == before
+
+
+def test_github_ping_and_unlisted_events_start_nothing(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    body = b'{"zen": "Keep it logically awesome."}'
+    before = executions(server)
+    for hook, event in (("gh", "ping"), ("gh-push", "ping"), ("gh-push", "pull_request")):
+        headers = {**github(body, str(uuid.uuid4())), "X-GitHub-Event": event}
+        reply = api.post(f"/hooks/{hook}", body, headers=headers, token=None)
+        assert reply.json() == {"ignored": event}
+    unsigned = {"X-GitHub-Event": "ping", "X-GitHub-Delivery": "x"}
+    assert api.post("/hooks/gh", body, headers=unsigned, token=None).status == 401
+    assert executions(server) == before
+    push = api.post("/hooks/gh-push", body, headers=github(body, str(uuid.uuid4())),
+                    token=None)
+    assert result(server, push.json()["id"]) == {"zen": "Keep it logically awesome."}
 
 
 def test_github_signature_refusals_write_nothing(server: dict[str, Any]) -> None:
@@ -250,3 +272,68 @@ def test_a_hook_without_its_secret_stops_serve_at_start(pg_dsn: str, tmp_path: P
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "T_GITHUB_SECRET" in lines[0] and "unset" in lines[0]
+
+
+def test_two_servers_on_one_schema_start_a_delivery_once_and_signal_a_press_once(
+        server: dict[str, Any], tmp_path: Path) -> None:
+    """Multiprocess-safe: replays are recognised by the database, not a server's memory, so
+    the same request sent to two `serve` processes at once has one effect."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = waiting(server)
+    with serve_process(server["dsn"], server["schema"], port=free_port(),
+                       log=tmp_path / "a.log", env=ENV,
+                       args=["--config", str(server["config"])]) as a, \
+            serve_process(server["dsn"], server["schema"], port=free_port(),
+                          log=tmp_path / "b.log", env=ENV,
+                          args=["--config", str(server["config"])]) as b:
+        body = json.dumps({"ref": "refs/heads/twice"}).encode()
+        headers = github(body, str(uuid.uuid4()))
+        press = _press(target, "approve", "ana", "1700000000.000300")
+        with ThreadPoolExecutor(8) as pool:
+            ids = list(pool.map(lambda api: api.post("/hooks/gh", body, headers=headers,
+                                                     token=None).json()["id"], [a, b] * 4))
+            presses = list(pool.map(lambda api: api.post(
+                "/hooks/slack", press, headers=slack(press), token=None).json(), [a, b] * 4))
+    assert len(set(ids)) == 1
+    assert sum(p["delivered"] for p in presses) == 1
+    assert result(server, target) == {"outcome": "approved", "by": "ana"}
+    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signals WHERE "
+              "execution_id = %s", [target]) == 1
+
+
+def test_serve_without_an_app_says_so_in_one_line(pg_dsn: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "kestrel", "serve", "--dsn", pg_dsn],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0
+    assert out.stderr.count("\n") == 1 and "--app" in out.stderr
+
+
+def test_hostile_bodies_correctly_signed_are_refused_and_write_nothing(
+        server: dict[str, Any]) -> None:
+    """A valid signature vouches for the sender, not for the value: the rules still hold."""
+    api: Api = server["api"]
+    before = executions(server)
+    deep = b"[" * 1500 + b"]" * 1500
+    bodies = [b'{"a": "x\\u0000y"}', b'{"a": "\\ud800"}', deep,
+              b'{"n": 123456789012345678901234567890}', b'{"n": 1e400}', b"\xff\xfe",
+              b'{"a": 1', b""]
+    for body in bodies:
+        for hook, headers in (("gh", github(body, str(uuid.uuid4()))),
+                              ("alerts", signed(body))):
+            reply = api.post(f"/hooks/{hook}", body, headers=headers, token=None)
+            assert reply.status == 400, (hook, body[:40], reply.body)
+            assert "\n" not in reply.json()["error"]
+    form = b"text=a%00b&user_name=ana"
+    assert api.post("/hooks/slack", form, headers=slack(form), token=None).status == 400
+    huge_delivery = github(b"{}", "d" * 3000)
+    assert api.post("/hooks/gh", b"{}", headers=huge_delivery, token=None).status == 400
+    sqlish = "x'); DROP TABLE signals; --"
+    body = json.dumps({"q": sqlish}).encode()
+    eid = api.post("/hooks/alerts", body, headers=signed(body), token=None).json()["id"]
+    assert result(server, eid) == {"q": sqlish}  # stored verbatim, run as nothing
+    assert executions(server) == before + 1
+    big = b'{"a": "' + b"x" * (1024 * 1024) + b'"}'
+    assert api.post("/hooks/alerts", big, headers=signed(big), token=None).status == 413
+    assert executions(server) == before + 1

@@ -234,6 +234,9 @@ def test_token_commands_store_only_a_hash(server: dict[str, Any],
         assert main([*bad, *args]) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1, err
+    unmigrated = ["--dsn", server["dsn"], "--schema", "no_such_schema", "--log-level", "error"]
+    assert main(["token", "list", *unmigrated]) == 1
+    assert "run `kestrel-runtime migrate`" in capsys.readouterr().err
 
 
 def test_s1_metrics_port_has_no_api_and_no_mutating_route(server: dict[str, Any]) -> None:

@@ -84,7 +84,11 @@ def test_hooks_config(tmp_path: Path) -> None:
                   '[hooks.gh]\nworkflow = "w"\nformat = "hmac"\nsecret_env = "S"\nx = 1\n',
                   '[hooks."a b"]\nworkflow = "w"\nformat = "hmac"\nsecret_env = "S"\n',
                   '[hooks.gh]\nworkflow = "w"\nformat = "hmac"\nsecret_env = "S"\nqueue = "a b"\n',
-                  '[hooks.gh]\nworkflow = "a\\u0000"\nformat = "hmac"\nsecret_env = "S"\n'):
+                  '[hooks.gh]\nworkflow = "a\\u0000"\nformat = "hmac"\nsecret_env = "S"\n',
+                  '[hooks.gh]\nworkflow = "w"\nformat = "hmac"\nsecret_env = "S"\n'
+                  'events = ["push"]\n',
+                  '[hooks.gh]\nworkflow = "w"\nformat = "github"\nsecret_env = "S"\n'
+                  'events = "push"\n'):
         path.write_text(table)
         with pytest.raises(ConfigError) as err:
             load_hooks(str(path), {"S": "x"})

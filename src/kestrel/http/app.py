@@ -10,7 +10,8 @@ What the web UI (mounted under ``/ui`` by :func:`create_app`'s caller) finds on
 serving process, after any fork), ``q`` (the statements, for :mod:`kestrel.http.store`
 reads run with ``client.read``), ``require`` (``await app.state.require(request, scope)``
 returns the :class:`~kestrel.http.auth.Caller` or raises :class:`ApiError` 401/403),
-``read_json`` and ``cfg``.
+``check_token`` (the same for a token held elsewhere, e.g. a session cookie),
+``read_json``, ``workflows``, ``hooks`` and ``cfg``.
 
 Errors are one line of JSON, ``{"error": "..."}``, with a 4xx status and nothing written;
 no request body, token or secret is ever logged (a route's template, never its path, is
@@ -25,7 +26,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -35,9 +36,9 @@ from urllib.parse import parse_qsl
 import orjson
 import psycopg
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from kestrel import codec, db
 from kestrel.client_async import Client
@@ -191,11 +192,23 @@ async def require(request: Request, scope: str) -> auth.Caller:
     Raises:
         ApiError: 401 without a valid token, 403 with one that lacks *scope*.
     """
-    parts = auth.split(request.headers.get("authorization"))
-    if parts is None:
+    header = request.headers.get("authorization")
+    if auth.split(header) is None:
         raise ApiError(401, "missing or malformed bearer token (Authorization: Bearer kst_…)")
-    state = request.app.state
-    row = await state.client.read(store.get_token(state.q, id=parts[0]))
+    return await check_token(request.app, header.partition(" ")[2] if header else "", scope)
+
+
+async def check_token(app: Starlette, token: str, scope: str) -> auth.Caller:
+    """The caller holding *token* (``kst_…``, from a header or, for the UI, a cookie) if it
+    is live and has *scope*.
+
+    Raises:
+        ApiError: 401 for a malformed, unknown or revoked token, 403 for a missing scope.
+    """
+    parts = auth.split(f"Bearer {token}")
+    if parts is None:
+        raise ApiError(401, "malformed token (kst_…)")
+    row = await app.state.client.read(store.get_token(app.state.q, id=parts[0]))
     caller = auth.verify(parts[1], row, parts[0])
     if caller is None:
         raise ApiError(401, "invalid or revoked token")
@@ -431,6 +444,9 @@ async def hook(request: Request) -> Response:
     except SignatureError as exc:
         raise ApiError(401, str(exc)) from None
     codec.check_text(key, what="idempotency key (the delivery id)")
+    if spec.format == "github" and not spec.accepts(event := request.headers.get(
+            "x-github-event")):
+        return ok({"ignored": codec.printable(event or "", 100)})
     if _is_form(request):
         form = _form(body)
         if spec.format == "slack":
@@ -555,6 +571,14 @@ def _guarded(handler: Handler) -> Handler:
             log.error("database error %s on %s %s", exc.sqlstate, request.method,
                       _template(request))
             return error_response(500, f"database error {exc.sqlstate}")
+        except ClientDisconnect:
+            return error_response(400, "the client went away before its body was read")
+        except Exception as exc:
+            # The type only: a message or a traceback's locals may hold a caller's values
+            # (FAULTS S5). The request fails alone; the server keeps serving.
+            log.error("internal error %s on %s %s", type(exc).__name__, request.method,
+                      _template(request))
+            return error_response(500, "internal error")
 
     endpoint.__doc__ = handler.__doc__
     return endpoint
@@ -588,25 +612,26 @@ class HttpClient(Client):
 
 
 def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
-               hooks: Mapping[str, Hook] | None = None) -> Starlette:
+               hooks: Mapping[str, Hook] | None = None,
+               routes: Sequence[BaseRoute] = ()) -> Starlette:
     """Return the ASGI app of the HTTP door.
 
     *workflows*: the names a submit may start (404 for others); None accepts any name.
-    *hooks*: the configured webhooks by name. The database client is created at start-up
-    (the lifespan), in the process that serves, so the app can be built before a fork.
+    *hooks*: the configured webhooks by name. *routes*: more routes (the web UI's, under
+    ``/ui``), served next to the API's. The database client is created at start-up (the
+    lifespan), in the process that serves, so the app can be built before a fork.
     """
-    from kestrel.http.ui import routes as ui_routes  # the web UI (it imports this module)
-
-    routes = [Route(e.path, _guarded(e.handler), methods=[e.method]) for e in ENDPOINTS]
+    routes = [*routes,
+              *(Route(e.path, _guarded(e.handler), methods=[e.method]) for e in ENDPOINTS)]
     app = Starlette(routes=routes, lifespan=_lifespan,
                     exception_handlers={404: _not_found, 405: _not_allowed})
-    app.router.routes.extend(ui_routes())
     app.state.cfg = cfg
     app.state.dsn = dsn
     app.state.q = queries(cfg.schema)
     app.state.workflows = frozenset(workflows) if workflows is not None else None
     app.state.hooks = dict(hooks or {})
     app.state.require = require
+    app.state.check_token = check_token
     app.state.read_json = read_json
     return app
 

@@ -11,9 +11,9 @@ import psycopg
 
 from kestrel import codec, db
 from kestrel.config import Config
-from kestrel.errors import ConfigError
+from kestrel.errors import ConfigError, MigrationError
 from kestrel.http import auth, store
-from kestrel.sql import queries
+from kestrel.sql import Queries, queries
 
 
 def token_command(cfg: Config, dsn: str, action: str,
@@ -23,8 +23,17 @@ def token_command(cfg: Config, dsn: str, action: str,
 
     Raises:
         ConfigError: a bad name or scope list, a name already in use, or no such token.
+        MigrationError: the schema has no token table (not migrated to 0009 yet).
     """
-    q = queries(cfg.schema)
+    try:
+        return _token_command(queries(cfg.schema), dsn, action, args)
+    except psycopg.errors.UndefinedTable:
+        raise MigrationError(f"schema {cfg.schema} has no token table; run `kestrel-runtime "
+                             "migrate` as the schema owner") from None
+
+
+def _token_command(q: Queries, dsn: str, action: str, args: dict[str, Any],
+                   ) -> tuple[Any, str]:
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         if action == "create":
             name = auth.check_name(args["name"])

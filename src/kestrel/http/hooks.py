@@ -6,6 +6,8 @@ the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
 
 - ``github``: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``;
   ``X-GitHub-Delivery`` is the idempotency key (a redelivery returns the first execution).
+  A ``ping`` (sent when the webhook is created) is answered and starts nothing; with
+  ``events = [...]`` other ``X-GitHub-Event`` types are acknowledged and ignored.
 - ``slack``: ``X-Slack-Signature: v0=<hex HMAC-SHA256(secret, "v0:{ts}:{body}")>`` with
   ``X-Slack-Request-Timestamp`` = ts within five minutes of now; an identical request
   replayed inside the window maps to the same idempotency key, so it starts nothing new.
@@ -50,6 +52,14 @@ class Hook:
     format: str
     secret: bytes = field(default=b"", repr=False)
     queue: str = "default"
+    events: frozenset[str] | None = None
+    """GitHub only: the X-GitHub-Event types that start the workflow (None: all)."""
+
+    def accepts(self, event: str | None) -> bool:
+        """Whether a GitHub delivery of *event* starts the workflow (never a ping)."""
+        if event == "ping":
+            return False
+        return self.events is None or event in self.events
 
 
 class SignatureError(Exception):
@@ -86,7 +96,7 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
         raise ConfigError(f"{where}: a hook name is 1-64 of A-Z a-z 0-9 _ . -")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} must be a table")
-    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue"})
+    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue", "events"})
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     for key in ("workflow", "format", "secret_env"):
@@ -101,12 +111,17 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
         codec.check_text(spec["workflow"], what="its workflow name")
     except SerializationError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    events = spec.get("events")
+    if events is not None and (spec["format"] != "github" or not isinstance(events, list)
+                               or not all(isinstance(e, str) and e for e in events)):
+        raise ConfigError(f"{where}: events is a list of GitHub event names (github only)")
     secret = env.get(spec["secret_env"], "")
     if not secret:
         raise ConfigError(f"{where}: the environment variable {spec['secret_env']} (its "
                           "secret_env) is unset or empty")
     return Hook(name=name, workflow=spec["workflow"], format=spec["format"],
-                secret=secret.encode(), queue=queue)
+                secret=secret.encode(), queue=queue,
+                events=frozenset(events) if events is not None else None)
 
 
 def _hex_hmac(secret: bytes, message: bytes) -> str:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+
+from starlette.routing import BaseRoute
 
 from kestrel.config import Config
 from kestrel.http.app import create_app
 from kestrel.http.hooks import Hook
+from kestrel.http.ui import routes as ui_routes
 
 log = logging.getLogger("kestrel.http")
 
@@ -22,13 +25,14 @@ DEFAULT_PORT = 8080
 
 
 def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
-          hooks: Mapping[str, Hook] | None = None) -> None:
-    """Serve the API on ``cfg.http_host``:``cfg.http_port`` (8080 when 0) until SIGTERM or
-    SIGINT; TLS with ``cfg.http_certfile``/``cfg.http_keyfile``."""
+          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = ()) -> None:
+    """Serve the API (and *routes*, e.g. the web UI's) on ``cfg.http_host``:``cfg.http_port``
+    (8080 when 0) until SIGTERM or SIGINT; TLS with ``cfg.http_certfile``/``http_keyfile``."""
     import uvicorn
 
     port = cfg.http_port or DEFAULT_PORT
-    app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks)
+    app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,
+                     routes=[*ui_routes(), *routes])  # the web UI under /ui
     config = uvicorn.Config(
         app, host=cfg.http_host, port=port, lifespan="on",
         ssl_certfile=cfg.http_certfile or None, ssl_keyfile=cfg.http_keyfile or None,

@@ -177,15 +177,24 @@ def csrf_token(cookie: str) -> str:
 
 
 async def current_session(request: Request) -> Session | None:
-    """The session of *request*'s cookie if it holds a live token, else None."""
+    """The session of *request*'s cookie if it holds a live token, else None.
+
+    The token is checked by the API's own checker (``app.state.check_token``), so a cookie
+    is exactly as good as the bearer token it holds, and no better.
+
+    Raises:
+        UiError: 403 when the token is live but lacks ``read``.
+    """
     cookie = request.cookies.get(COOKIE)
-    parts = auth.split(f"Bearer {cookie}") if cookie else None
-    if cookie is None or parts is None:
+    if not cookie:
         return None
-    state = request.app.state
-    row = await state.client.read(store.get_token(state.q, id=parts[0]))
-    caller = auth.verify(parts[1], row, parts[0])
-    return Session(caller, csrf_token(cookie)) if caller is not None else None
+    try:
+        caller = await request.app.state.check_token(request.app, cookie, "read")
+    except ApiError as exc:
+        if exc.status == 401:
+            return None
+        raise UiError(exc.status, exc.reason) from None
+    return Session(caller, csrf_token(cookie))
 
 
 def _same_origin(request: Request) -> bool:
@@ -524,16 +533,7 @@ async def login(request: Request) -> Response:
             raise UiError(403, "cross-site login refused")
         form = await read_form(request, cap=8192)
         token = (_checked(form, "token", what="token", max_chars=200) or "").strip()
-        parts = auth.split(f"Bearer {token}")
-        if parts is None:
-            raise UiError(401, "that is not a kestrel token (kst_…)")
-        state = request.app.state
-        row = await state.client.read(store.get_token(state.q, id=parts[0]))
-        caller = auth.verify(parts[1], row, parts[0])
-        if caller is None:
-            raise UiError(401, "invalid or revoked token")
-        if "read" not in caller.scopes:
-            raise UiError(403, "this token lacks the 'read' scope the UI needs")
+        caller = await request.app.state.check_token(request.app, token, "read")
     except Exception as exc:
         return _refusal(request, exc, None)
     log.info("UI login by %s", auth.describe(caller))
@@ -546,7 +546,10 @@ async def login(request: Request) -> Response:
 async def logout(request: Request) -> Response:
     """End the session: clear the cookie (the token itself stays valid)."""
     try:
-        session = await current_session(request)
+        try:
+            session = await current_session(request)
+        except UiError:  # a token without read: nothing to protect, just log out
+            session = None
         if session is not None:
             if not _same_origin(request):
                 raise UiError(403, "cross-site form refused")
