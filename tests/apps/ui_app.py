@@ -27,3 +27,11 @@ async def hostile(ctx: kestrel.Context, text: str) -> None:
     await ctx.step(echo, {"html": text})
     await ctx.set_event("note", text)
     await ctx.step(explode, text)
+
+
+@kestrel.workflow(name="ui.many")
+async def many(ctx: kestrel.Context, n: int, size: int) -> int:
+    """*n* steps, each with an output of *size* characters: a long, heavy timeline."""
+    for i in range(n):
+        await ctx.step(echo, f"{i}:" + "x" * size)
+    return n

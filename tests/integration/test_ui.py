@@ -326,3 +326,27 @@ def test_tokens_and_cookies_never_reach_the_server_log(server: UiServer) -> None
     for token in server.tokens.values():
         secret = token[len("kst_0123456789abcdef_"):]
         assert secret not in text and token not in text
+
+
+def test_long_timelines_and_large_values_are_cut_not_sent_whole(
+        server: UiServer, client: SyncClient) -> None:
+    from kestrel.http.ui import SHOWN_CHARS, TIMELINE_STEPS
+
+    eid = str(client.submit("ui.many", TIMELINE_STEPS + 7, 3000).id)
+    assert client.result(eid, timeout=120) == TIMELINE_STEPS + 7
+    page = server.client("reader").get(f"/ui/executions/{eid}")
+    assert page.status == 200
+    assert page.body.count(b'<span class="name">ui.echo</span>') == TIMELINE_STEPS
+    assert b"and 7 later steps not drawn here" in page.body
+    assert b"more characters not shown" in page.body
+    # Each output is cut to SHOWN_CHARS: the page holds no whole 3,000-character value.
+    assert b"x" * (SHOWN_CHARS + 1) not in page.body
+    assert len(page.body) < TIMELINE_STEPS * (SHOWN_CHARS + 1000)
+
+    long_error = "<b>" + "e" * 20_000
+    failed = str(client.submit("ui.hostile", long_error).id)
+    wait_until(lambda: status_of(client, failed) == "failed", timeout=60, what="failed")
+    shown = server.client("reader").get(f"/ui/executions/{failed}")
+    assert b"e" * (SHOWN_CHARS + 1) not in shown.body and b"<b>" not in shown.body
+    searched = server.client("reader").get("/ui/search?q=eeeeeeee")
+    assert failed.encode() in searched.body and b"e" * 400 not in searched.body

@@ -71,6 +71,8 @@ SHOWN_CHARS = 2000
 FINISHED_WINDOW = timedelta(hours=24)
 SEARCH_DAYS = 30
 TREE_NODES = 200
+TIMELINE_STEPS = 500
+"""Most steps the execution page draws (a long loop of steps would make a page of megabytes)."""
 TREE_DEPTH = 5
 TERMINAL = tuple(s.value for s in Status if s.terminal)
 ACTIONS = ("approve", "reject", "signal", "cancel", "retry")
@@ -123,6 +125,11 @@ def _short_json(value: Any, limit: int = SHOWN_CHARS) -> str:
     return f"{text[:limit]}\n… ({len(text) - limit} more characters not shown)"
 
 
+def _cut(value: Any, limit: int = SHOWN_CHARS) -> str:
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more)"
+
+
 def _when(value: Any) -> str:
     if value is None:
         return "—"
@@ -145,7 +152,7 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(json=_short_json, when=_when, ms=_ms)
+    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms)
     return env
 
 
@@ -223,7 +230,7 @@ async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, st
             raise UiError(413, f"form over the cap of {cap} bytes")
         chunks.append(chunk)
     try:
-        pairs = parse_qsl(b"".join(chunks).decode("ascii"), keep_blank_values=True,
+        pairs = parse_qsl(b"".join(chunks).decode("utf-8"), keep_blank_values=True,
                           strict_parsing=False, encoding="utf-8", errors="strict",
                           max_num_fields=50)
     except (UnicodeDecodeError, ValueError):
@@ -448,7 +455,7 @@ async def execution(request: Request, session: Session) -> Response:
     end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
     span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
     timeline = []
-    for s in steps:
+    for s in steps[:TIMELINE_STEPS]:
         offset = (s.started_at - ex.created_at).total_seconds() * 1000
         duration = (s.finished_at - s.started_at).total_seconds() * 1000
         timeline.append({
@@ -459,7 +466,8 @@ async def execution(request: Request, session: Session) -> Response:
         request, "execution.html", session=session, ex=ex, wait=wait, timeline=timeline,
         events=await _read(request, store.list_events(_q(request), id=eid)),
         signals=await _read(request, store.pending_signals(_q(request), id=eid)),
-        tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16))
+        tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
+        hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
 
 
 async def queues(request: Request, session: Session) -> Response:
