@@ -21,7 +21,9 @@ from typing import Any
 
 import pytest
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.wait import WebDriverWait
 
 from kestrel.client import SyncClient
 from tests.helpers import ROOT, q1, wait_until
@@ -70,6 +72,17 @@ def driver() -> Iterator[Any]:
         browser.quit()
 
 
+def follow(browser: Any, element: Any, *, submit: bool = False) -> None:
+    """Click *element* (or submit its form) and wait for the page it leads to: a new
+    document (the old one's marker gone), fully loaded."""
+    browser.execute_script("window.__kestrelOldPage = true")
+    (element.submit if submit else element.click)()
+    # Mid-navigation chromedriver may answer with a transient error: look again.
+    WebDriverWait(browser, 30, ignored_exceptions=[WebDriverException]).until(
+        lambda b: b.execute_script("return window.__kestrelOldPage === undefined "
+                                   "&& document.readyState === 'complete'"))
+
+
 def severe_console_entries(browser: Any) -> list[str]:
     return [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
 
@@ -95,8 +108,8 @@ def log_in(browser: Any, server: UiServer, token: str, path: str = "/ui/") -> No
     assert "/ui/login" in browser.current_url
     assert_page_ok(browser)
     browser.find_element(By.ID, "token").send_keys(token)
-    browser.find_element(By.ID, "login").click()
-    wait_until(lambda: "/ui/login" not in browser.current_url, timeout=30, what="logged in")
+    follow(browser, browser.find_element(By.ID, "login"))
+    assert "/ui/login" not in browser.current_url
 
 
 def shot(browser: Any, name: str, tmp: Path) -> None:
@@ -148,10 +161,10 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     wait_until(lambda: counter.text == "1", timeout=30, interval=0.5, what="count refreshed")
     assert_page_ok(driver)
 
-    driver.find_element(By.CSS_SELECTOR, "a.count.st-waiting").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "a.count.st-waiting"))
     assert driver.current_url.endswith("/ui/?status=waiting")
     assert_page_ok(driver)
-    driver.find_element(By.CSS_SELECTOR, f"a[href='/ui/executions/{eid}']").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, f"a[href='/ui/executions/{eid}']"))
     assert_page_ok(driver)
     waiting = driver.find_element(By.ID, "waiting").text
     assert "Waiting for signal approval" in waiting
@@ -167,7 +180,7 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     driver.set_window_size(1280, 900)
     driver.get(f"{server.base}/ui/executions/{eid}")
 
-    driver.find_element(By.ID, "approve").click()
+    follow(driver, driver.find_element(By.ID, "approve"))
     assert driver.find_element(By.CSS_SELECTOR, ".notice").text == "Approval sent."
     assert_page_ok(driver)
 
@@ -182,21 +195,21 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     assert driver.find_elements(By.ID, "approve") == []
     assert signals(server, eid) == 1
 
-    driver.find_element(By.LINK_TEXT, "Queues").click()
+    follow(driver, driver.find_element(By.LINK_TEXT, "Queues"))
     assert_page_ok(driver)
     shot(driver, "queues", tmp_path)
-    driver.find_element(By.LINK_TEXT, "Schedules").click()
+    follow(driver, driver.find_element(By.LINK_TEXT, "Schedules"))
     assert_page_ok(driver)
-    driver.find_element(By.LINK_TEXT, "Search").click()
+    follow(driver, driver.find_element(By.LINK_TEXT, "Search"))
     box = driver.find_element(By.NAME, "q")
     box.send_keys("payments-api")
-    box.submit()
+    follow(driver, box, submit=True)
     assert_page_ok(driver)
     assert driver.find_elements(By.CSS_SELECTOR, f"a[href='/ui/executions/{eid}']")
     driver.get(f"{server.base}/ui/executions/{failed}")
     assert_page_ok(driver)
     assert "exploded on purpose" in driver.find_element(By.CSS_SELECTOR, "pre.err").text
-    driver.find_element(By.CSS_SELECTOR, "button.link").click()  # log out
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "button.link"))  # log out
     assert "/ui/login" in driver.current_url
     driver.get(server.base + "/ui/queues")
     assert "/ui/login" in driver.current_url
@@ -210,14 +223,14 @@ def test_the_same_flow_without_a_session_or_with_a_read_only_token_is_refused(
     driver.get(page)  # no session: the login page, then back here
     assert "/ui/login?next=%2Fui%2Fexecutions%2F" in driver.current_url
     driver.find_element(By.ID, "token").send_keys("kst_not_a_token")
-    driver.find_element(By.ID, "login").click()
+    follow(driver, driver.find_element(By.ID, "login"))
     assert refusal(driver) == "malformed token (kst_…)"
 
     log_in(driver, server, server.tokens["operator"], f"/ui/executions/{eid}")
     assert driver.current_url == page
     assert_page_ok(driver)
     driver.delete_all_cookies()  # the session ends while the form is on screen
-    driver.find_element(By.ID, "approve").click()
+    follow(driver, driver.find_element(By.ID, "approve"))
     assert "not logged in" in refusal(driver)
 
     driver.get(server.base + "/ui/")
