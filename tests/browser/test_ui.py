@@ -26,7 +26,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.wait import WebDriverWait
 
 from kestrel.client import SyncClient
-from tests.helpers import ROOT, q1, wait_until
+from tests.helpers import ROOT, q, q1, wait_until
 from tests.ui_helpers import UiServer, ui_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -195,8 +195,18 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     assert driver.find_elements(By.ID, "approve") == []
     assert signals(server, eid) == 1
 
+    # Live work for the queues page: a limited queue no worker here serves, and a wait.
+    q(server.dsn, server.schema, "INSERT INTO {s}.queue_limits (queue, concurrency, rate, "
+      "period) VALUES ('ai-model', 5, 60, interval '60 seconds')")
+    for n in range(3):
+        client.submit("http.echo", n, queue="ai-model")
+    incident(client, "inventory-api")
     follow(driver, driver.find_element(By.LINK_TEXT, "Queues"))
     assert_page_ok(driver)
+    rows = {r.find_element(By.CSS_SELECTOR, "td").text: r.text
+            for r in driver.find_elements(By.CSS_SELECTOR, "table.list tbody tr")}
+    assert rows["ai-model"].split()[1:4] == ["3", "0", "0"] and "60 per 60 s" in rows["ai-model"]
+    assert rows["default"].split()[3] == "1"  # inventory-api waits
     shot(driver, "queues", tmp_path)
     follow(driver, driver.find_element(By.LINK_TEXT, "Schedules"))
     assert_page_ok(driver)
