@@ -1,7 +1,11 @@
-# kestrel-runtime image: the package and its CLI. Your workflows go in with your own layer:
+# kestrel-runtime image: the package and its CLI (without the embedded PostgreSQL: give it
+# KESTREL_DSN). Build it with `docker build -t kestrel-runtime .`; your workflows go in with
+# your own layer (tests/unit/test_deploy.py checks this recipe against this file):
 #   FROM kestrel-runtime
 #   COPY myapp/ /app/myapp/
-#   CMD ["kestrel-runtime", "--app", "myapp.workflows", "--procs", "4"]
+#   CMD ["--app", "myapp.workflows", "--procs", "4"]
+# CMD holds only the arguments: the entrypoint is kestrel-runtime. /app is the working
+# directory and on PYTHONPATH, so `--app myapp.workflows` imports /app/myapp/workflows.py.
 FROM python:3.11-slim-bookworm
 
 RUN apt-get update \
@@ -19,7 +23,8 @@ USER kestrel
 # Metrics must be reachable by Prometheus from another container: bind all interfaces here
 # (the runtime's own default is 127.0.0.1).
 ENV KESTREL_METRICS_HOST=0.0.0.0 \
-    KESTREL_METRICS_PORT=9464
+    KESTREL_METRICS_PORT=9464 \
+    PYTHONPATH=/app
 EXPOSE 9464
 HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2)"
 ENTRYPOINT ["kestrel-runtime"]

@@ -12,7 +12,7 @@ help: ## list targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,embedded]'
 	touch $(STAMP)
 
 venv: $(STAMP) ## create .venv and install kestrel with its dev tools

@@ -72,3 +72,10 @@ def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "ledger.jsonl"
     monkeypatch.setenv("KESTREL_TEST_LEDGER", str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def kestrel_dsn(pg_dsn: str) -> str:
+    """kestrel.testing's fixtures (kestrel_env) use this suite's server, and so run through
+    PgBouncer in the suite's second pass like every other integration test."""
+    return pg_dsn

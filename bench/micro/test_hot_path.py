@@ -53,6 +53,19 @@ def test_codec_encode_decode(benchmark: Any) -> None:
     assert benchmark(roundtrip) == OUTPUT
 
 
+def test_step_body_failpoint_when_nothing_is_armed(benchmark: Any) -> None:
+    """What every step body pays for kestrel.testing's injected failures: one call that
+    finds nothing armed."""
+    import uuid
+
+    from kestrel import failpoints
+    from kestrel.definitions import StepInfo
+
+    info = StepInfo(uuid.uuid4(), 0, "step", 1, 1)
+    failpoints.disarm()
+    assert benchmark(failpoints.failpoint, "step_body", info) is None
+
+
 def test_claim_batch_of_32(benchmark: Any, pg_dsn: str, schema: str, conn: Any,
                            loop: asyncio.AbstractEventLoop) -> None:
     _submit(pg_dsn, schema, 5000)

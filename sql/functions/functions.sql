@@ -379,13 +379,20 @@ BEGIN
     ), moved AS (
         INSERT INTO __schema__.workflow_history
                (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+                lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+                app_version)
         SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
                jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
                idempotency_key, lease_epoch, attempts, created_at, started_at,
-               __schema__.kestrel_now(), parent_id, deadline
+               __schema__.kestrel_now(), parent_id, deadline, app_version
           FROM removed
-        RETURNING id, parent_id
+        RETURNING id, parent_id, workflow
+    ), uncounted AS (
+        -- No worker sees these finish: the metrics collector counts them (count_cancelled),
+        -- once, in kestrel_workflows_finished_total (migration 0011).
+        INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status)
+        SELECT id, workflow, 'cancelled' FROM moved
+        ON CONFLICT (execution_id) DO NOTHING
     )
     SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
     IF v_moved IS NOT NULL THEN
@@ -444,9 +451,9 @@ BEGIN
     )
     INSERT INTO __schema__.workflow_executions
            (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-            started_at, parent_id)
+            started_at, parent_id, app_version)
     SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-           started_at, parent_id
+           started_at, parent_id, app_version
       FROM removed;
     IF FOUND THEN
         WITH back AS (

@@ -25,13 +25,20 @@ LISTEN "kestrel.__schema_name__.done";
 LISTEN "kestrel.__schema_name__.events";
 
 -- name: get_execution
--- One execution wherever it lives: the hot queue while live, history once finished.
+-- One execution wherever it lives: the hot queue while live, history once finished. A live
+-- one also says what it waits for (waiting_for, wake_at, wait_deadline) and the limits of
+-- its queue, if it has any (what a queued execution may wait for: a slot).
 SELECT id, workflow, queue, priority, status, args, NULL::jsonb AS result, NULL::jsonb AS error,
-       attempts, lease_epoch, created_at, started_at, NULL::timestamptz AS finished_at
-  FROM __schema__.workflow_executions WHERE id = %(id)s
+       attempts, lease_epoch, created_at, started_at, NULL::timestamptz AS finished_at,
+       deadline, waiting_for, wake_at, wait_deadline,
+       (SELECT concat_ws(', ', 'concurrency ' || l.concurrency,
+                         'rate ' || l.rate || ' per ' || l.period)
+          FROM __schema__.queue_limits l WHERE l.queue = e.queue) AS queue_limit
+  FROM __schema__.workflow_executions e WHERE id = %(id)s
 UNION ALL
 SELECT id, workflow, queue, priority, status, args, result, error,
-       attempts, lease_epoch, created_at, started_at, finished_at
+       attempts, lease_epoch, created_at, started_at, finished_at,
+       deadline, NULL, NULL, NULL, NULL
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_steps
@@ -51,17 +58,30 @@ UNION ALL
 SELECT status, count(*) FROM __schema__.workflow_history GROUP BY status;
 
 -- name: list_executions
--- Newest first, live and finished alike, with optional filters (NULL = any).
-SELECT id, workflow, queue, status, attempts, created_at, finished_at
+-- Newest first, live and finished alike, with optional filters (NULL = any). With a patch:
+-- the executions that recorded its marker (%(with_patch)s) or, of the workflows where that
+-- patch was ever recorded, those that did not (they may still need the old code path).
+SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version
   FROM (SELECT id, workflow, queue, status, attempts, created_at,
-               NULL::timestamptz AS finished_at
+               NULL::timestamptz AS finished_at, app_version
           FROM __schema__.workflow_executions
         UNION ALL
-        SELECT id, workflow, queue, status, attempts, created_at, finished_at
+        SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version
           FROM __schema__.workflow_history) AS x
  WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
    AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
    AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+   AND (%(app_version)s::text IS NULL OR app_version = %(app_version)s::text)
+   AND (%(patch)s::text IS NULL
+        OR (EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                     WHERE o.execution_id = x.id AND o.step_id < 0
+                       AND o.step_name = 'kestrel.patch:' || %(patch)s::text)
+            OR EXISTS (SELECT 1 FROM __schema__.step_history AS s
+                        WHERE s.execution_id = x.id AND s.step_id < 0
+                          AND s.step_name = 'kestrel.patch:' || %(patch)s::text))
+           = %(with_patch)s
+           AND x.workflow IN (SELECT p.workflow FROM __schema__.patch_markers AS p
+                               WHERE p.patch = %(patch)s::text))
  ORDER BY created_at DESC
  LIMIT %(limit)s;
 

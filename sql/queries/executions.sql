@@ -11,6 +11,7 @@
 -- Only workflows this process registers (%(workflows)s) are claimed (all of them with
 -- %(any_workflow)s, for tests and tools that run no workflow code): a name no live worker
 -- knows (a typo, a rolling deploy) waits, visibly, for a worker that does (FAULTS P4).
+-- The first claim stamps the claiming worker's %(app_version)s on the row (migration 0010).
 -- Arguments and checkpoints come back as JSON text, decoded per execution by the worker, so
 -- one value it cannot decode fails only its own execution (FAULTS P2); the checkpoints come
 -- from history_of(), which never loads more than %(max_history_bytes)s (FAULTS P3).
@@ -80,6 +81,7 @@ WITH suspect AS (
            attempts = e.attempts + 1,
            wake_at = NULL,
            started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+           app_version = coalesce(e.app_version, %(app_version)s),
            updated_at = __schema__.kestrel_now()
       FROM candidate
      WHERE e.id = candidate.id
@@ -145,10 +147,11 @@ WITH finished(id, epoch, status, result, error) AS (
 ), moved AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+            app_version)
     SELECT id, workflow, queue, priority, final_status, args, final_result, final_error,
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline
+           __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
     RETURNING id
 ), told AS (

@@ -23,3 +23,20 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
  WHERE n.nspname = '__schema_name__'
    AND parent.relname IN ('workflow_history', 'step_history')
  ORDER BY parent.relname, child.relname;
+
+-- name: count_cancelled
+-- Executions that cancel() finished while queued or waiting (no worker saw them finish) of
+-- the workflows this process registers (%(workflows)s): taken from uncounted_finishes, so
+-- each is counted once fleet-wide (SKIP LOCKED: a concurrent collector takes other rows),
+-- at most 10,000 a round. Rows of names nobody registers go after a day.
+WITH taken AS (
+    SELECT execution_id FROM __schema__.uncounted_finishes
+     WHERE workflow = ANY (%(workflows)s::text[])
+        OR finished_at < __schema__.kestrel_now() - interval '1 day'
+     LIMIT 10000
+       FOR UPDATE SKIP LOCKED
+)
+DELETE FROM __schema__.uncounted_finishes AS u
+ USING taken
+ WHERE u.execution_id = taken.execution_id
+RETURNING u.workflow;

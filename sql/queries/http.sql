@@ -29,9 +29,9 @@ SELECT name, scopes, secret_hash
 -- Newest first, live and finished, filtered (NULL = any), after a keyset cursor
 -- (created_at, id): each branch reads its (created_at DESC, id DESC) index and stops after
 -- %(limit)s rows, so a page costs the same on the thousandth page as on the first.
-SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
+SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version
   FROM ((SELECT id, workflow, queue, status, attempts, created_at,
-                NULL::timestamptz AS finished_at, parent_id
+                NULL::timestamptz AS finished_at, parent_id, app_version
            FROM __schema__.workflow_executions
           WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
             AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
@@ -43,7 +43,8 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
           ORDER BY created_at DESC, id DESC
           LIMIT %(limit)s)
         UNION ALL
-        (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
+        (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
+                app_version
            FROM __schema__.workflow_history
           WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
             AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
@@ -60,10 +61,11 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
 -- name: get_wait
 -- What a live execution waits for and until when, its deadline and parent; for a finished
 -- one only the parent and deadline it had.
-SELECT status, waiting_for, wait_deadline, wake_at, deadline, parent_id, cancel_requested
+SELECT status, waiting_for, wait_deadline, wake_at, deadline, parent_id, cancel_requested,
+       app_version
   FROM __schema__.workflow_executions WHERE id = %(id)s
 UNION ALL
-SELECT status, NULL, NULL, NULL, deadline, parent_id, false
+SELECT status, NULL, NULL, NULL, deadline, parent_id, false, app_version
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_events
@@ -97,3 +99,9 @@ SELECT queue, concurrency, rate, extract(epoch FROM period)
 SELECT name, cron, workflow, last_tick, updated_at
   FROM __schema__.schedules
  ORDER BY name;
+
+-- name: signal_sent
+-- Whether a signal with this idempotency key reached the execution: a replay of a request
+-- that signalled an execution which has finished since is answered "already delivered".
+SELECT EXISTS (SELECT 1 FROM __schema__.signals
+                WHERE execution_id = %(id)s AND idempotency_key = %(key)s);

@@ -63,6 +63,7 @@ WITH lim AS (
            attempts = e.attempts + 1,
            wake_at = NULL,
            started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+           app_version = coalesce(e.app_version, %(app_version)s),
            updated_at = __schema__.kestrel_now()
       FROM candidate
      WHERE e.id = candidate.id

@@ -29,7 +29,8 @@ WITH expired AS (
 ), quarantined AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+            app_version)
     SELECT id, workflow, queue, priority, 'quarantined', args, NULL,
            jsonb_build_object(
                'type', 'Quarantined',
@@ -37,7 +38,7 @@ WITH expired AS (
                                  'the execution keeps losing its worker',
                                  attempts, %(max_attempts)s)),
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline
+           __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM poisoned
     RETURNING id, parent_id, error
 ), told AS (
@@ -73,12 +74,13 @@ WITH late AS (
 ), moved AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline)
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+            app_version)
     SELECT id, workflow, queue, priority, 'failed', args, NULL,
            jsonb_build_object('type', 'kestrel.errors.DeadlineExceeded',
                               'message', format('workflow deadline %%s passed', deadline)),
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline
+           __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
     RETURNING id, parent_id, error
 ), told AS (

@@ -35,6 +35,10 @@ MAX_SECONDS = 3_155_760_000
 POLL_CAP_S = 1.0
 """Longest gap between checks while waiting, in case a notification is lost."""
 
+RECONNECT_FIRST_S = 0.1
+"""First pause before a wait reconnects after losing its connection (doubling to
+:data:`POLL_CAP_S`)."""
+
 
 def ident(execution_id: uuid.UUID | str) -> uuid.UUID:
     """Return *execution_id* as a UUID.

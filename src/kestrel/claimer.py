@@ -23,6 +23,7 @@ from kestrel import db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.lease import Lease, Leases
+from kestrel.outage import OUTAGE
 from kestrel.queues import QueueSpec
 from kestrel.runner import Runner, WorkerStats
 from kestrel.sql import Queries
@@ -86,11 +87,14 @@ class Claimer:
                 more = (await self.run_once(free)).more
             except Exception as exc:
                 delay = backoff.next_delay()
-                level = logging.WARNING if db.is_transient(exc) else logging.ERROR
-                log.log(level, "claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
-                        str(exc).strip()[:200], delay)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "claim")  # one line per outage, not one per retry
+                else:
+                    log.error("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
+                              str(exc).strip()[:200], delay)
                 await self._sleep_unless_stopping(delay)
                 continue
+            OUTAGE.succeeded()
             backoff.reset()
             if not more:
                 await self._wait_for_work()
@@ -135,12 +139,13 @@ class Claimer:
                     conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
-                    take_suspect=not self._holds_suspect())
+                    take_suspect=not self._holds_suspect(), app_version=self.cfg.app_version)
             else:
                 got = await db.claim_limited(
                     conn, self._q, queue=queue, owner=self.id, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
-                    max_history_bytes=self.cfg.max_history_bytes)
+                    max_history_bytes=self.cfg.max_history_bytes,
+                    app_version=self.cfg.app_version)
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got

@@ -25,6 +25,7 @@ from kestrel import log as kestrel_log
 from kestrel.config import KNOBS, Config, load, mask_dsn, tls_warning
 from kestrel.embedded import resolve_dsn
 from kestrel.errors import ConfigError, KestrelError
+from kestrel.types import Execution
 from kestrel.workflow import WorkflowFn, registry
 
 log = logging.getLogger("kestrel.cli")
@@ -35,108 +36,203 @@ PRECEDENCE = ("Settings come from, highest first: a flag, the KESTREL_<NAME> env
               "and no PG* variables, an embedded PostgreSQL runs in --data-dir.")
 
 
-def _common() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("settings")
-    g.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                   help="TOML file with settings (keys are the flag names with _).")
+CONNECTION = ("dsn", "schema", "connection_mode", "listen_dsn", "data_dir", "log_level",
+              "log_format")
+"""The settings every operator command uses: where the database is and how to log."""
+
+HISTORY = ("history_interval", "history_ahead")
+"""What ``migrate`` also needs: the history partitions it creates ahead."""
+
+
+def _settings(p: argparse.ArgumentParser, names: Sequence[str] | None = None,
+              title: str = "settings") -> list[argparse.Action]:
+    """Add the settings *names* (None: every knob) to *p*, after its own options.
+
+    Each default is SUPPRESSed so that an unset flag leaves the environment and the config
+    file to decide (see :func:`kestrel.config.load`).
+    """
+    g = p.add_argument_group(title, "Each is also a KESTREL_<NAME> environment variable and "
+                                    "a key in the --config file.")
+    added = [g.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                            help="TOML file with settings (keys are the flag names with _).")]
     defaults = Config()
     for knob in KNOBS:
+        if names is not None and knob.name not in names:
+            continue
         default = getattr(defaults, knob.name)
         if isinstance(default, tuple):
             default = ",".join(default)
         shown = f" (default: {default})" if default not in (None, "") else ""
-        g.add_argument(knob.flag, dest=knob.name, metavar=knob.metavar, type=knob.parse,
-                       default=argparse.SUPPRESS,
-                       help=f"{knob.help}{shown} [env {knob.env}]")
-    return p
+        added.append(g.add_argument(knob.flag, dest=knob.name, metavar=knob.metavar,
+                                    type=knob.parse, default=argparse.SUPPRESS,
+                                    help=f"{knob.help}{shown} [env {knob.env}]"))
+    return added
 
 
 def _json_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
 
 
+def _id_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", help="The execution's id (a UUID, as submit and list print it).")
+
+
+def version() -> str:
+    """This installation's version of kestrel-runtime."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kestrel-runtime")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Return the ``kestrel-runtime`` argument parser, with every setting and subcommand."""
-    common = _common()
+    """Return the ``kestrel-runtime`` argument parser.
+
+    The runtime (no subcommand, or ``run``) takes every setting; each operator command takes
+    only its own options and the connection settings (:data:`CONNECTION`), so its ``--help``
+    shows what applies to it.
+    """
     parser = argparse.ArgumentParser(
         prog="kestrel-runtime",
-        # Options of a subcommand (submit --queue) are seen by this parser too: a prefix
-        # match against its own (--queues, --queue-limits) would refuse them as ambiguous.
+        # A subcommand's option (submit --queue) must never be read as an abbreviation of
+        # a setting (--queues, --queue-limits).
         allow_abbrev=False,
-        parents=[common],
         description="Durable workflows on PostgreSQL. Without a subcommand, run the "
                     "supervisor and --procs worker processes (e.g. kestrel-runtime --procs 16 "
                     "--app myapp.workflows).",
         epilog=PRECEDENCE,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="Print the version and exit.")
+    _settings(parser, title="runtime settings (when no COMMAND is given)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    later: list[tuple[argparse.ArgumentParser, list[argparse.Action]]] = []
 
-    def add(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, parents=[common], help=help, description=help,
-                              epilog=PRECEDENCE)
+    def add(name: str, help: str, settings: Sequence[str] | None = CONNECTION,
+            ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help, epilog=PRECEDENCE,
+                           allow_abbrev=False)
+        later.append((p, _settings(p, settings)))
+        return p
 
-    add("run", "Run the supervisor and its workers (the default command).")
-    add("migrate", "Create or upgrade the schema, then exit.")
+    add("run", "Run the supervisor and its workers (the default command).", None)
+    add("migrate", "Create or upgrade the schema (as its owner), then exit.",
+        CONNECTION + HISTORY)
+
     s = add("submit", "Submit an execution; print its id.")
     s.add_argument("workflow", help="Registered workflow name.")
     s.add_argument("--args", default="[]", help="JSON array of arguments (default: []).")
-    s.add_argument("--queue", default="default")
-    s.add_argument("--priority", type=int, default=0, help="Higher runs first.")
-    s.add_argument("--idempotency-key", default=None,
-                   help="Same key and arguments → the same execution.")
+    s.add_argument("--queue", default="default", help="Queue to run it on (default: default).")
+    s.add_argument("--priority", type=int, default=0, help="Higher runs first (default: 0).")
+    s.add_argument("--idempotency-key", default=None, metavar="KEY",
+                   help="Same key and arguments → the same execution, for ever.")
+    s.add_argument("--dedup-key", default=None, metavar="KEY",
+                   help="At most one live execution per key in the queue: a duplicate "
+                        "returns the live one (or fails with --reject-duplicate).")
+    s.add_argument("--reject-duplicate", action="store_true",
+                   help="With --dedup-key: fail instead of returning the live execution.")
+    when = s.add_mutually_exclusive_group()
+    when.add_argument("--delay", type=float, default=None, metavar="SECONDS",
+                      help="Do not start it before this many seconds from now.")
+    when.add_argument("--start-at", default=None, metavar="ISO",
+                      help="Do not start it before this time (ISO 8601, e.g. "
+                           "2026-12-01T08:00:00Z; without a zone: UTC).")
     s.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="Deadline after which the execution ends failed.")
     s.add_argument("--wait", type=float, default=None, metavar="SECONDS",
-                   help="Wait this long for the result and print it.")
+                   help="Wait this long for the result and print it (exit 3 if it has not "
+                        "finished by then).")
     _json_flag(s)
+
     ls = add("list", "List executions, newest first.")
     ls.add_argument("--status", help="queued, running, waiting, completed, failed, "
                                      "cancelled or quarantined.")
     ls.add_argument("--workflow", help="Only this workflow.")
     ls.add_argument("--since", help="Created since: an ISO time or an age like 30m, 6h, 7d.")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--limit", type=int, default=50, help="Most rows shown (default: 50).")
+    ls.add_argument("--app-version", metavar="V", default=argparse.SUPPRESS,
+                    help="Only executions started by this application version.")
+    ls.add_argument("--patch", metavar="ID", help="Only executions that recorded this patch.")
+    ls.add_argument("--without-patch", metavar="ID", help="Only executions of the workflows "
+                    "using this patch that did not record it (may need the old code path).")
     _json_flag(ls)
-    show = add("show", "Show an execution with its steps as a timeline.")
-    show.add_argument("id")
+    _add_version_commands(add)
+
+    show = add("show", "Show an execution: what it waits for, its deadline, its steps as a "
+                       "timeline.")
+    _id_arg(show)
+    show.add_argument("--wait", type=float, default=None, metavar="SECONDS",
+                      help="First wait up to this long for it to finish (exit 3 if it has "
+                           "not).")
     _json_flag(show)
-    cancel = add("cancel", "Cancel an execution (and its children).")
-    cancel.add_argument("id")
+
+    cancel = add("cancel", "Cancel a live execution and its children (exit 1 if it already "
+                           "finished otherwise).")
+    _id_arg(cancel)
     _json_flag(cancel)
+
     retry = add("retry", "Re-run a failed, cancelled or quarantined execution from its last "
-                         "checkpoint.")
-    retry.add_argument("id")
+                         "checkpoint (exit 1 otherwise).")
+    _id_arg(retry)
     _json_flag(retry)
+
+    fork = add("fork", "Start a new execution of the same workflow and arguments that reuses "
+                       "the first N checkpoints of another; print its id.")
+    _id_arg(fork)
+    fork.add_argument("--from-step", type=int, required=True, metavar="N",
+                      help="How many of its checkpoints (steps 0..N-1) to reuse; the new "
+                           "execution runs from step N.")
+    _json_flag(fork)
+
     sig = add("signal", "Send a signal to an execution (e.g. an approval).")
-    sig.add_argument("id")
-    sig.add_argument("name")
+    _id_arg(sig)
+    sig.add_argument("name", help="The signal's name, as the workflow waits for it.")
     sig.add_argument("--payload", default="null", help="JSON payload (default: null).")
-    sig.add_argument("--idempotency-key", default=None, help="Send at most once per key.")
+    sig.add_argument("--idempotency-key", default=None, metavar="KEY",
+                     help="Send at most once per key.")
     _json_flag(sig)
+
     stats = add("stats", "Queue depth by queue and status, oldest queued age, running by "
                          "worker, totals.")
     _json_flag(stats)
+
     parts = add("partitions", "Create history partitions ahead and drop those past the "
-                              "retention now (the runtime also does this every "
-                              "--maintenance-interval).")
+                              "retention now (as the schema owner; the runtime also does this "
+                              "every --maintenance-interval).",
+                CONNECTION + HISTORY + ("history_retention_days",))
     parts.add_argument("--detach", action="store_true",
                        help="Detach expired partitions instead of dropping them.")
     _json_flag(parts)
     # -- the HTTP door (kestrel.http) --
     add("serve", "Serve the HTTP API and webhooks on --http-host:--http-port (default "
-                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config.")
+                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config.",
+        None)
     tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.")
     tsub = tok.add_subparsers(dest="token_command", metavar="ACTION", required=True)
-    tc = tsub.add_parser("create", parents=[common], help="Create a token; print it once.")
+
+    def add_token(name: str, help: str) -> argparse.ArgumentParser:
+        p = tsub.add_parser(name, help=help, description=help, allow_abbrev=False)
+        later.append((p, _settings(p, CONNECTION)))
+        return p
+
+    tc = add_token("create", "Create a token; print it once (only its hash is stored).")
     tc.add_argument("--name", required=True, help="A name to know it by (unique while live).")
     tc.add_argument("--scopes", required=True, help="Comma-separated: read, operate, submit.")
     _json_flag(tc)
-    _json_flag(tsub.add_parser("list", parents=[common], help="List tokens (never secrets)."))
-    tr = tsub.add_parser("revoke", parents=[common], help="Revoke a token by name or id.")
+    _json_flag(add_token("list", "List tokens: ids, names, scopes (never secrets)."))
+    tr = add_token("revoke", "Revoke a token by name or id; it is refused at once.")
     tr.add_argument("token", help="The token's name or public id.")
     _json_flag(tr)
-    demo = add("demo", "Run the incident-response demo end to end on the embedded database.")
-    demo.add_argument("--incidents", type=int, default=12)
+
+    demo = add("demo", "Run the incident-response demo end to end on the embedded database.",
+               None)
+    demo.add_argument("--incidents", type=int, default=12,
+                      help="How many incidents the demo submits (default: 12).")
+    for p, settings in later:  # the usage line too: a command's own options first
+        p._actions = [a for a in p._actions if a not in settings] + settings
     return parser
 
 
@@ -156,24 +252,47 @@ def config_from_args(ns: argparse.Namespace, environ: dict[str, str] | None = No
 def import_app(modules: str) -> dict[str, WorkflowFn]:
     """Import the comma-separated *modules*; return the workflows they registered.
 
+    The current folder is searched first, as ``python -m`` would: ``kestrel-runtime --app
+    myapp.workflows`` run from the project folder finds ``myapp/`` there (a console script
+    puts only its own folder on ``sys.path``).
+
     Raises:
-        ConfigError: a module cannot be imported.
+        ConfigError: a module cannot be imported (the message says where it was looked for).
     """
+    import os
+
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
     for name in (m.strip() for m in modules.split(",") if m.strip()):
         try:
             importlib.import_module(name)
-        except ImportError as exc:
+        except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name
+            top = name.partition(".")[0]
+            hint = ""
+            if isinstance(exc, ModuleNotFoundError) and exc.name in (top, name):
+                hint = (f"; run kestrel-runtime from the folder that holds {top!r} (now "
+                        f"{here}), or add that folder to PYTHONPATH")
             raise ConfigError(f"invalid setting --app / KESTREL_APP={name!r}: cannot import "
-                              f"it ({exc})") from None
+                              f"it ({exc}){hint}") from None
     return registry()
+
+
+class NotFinished(KestrelError):
+    """``submit --wait`` or ``show --wait`` ran out of time; the execution goes on."""
+
+
+EXIT_NOT_FINISHED = 3
+"""Exit status of ``submit --wait``/``show --wait`` when the execution has not finished."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kestrel-runtime`` with *argv* (default ``sys.argv[1:]``); return the exit status.
 
     An invalid setting returns 2 (1 when an operator command finds it: bad input there); a
-    kestrel error, a ValueError or an operational database error (unreachable, refused)
-    returns 1. Each prints one line on stderr.
+    kestrel error, a ValueError or a database error returns 1; a ``--wait`` that ran out
+    returns 3. Each prints one line on stderr that names the problem and the fix
+    (:func:`describe_db_error` for the database's).
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
@@ -187,19 +306,73 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[command](cfg, ns)
     except ConfigError as exc:
-        print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
+        print(f"kestrel-runtime {command}: {_line(exc)}", file=sys.stderr)
         return 2 if command == "run" else 1
+    except NotFinished as exc:
+        print(f"kestrel-runtime {command}: {_line(exc)}", file=sys.stderr)
+        return EXIT_NOT_FINISHED
     except (KestrelError, ValueError) as exc:
-        print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
+        print(f"kestrel-runtime {command}: {_line(exc)}", file=sys.stderr)
         return 1
-    except psycopg.OperationalError as exc:
-        # libpq's and the server's own words, which never carry the password. No SQLSTATE
-        # (or class 08, 28): unreachable, refused, or not the server the DSN verifies.
+    except psycopg.Error as exc:
+        print(f"kestrel-runtime {command}: {describe_db_error(exc, command, cfg)}",
+              file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # `kestrel-runtime list | head`: the reader left. Python's documented remedy: point
+        # stdout at /dev/null so that flushing it at exit raises no second error.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _line(exc: BaseException) -> str:
+    """*exc*'s message as one line: libpq and PostgreSQL add hints and context on lines of
+    their own (``\tIs the server running…``, ``LINE 1: …``)."""
+    return "; ".join(part.strip() for part in str(exc).strip().splitlines() if part.strip()
+                     and not part.lstrip().startswith(("LINE ", "^")))
+
+
+_OWNER_COMMANDS = ("run", "migrate", "partitions", "demo")
+
+
+def describe_db_error(exc: psycopg.Error, command: str, cfg: Config) -> str:
+    """One line for a database error: what went wrong, in the server's or libpq's words
+    (which never carry the password), and what to do about it."""
+    from psycopg import errors as e
+
+    what = _line(exc)
+    schema = cfg.schema
+    if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName | e.UndefinedFunction
+                  | e.UndefinedColumn):
+        what = str(exc).strip().splitlines()[0]  # not the HINT about casts
+        older = "" if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName) else (
+            " or an older version of them")  # tables there, this code's functions not
+        return (f"schema {schema} has no kestrel tables{older} ({what}): run `kestrel-runtime "
+                f"migrate --schema {schema}` as the schema owner, or name the right schema "
+                "with --schema / KESTREL_SCHEMA")
+    if isinstance(exc, e.InsufficientPrivilege):
+        if command in _OWNER_COMMANDS:
+            return (f"permission denied ({what}): `{command}` creates tables and partitions; "
+                    "run it as the owner of the schema (or a role that may CREATE in the "
+                    "database), and the runtime under a role with the grants in the README")
+        return (f"permission denied ({what}): grant this role the runtime's rights on schema "
+                f"{schema} (README, \"Least privilege\")")
+    if isinstance(exc, psycopg.OperationalError):
         state = exc.sqlstate or ""
-        what = ("cannot connect to the database" if state[:2] in ("", "08", "28")
-                else "database error")
-        print(f"kestrel-runtime {command}: {what}: {exc}", file=sys.stderr)
-        return 1
+        if state[:2] in ("", "08", "28") or state in ("57P01", "57P02", "57P03"):
+            # Unreachable, refused, shut down, or not the server the DSN verifies.
+            return (f"cannot connect to the database: {what} (check --dsn / KESTREL_DSN and "
+                    "that the server is running)")
+        return f"database error: {what}"
+    if isinstance(exc, psycopg.ProgrammingError) and exc.sqlstate is None:
+        # psycopg's own, before any server was reached: a conninfo that does not parse.
+        return (f"invalid --dsn / KESTREL_DSN: {what} (use a URL like "
+                "postgresql://user@host:5432/dbname or key=value pairs like "
+                "'host=… dbname=…')")
+    state = f" [SQLSTATE {exc.sqlstate}]" if exc.sqlstate else ""
+    return f"database error: {what}{state}"
 
 
 def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
@@ -358,7 +531,8 @@ def _client(cfg: Config) -> tuple[Any, Any]:
     dsn, server = resolve_dsn(cfg)
     # One command, one or two statements: no pool to keep open.
     client = SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes,
-                        pool_size=0)
+                        pool_size=0, connection_mode=cfg.connection_mode,
+                        listen_dsn=cfg.listen_dsn or None)
     return client, server
 
 
@@ -367,6 +541,8 @@ def _json_arg(text: str, flag: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{flag} is not valid JSON: nested too deeply") from None
 
 
 def _parse_id(text: str) -> uuid.UUID:
@@ -395,26 +571,59 @@ def _jsonable(value: Any) -> Any:
 def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime submit``: submit an execution; print its id (with ``--wait``, its result).
 
+    With ``--wait`` the id is printed (and flushed) before the wait, so it is never lost; a
+    wait that runs out says how to wait again and exits :data:`EXIT_NOT_FINISHED`.
+
     Raises:
-        ConfigError: ``--args`` is not a JSON array.
+        ConfigError: ``--args`` is not a JSON array, ``--start-at`` not an ISO time.
+        NotFinished: ``--wait`` ran out.
     """
     args = _json_arg(ns.args, "--args")
     if not isinstance(args, list):
         raise ConfigError("--args must be a JSON array, e.g. '[1, \"two\"]'")
+    start_at = _iso(ns.start_at, "--start-at") if ns.start_at is not None else None
     client, _server = _client(cfg)
     handle = client.submit(ns.workflow, *args, queue=ns.queue, priority=ns.priority,
-                           idempotency_key=ns.idempotency_key, timeout=ns.timeout)
-    result = handle.result(timeout=ns.wait) if ns.wait is not None else None
-    data: dict[str, Any] = {"id": str(handle.id)}
-    if ns.wait is not None:
-        data["result"] = result
+                           idempotency_key=ns.idempotency_key, timeout=ns.timeout,
+                           delay=ns.delay, start_at=start_at, dedup_key=ns.dedup_key,
+                           on_duplicate="reject" if ns.reject_duplicate else "return")
+    if ns.wait is None:
+        return _emit(ns, {"id": str(handle.id)}, lambda: print(handle.id))
+    if not ns.json:
+        print(handle.id, flush=True)
+    result = _wait_for(client, handle.id, ns.wait, json_id=ns.json)
 
     def table() -> None:
-        print(handle.id)
-        if ns.wait is not None:
-            print(json.dumps(result))
+        print(json.dumps(result))
 
-    return _emit(ns, data, table)
+    return _emit(ns, {"id": str(handle.id), "result": result}, table)
+
+
+def _wait_for(client: Any, eid: uuid.UUID, seconds: float, *, json_id: bool) -> Any:
+    """The result of *eid* within *seconds*.
+
+    Raises:
+        NotFinished: it has not finished by then (with ``--json``, ``{"id": …}`` is printed
+            first, so the id is never lost).
+        WorkflowFailed: it ended failed, cancelled or quarantined.
+    """
+    try:
+        return client.result(eid, timeout=seconds)
+    except TimeoutError:
+        if json_id:
+            print(json.dumps({"id": str(eid), "finished": False}), flush=True)
+        raise NotFinished(f"execution {eid} has not finished after {seconds:g}s; it goes "
+                          f"on: wait again with `kestrel-runtime show {eid} --wait SECONDS`"
+                          ) from None
+
+
+def _iso(text: str, flag: str) -> datetime:
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: use an ISO 8601 time such as "
+                          "2026-12-01T08:00:00Z") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _since(text: str | None) -> datetime | None:
@@ -438,10 +647,14 @@ def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
     The filters are ``--status``, ``--workflow`` and ``--since``; ``--limit`` caps the rows.
     """
     client, _server = _client(cfg)
+    if ns.patch and ns.without_patch:
+        raise ConfigError("--patch and --without-patch exclude each other")
     rows = client.list(status=ns.status, workflow=ns.workflow, since=_since(ns.since),
-                       limit=ns.limit)
+                       limit=ns.limit, app_version=getattr(ns, "app_version", None),
+                       patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch)
     data = [{"id": r.id, "workflow": r.workflow, "queue": r.queue, "status": r.status.value,
-             "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at}
+             "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at,
+             "app_version": r.app_version}
             for r in rows]
 
     def table() -> None:
@@ -458,15 +671,35 @@ def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
-    """``kestrel-runtime show``: print one execution and its steps as a timeline."""
+    """``kestrel-runtime show``: print one execution and its steps as a timeline.
+
+    A live execution also says what it waits for (a signal, a child, the end of a sleep, its
+    delayed start, a worker or a slot in its limited queue) and when the wait times out; any
+    execution with a deadline shows it. ``--wait`` first waits for it to finish.
+
+    Raises:
+        NotFinished: ``--wait`` ran out (the execution is shown first).
+    """
     client, _server = _client(cfg)
-    ex = client.get(_parse_id(ns.id))
+    eid = _parse_id(ns.id)
+    late: NotFinished | None = None
+    if ns.wait is not None:
+        try:
+            client.result(eid, timeout=ns.wait)
+        except TimeoutError:
+            late = NotFinished(f"execution {eid} has not finished after {ns.wait:g}s; it "
+                               f"goes on: wait again with `kestrel-runtime show {eid} --wait "
+                               "SECONDS`")
+        except KestrelError:
+            pass  # it ended failed, cancelled or quarantined: shown below
+    ex = client.get(eid)
     steps = client.steps(ex.id)
+    waits = waits_for(ex)
     data = {
         "id": ex.id, "workflow": ex.workflow, "status": ex.status.value, "queue": ex.queue,
         "claims": ex.attempts, "args": ex.args, "result": ex.result, "error": ex.error,
         "created_at": ex.created_at, "started_at": ex.started_at,
-        "finished_at": ex.finished_at,
+        "finished_at": ex.finished_at, "deadline": ex.deadline, "waits_for": waits,
         "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
                    "duration_ms": _ms(s.finished_at - s.started_at), "output": s.output,
                    "error": s.error} for s in steps],
@@ -476,6 +709,12 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         print(f"execution {ex.id}")
         print(f"  workflow  {ex.workflow}   queue {ex.queue}   status {ex.status.value}")
         print(f"  args      {_short(ex.args)}")
+        if waits is not None:
+            print(f"  waits for {waits['what']}"
+                  + (f"   until {_when(waits['until'])}" if waits.get("until") else ""))
+        if ex.deadline is not None:
+            print(f"  deadline  {_when(ex.deadline)}"
+                  + ("   (fails then unless finished)" if not ex.status.terminal else ""))
         if ex.status.value == "completed":
             print(f"  result    {_short(ex.result)}")
         if ex.error:
@@ -488,20 +727,72 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
             print(f"    #{s.step_id:<3} +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} "
                   f"try {s.attempt}  {_ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
 
-    return _emit(ns, data, table)
+    _emit(ns, data, table)
+    if late is not None:
+        raise late
+    return 0
+
+
+def waits_for(ex: Execution) -> dict[str, Any] | None:
+    """What a live execution waits for: ``{"kind", "what", "until"}``, or None.
+
+    *kind* is ``signal``, ``child``, ``sleep``, ``start`` (a delayed start), ``worker`` (queued)
+    or ``slot`` (queued in a limited queue); a wait's ``waiting_for`` is the signal's name, or
+    ``kestrel.sleep`` / ``kestrel.child:<id>`` (see :mod:`kestrel.workflow`). *until* is when
+    the wait ends by itself (a sleep's end, a delayed start) or times out (a signal wait's
+    timeout), if ever.
+    """
+    status = ex.status.value
+    if status == "queued":
+        if ex.queue_limit:
+            return {"kind": "slot", "what": f"a slot in queue {ex.queue!r} "
+                                            f"({ex.queue_limit})", "until": None}
+        return {"kind": "worker", "what": f"a worker claiming queue {ex.queue!r}",
+                "until": None}
+    if status != "waiting":
+        return None
+    on = ex.waiting_for
+    if on is None:
+        return {"kind": "start", "what": "its delayed start", "until": ex.wake_at}
+    if on == "kestrel.sleep":
+        return {"kind": "sleep", "what": "the end of a durable sleep", "until": ex.wake_at}
+    if on.startswith("kestrel.child:"):  # a child's outcome arrives as this signal
+        return {"kind": "child", "what": f"child execution {on.removeprefix('kestrel.child:')}",
+                "until": ex.wait_deadline}
+    return {"kind": "signal", "what": f"signal {on!r} (kestrel-runtime signal {ex.id} "
+                                      f"{_shell_word(on)})", "until": ex.wait_deadline}
+
+
+def _shell_word(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def _when(value: datetime) -> str:
+    return value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def cmd_cancel(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime cancel``: cancel an execution and print what that did.
 
-    It was cancelled now, stops at its next step boundary (it is running), or had already
-    finished.
+    It was cancelled now, stops at its next step boundary (it is running), or had been
+    cancelled already (exit 0: cancelling is idempotent).
+
+    Raises:
+        InvalidState: it had already completed, failed or been quarantined: nothing to
+            cancel (as ``retry`` of an execution it cannot re-run).
     """
+    from kestrel.errors import InvalidState
+
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
     status = client.cancel(eid)
-    note = {"cancelled": "cancelled", "cancelling": "running: it stops at its next step "
-            "boundary"}.get(status, f"already {status}; nothing to cancel")
+    if status not in ("cancelled", "cancelling"):
+        raise InvalidState(f"execution {eid} already {status}; only a queued, running or "
+                           "waiting execution can be cancelled")
+    note = ("cancelled" if status == "cancelled" else
+            "running: it stops at its next step boundary")
     return _emit(ns, {"id": eid, "status": status}, lambda: print(f"{eid}: {note}"))
 
 
@@ -509,12 +800,27 @@ def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime retry``: queue a failed, cancelled or quarantined execution again.
 
     It resumes from its last checkpoint.
+
+    Raises:
+        InvalidState: it is live or completed.
     """
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
     client.retry(eid)
     return _emit(ns, {"id": eid, "status": "queued"},
                  lambda: print(f"{eid}: queued again; it resumes from its last checkpoint"))
+
+
+def cmd_fork(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime fork``: start a new execution from the first ``--from-step``
+    checkpoints of another; print the new id."""
+    client, _server = _client(cfg)
+    eid = _parse_id(ns.id)
+    if ns.from_step < 0:
+        raise ConfigError(f"--from-step must be 0 or more, got {ns.from_step}")
+    handle = client.fork(eid, ns.from_step)
+    return _emit(ns, {"id": handle.id, "forked_from": eid, "from_step": ns.from_step},
+                 lambda: print(handle.id))
 
 
 def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
@@ -565,6 +871,71 @@ def _ms(delta: timedelta) -> float:
 def _short(value: Any, width: int = 90) -> str:
     text = json.dumps(value)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# -- versions and rolling deploys (issue 18) ---------------------------------------------------
+
+def _add_version_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    uc = add("unclaimable", "Live executions no live worker can claim (no worker registers "
+                            "their workflow and queue): they wait, unfailed; and the live "
+                            "workers with their app versions.")
+    uc.add_argument("--limit", type=int, default=100, help="Most lines (default: 100).")
+    _json_flag(uc)
+    pt = add("patches", "Patches recorded by executions (ctx.patched), by workflow: how many "
+                        "took the new path, and how many live ones may still need the old.")
+    pt.add_argument("patch", nargs="?", help="Only this patch id.")
+    _json_flag(pt)
+
+
+def cmd_unclaimable(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime unclaimable``: what waits for a worker that knows it, and who runs."""
+    client, _server = _client(cfg)
+    if not 1 <= ns.limit <= 10_000:
+        raise ConfigError(f"--limit {ns.limit}: must be 1-10000")
+    groups = client.unclaimable(limit=ns.limit)
+    workers = client.workers()
+    data = {"unclaimable": [{"workflow": g.workflow, "queue": g.queue, "count": g.count,
+                             "oldest_created_at": g.oldest_created_at} for g in groups],
+            "workers": [{"worker_id": w.worker_id, "app_version": w.app_version,
+                         "workflows": w.workflows, "queues": w.queues,
+                         "seen_at": w.seen_at} for w in workers]}
+
+    def table() -> None:
+        print(f"{'workflow':<32} {'queue':<16} {'count':>8}  oldest")
+        for g in groups:
+            print(f"{g.workflow[:32]!s:<32} {g.queue[:16]:<16} {g.count:>8}  "
+                  f"{g.oldest_created_at:%Y-%m-%d %H:%M:%S}")
+        if not groups:
+            print("(nothing unclaimable)")
+        print(f"\n{'worker':<30} {'app version':<20} workflows")
+        for w in workers:
+            print(f"{w.worker_id[:30]:<30} {w.app_version[:20]:<20} "
+                  f"{_short(w.workflows, 60)}")
+        if not workers:
+            print("(no live workers)")
+
+    return _emit(ns, data, table)
+
+
+def cmd_patches(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime patches``: per workflow and patch, who took the new path and how
+    many live executions may still need the old one (remove the old branch at 0)."""
+    client, _server = _client(cfg)
+    uses = client.patches(ns.patch)
+    data = [{"workflow": u.workflow, "patch": u.patch, "at_step": u.at_step,
+             "executions_with": u.total_with, "live_with": u.live_with,
+             "live_without": u.live_without} for u in uses]
+
+    def table() -> None:
+        print(f"{'workflow':<28} {'patch':<28} {'with':>8} {'live with':>10} "
+              f"{'live without':>13}")
+        for u in uses:
+            print(f"{u.workflow[:28]!s:<28} {u.patch[:28]!s:<28} {u.total_with:>8} "
+                  f"{u.live_with:>10} {u.live_without:>13}")
+        if not uses:
+            print("(no patch markers recorded)")
+
+    return _emit(ns, data, table)
 
 
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
@@ -628,10 +999,13 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "show": cmd_show,
     "cancel": cmd_cancel,
     "retry": cmd_retry,
+    "fork": cmd_fork,
     "signal": cmd_signal,
     "stats": cmd_stats,
     "partitions": cmd_partitions,
     "demo": cmd_demo,
+    "unclaimable": cmd_unclaimable,
+    "patches": cmd_patches,
     "serve": cmd_serve,
     "token": cmd_token,
 }

@@ -18,17 +18,30 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import db
+from kestrel import codec, db
 from kestrel._client_common import (
     POLL_CAP_S,
+    RECONNECT_FIRST_S,
     ClientBase,
     count_submitted,
     ident,
+    log,
     outcome,
     remaining,
 )
 from kestrel.errors import ConfigError, ExecutionNotFound
-from kestrel.types import Execution, ExecutionSummary, Stats, Status, StepRow
+from kestrel.outage import reason
+from kestrel.types import (
+    Execution,
+    ExecutionSummary,
+    LiveWorker,
+    PatchUse,
+    Stats,
+    Status,
+    StepRow,
+    Unclaimable,
+)
+from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn
 
 
@@ -52,7 +65,8 @@ class SyncClient(ClientBase):
         return conn
 
     @contextmanager
-    def _borrow(self) -> Iterator[psycopg.Connection[Any]]:
+    def _borrow(self, timeout: float | None = None,
+                      ) -> Iterator[psycopg.Connection[Any]]:
         if self._pool_size == 0:
             with self._connect() as conn:
                 yield conn
@@ -65,7 +79,7 @@ class SyncClient(ClientBase):
                     name=f"kestrel-client-{self.schema}")
                 pool.open()
                 self._pool = pool
-        with self._pool.connection() as conn:
+        with self._pool.connection(timeout=timeout) as conn:
             yield conn
 
     def close(self) -> None:
@@ -177,14 +191,47 @@ class SyncClient(ClientBase):
         counts: dict[str, int] = self._run(db.count_by_status(self._q))
         return counts
 
+    def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
+        """Live executions that no live worker can claim (no worker registers their workflow
+        and queue), by workflow and queue, the most first, at most *limit* lines. They wait
+        for a worker that knows them; none is ever failed for it."""
+        rows: list[Unclaimable] = self._run(db.unclaimable_by_workflow(
+            self._q, limit=limit))
+        return rows
+
+    def workers(self) -> list[LiveWorker]:
+        """The live workers: what each claims, and its app version."""
+        rows: list[LiveWorker] = self._run(db.live_workers(self._q))
+        return rows
+
+    def patches(self, patch: str | None = None) -> list[PatchUse]:
+        """Every recorded patch (or only *patch*) by workflow: executions with its marker,
+        and live executions without it, which may still need the old code path."""
+        if patch is not None:
+            codec.check_text(patch, what="patch id")
+        rows: list[PatchUse] = self._run(db.patch_summary(self._q, patch=patch))
+        return rows
+
     def list(self, *, status: str | None = None, workflow: str | None = None,
-                   since: datetime | None = None, limit: int = 50) -> list[ExecutionSummary]:
-        """Executions newest first, live and finished, optionally filtered."""
+                   since: datetime | None = None, limit: int = 50,
+                   app_version: str | None = None, patch: str | None = None,
+                   with_patch: bool = True) -> list[ExecutionSummary]:
+        """Executions newest first, live and finished, optionally filtered.
+
+        *app_version*: only those first claimed by that version. *patch*: only those that
+        recorded that patch's marker (``with_patch=False``: only those of the same workflows
+        that did not, which may still need the old code path).
+        """
         if status is not None and status not in {s.value for s in Status}:
             raise ConfigError(f"unknown status {status!r}; one of "
                               f"{', '.join(s.value for s in Status)}")
+        if app_version is not None:
+            check_app_version(app_version)
+        if patch is not None:
+            codec.check_text(patch, what="patch id")
         rows: list[ExecutionSummary] = self._run(db.list_executions(
-            self._q, status=status, workflow=workflow, since=since, limit=limit))
+            self._q, status=status, workflow=workflow, since=since, limit=limit,
+            app_version=app_version, patch=patch, with_patch=with_patch))
         return rows
 
     def stats(self) -> Stats:
@@ -195,9 +242,12 @@ class SyncClient(ClientBase):
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
 
+        A restart of PostgreSQL while waiting is ridden out: the wait reconnects and goes on.
+
         Raises:
             WorkflowFailed: it ended failed, cancelled or quarantined.
-            TimeoutError: it did not finish within *timeout* seconds.
+            TimeoutError: it did not finish within *timeout* seconds (also when the
+                database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
 
@@ -228,30 +278,55 @@ class SyncClient(ClientBase):
 
     def _wait(self, check: Any, listen: str, timeout: float | None,
                     message: Any) -> Any:
-        """Re-run *check* on each notification (or poll) until it says done."""
+        """Re-run *check* on each notification (or poll) until it says done.
+
+        A lost connection (PostgreSQL restarted, failed over, or a pooler restarted) does not
+        end the wait: it reconnects with backoff and goes on until *timeout*, then raises
+        TimeoutError saying the database was unreachable.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
-        waiter = self._connect(self._listen_dsn) if self._listen_dsn else None
+        retry = RECONNECT_FIRST_S
+        waiter: psycopg.Connection[Any] | None = None
         try:
-            if waiter is not None:
-                db.run_sync(waiter, db.command(listen))
             while True:
-                # Same connection when it is direct; a pooled one otherwise.
-                if waiter is not None and self._listen_dsn == self.dsn:
-                    done, value = check(waiter)
-                else:
-                    with self._borrow() as conn:
-                        done, value = check(conn)
-                if done:
-                    return value
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(message())
-                if waiter is not None:
-                    for _ in waiter.notifies(timeout=remaining(deadline), stop_after=1):
-                        pass
-                else:
-                    time.sleep(min(delay, remaining(deadline)))
-                    delay = min(delay * 1.5, POLL_CAP_S)
+                try:
+                    if waiter is None and self._listen_dsn:
+                        waiter = self._connect(self._listen_dsn)
+                        db.run_sync(waiter, db.command(listen))
+                    # Same connection when it is direct; a pooled one otherwise.
+                    if waiter is not None and self._listen_dsn == self.dsn:
+                        done, value = check(waiter)
+                    else:
+                        with self._borrow(timeout=max(0.1, remaining(deadline))) as conn:
+                            done, value = check(conn)
+                    if done:
+                        return value
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(message())
+                    if waiter is not None:
+                        for _ in waiter.notifies(timeout=remaining(deadline),
+                                                       stop_after=1):
+                            pass
+                    else:
+                        time.sleep(min(delay, remaining(deadline)))
+                        delay = min(delay * 1.5, POLL_CAP_S)
+                    retry = RECONNECT_FIRST_S
+                except TimeoutError:
+                    raise  # ours, above (an OSError, which is_transient would take for a link)
+                except Exception as exc:
+                    if not db.is_transient(exc):
+                        raise
+                    if waiter is not None:
+                        waiter.close()
+                        waiter = None
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise TimeoutError(f"{message()}; the database was unreachable "
+                                           f"({reason(exc)})") from None
+                    log.debug("waiting: connection lost (%s); reconnecting in %.2fs",
+                              reason(exc), retry)
+                    time.sleep(min(retry, remaining(deadline)))
+                    retry = min(retry * 2, POLL_CAP_S)
         finally:
             if waiter is not None:
                 waiter.close()

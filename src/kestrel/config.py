@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from kestrel.queues import QueueSpec
 
 SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+# An application version (--app-version): a release name, a tag or a commit hash.
+APP_VERSION = re.compile(r"[A-Za-z0-9_.:+/@-]{1,128}")
 
 
 def _queues(text: str) -> tuple[str, ...]:
@@ -122,6 +124,9 @@ KNOBS: tuple[Knob, ...] = (
          "PATH"),
     Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
     Knob("log_format", str, "text or json.", "FORMAT"),
+    Knob("app_version", str, "Application version recorded on each execution this runtime "
+         "starts (1-128 of A-Z a-z 0-9 _ . : + / @ -); default: a hash of the registered "
+         "workflows' source.", "VERSION"),
 )
 
 
@@ -166,6 +171,7 @@ class Config:
     data_dir: str = ".kestrel/pgdata"
     log_level: str = "info"
     log_format: str = "text"
+    app_version: str = ""
     worker_id: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -223,6 +229,9 @@ class Config:
             _bad("log_level", self.log_level, "must be debug, info, warning or error")
         if self.log_format not in {"text", "json"}:
             _bad("log_format", self.log_format, "must be text or json")
+        if self.app_version and not APP_VERSION.fullmatch(self.app_version):
+            _bad("app_version", self.app_version[:200],
+                 "must be 1-128 of A-Z a-z 0-9 _ . : + / @ -")
 
     @property
     def prepared_statements(self) -> bool:

@@ -67,10 +67,16 @@ from kestrel.statements import (
     Stmt as Stmt,
 )
 from kestrel.statements import (
+    advance_clock as advance_clock,
+)
+from kestrel.statements import (
     command as command,
 )
 from kestrel.statements import (
     count_by_status as count_by_status,
+)
+from kestrel.statements import (
+    count_cancelled as count_cancelled,
 )
 from kestrel.statements import (
     db_now as db_now,
@@ -94,16 +100,40 @@ from kestrel.statements import (
     list_steps as list_steps,
 )
 from kestrel.statements import (
+    live_workers as live_workers,
+)
+from kestrel.statements import (
+    patch_summary as patch_summary,
+)
+from kestrel.statements import (
     queue_stats as queue_stats,
 )
 from kestrel.statements import (
+    register_worker as register_worker,
+)
+from kestrel.statements import (
+    reset_for_test as reset_for_test,
+)
+from kestrel.statements import (
     run_maintenance as run_maintenance,
+)
+from kestrel.statements import (
+    skip_to_next_sleep as skip_to_next_sleep,
 )
 from kestrel.statements import (
     stats as stats,
 )
 from kestrel.statements import (
     submit_params as submit_params,
+)
+from kestrel.statements import (
+    unclaimable_by_workflow as unclaimable_by_workflow,
+)
+from kestrel.statements import (
+    unclaimable_total as unclaimable_total,
+)
+from kestrel.statements import (
+    unregister_worker as unregister_worker,
 )
 from kestrel.statements import (
     upsert_queue_limit as upsert_queue_limit,
@@ -113,6 +143,12 @@ from kestrel.statements import (
 )
 from kestrel.statements import (
     value as value,
+)
+from kestrel.statements import (
+    waiting_for as waiting_for,
+)
+from kestrel.statements import (
+    waiting_stats as waiting_stats,
 )
 from kestrel.statements import (
     worker_stats as worker_stats,
@@ -170,19 +206,20 @@ async def claim_batch(
     conn: AnyConn, q: Queries, *, owner: str, queues: Sequence[str], limit: int,
     lease_s: float, workflows: Sequence[str] | None = None,
     max_history_bytes: int = MAX_HISTORY_BYTES, take_suspect: bool = True,
+    app_version: str | None = None,
 ) -> list[Claimed]:
     """Claim up to *limit* queued executions of *workflows* (None: any) with their recorded
     checkpoints.
 
     At most one of them is a suspect (claimed :data:`SUSPECT_AFTER` times before), and none
-    when *take_suspect* is false.
+    when *take_suspect* is false. A first claim records *app_version* on the row.
     """
     cur = await conn.execute(
         q.claim_batch,
         {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
          "take_suspect": take_suspect,
          "workflows": list(workflows or ()), "any_workflow": workflows is None,
-         "max_history_bytes": max_history_bytes},
+         "max_history_bytes": max_history_bytes, "app_version": app_version},
     )
     return [_claimed(row) for row in await cur.fetchall()]
 
@@ -417,6 +454,7 @@ def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
 async def claim_limited(
     conn: AnyConn, q: Queries, *, queue: str, owner: str, limit: int, lease_s: float,
     workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
+    app_version: str | None = None,
 ) -> list[Claimed] | None:
     """Claim from a limited queue within its limits, in one transaction under the queue's row
     lock; None when another process holds that lock right now (try again later)."""
@@ -427,7 +465,7 @@ async def claim_limited(
         cur = await conn.execute(q.claim_limited, {
             "queue": queue, "owner": owner, "limit": limit, "lease_s": lease_s,
             "workflows": list(workflows or ()), "any_workflow": workflows is None,
-            "max_history_bytes": max_history_bytes})
+            "max_history_bytes": max_history_bytes, "app_version": app_version})
         rows = await cur.fetchall()
     return [_claimed(r) for r in rows]
 

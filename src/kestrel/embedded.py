@@ -1,23 +1,43 @@
 """The embedded PostgreSQL used when no DSN is configured (``pgserver``, from PyPI).
 
+An optional extra, ``pip install 'kestrel-runtime[embedded]'`` (``make venv`` and ``make
+run`` install it): ``pgserver`` has wheels for CPython 3.11 and 3.12 only and no sdist, and a
+production image has no use for it. Without it and without a DSN, the commands stop with one
+line saying how to give one.
+
 It keeps its data in ``--data-dir`` (default ``.kestrel/pgdata`` under the current
 directory), listens on a Unix socket in that directory only, and stops when the last
-process that started it exits. For development and the demo; point ``--dsn`` at a real
-server in production.
+process that started it exits. Every start logs a warning saying so and where the data is.
+For development and the demo; point ``--dsn`` at a real server in production.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kestrel.errors import ConfigError
+
 if TYPE_CHECKING:
     from kestrel.config import Config
 
 log = logging.getLogger("kestrel.embedded")
+
+NO_DATABASE = ("no database given: pass --dsn postgresql://USER@HOST/DB (or set KESTREL_DSN "
+               "or PGHOST), or pip install 'kestrel-runtime[embedded]' to run a private "
+               "PostgreSQL in --data-dir")
+
+
+def available() -> bool:
+    """Whether the embedded server can be started (the ``embedded`` extra is installed)."""
+    try:
+        return importlib.util.find_spec("pgserver") is not None
+    except ValueError:  # sys.modules["pgserver"] is None: blocked on purpose
+        return False
 
 
 def dsn_from_environment(environ: dict[str, str] | None = None) -> bool:
@@ -31,7 +51,12 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
 
     Keep the handle alive as long as the server is needed: the server stops when every
     process holding one has exited.
+
+    Raises:
+        ConfigError: the ``embedded`` extra is not installed.
     """
+    if not available():
+        raise ConfigError(NO_DATABASE)
     path = Path(data_dir).absolute()
     path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XDG_RUNTIME_DIR", str(path.parent))
@@ -41,14 +66,21 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
 
         server = get_server(path, cleanup_mode="stop")
     dsn = str(server.get_uri())
-    log.info("embedded PostgreSQL running in %s (%s)", path, dsn)
+    log.debug("embedded PostgreSQL running in %s (%s)", path, dsn)
     return dsn, server
 
 
 def resolve_dsn(cfg: Config) -> tuple[str, Any]:
-    """Return the DSN to use and, when embedded, the server handle to keep alive."""
+    """Return the DSN to use and, when embedded, the server handle to keep alive.
+
+    Raises:
+        ConfigError: no DSN is given and the ``embedded`` extra is not installed.
+    """
     if cfg.dsn:
         return cfg.dsn, None
     if dsn_from_environment():
         return "", None  # libpq reads PGHOST/PGDATABASE/… itself
-    return start(cfg.data_dir)
+    dsn, server = start(cfg.data_dir)
+    log.warning("no --dsn given: using the embedded PostgreSQL (development only) with its "
+                "data in %s; pass --dsn for your own server", Path(cfg.data_dir).absolute())
+    return dsn, server

@@ -80,6 +80,14 @@ class NonDeterminismError(KestrelError):
     """
 
 
+class CodeTooOld(NonDeterminismError):
+    """A replay diverged where newer code recorded a patch this code does not know.
+
+    The execution was run by a newer version of the workflow (a rolling deploy, or a
+    rollback): this worker gives it back to the queue, unfailed, for a worker of that version.
+    """
+
+
 class StepFailed(KestrelError):
     """A step exhausted its retries; its error is checkpointed and replays raise it again."""
 

@@ -33,6 +33,7 @@ from typing import Any
 import psycopg
 
 from kestrel import db, metrics
+from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
 from kestrel.types import Claimed
 from kestrel.writer import Backoff
@@ -229,10 +230,14 @@ class Heartbeat:
                         "prepare_threshold": 0 if self._prepared else None,
                         "connect_timeout": max(1, int(self._interval))})
                 self.beat(conn)
+                OUTAGE.succeeded()
                 backoff.reset()
             except psycopg.Error as exc:
-                log.warning("heartbeat failed (%s); leases are trusted until they run out",
-                            type(exc).__name__)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "heartbeat")  # leases are trusted until they run out
+                else:
+                    log.warning("heartbeat failed (%s); leases are trusted until they run out",
+                                type(exc).__name__)
                 backoff.failures += 1
                 if conn is not None:
                     conn.close()

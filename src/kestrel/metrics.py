@@ -96,6 +96,10 @@ class Metrics:
                                        "Worker processes restarted after they died")
         self.queue_depth = Gauge("kestrel_queue_depth", "Live executions by queue and status",
                                  ["queue", "status"], multiprocess_mode="livemax")
+        self.waiting = Gauge("kestrel_waiting_executions",
+                             "Waiting executions by workflow and what they wait for: a "
+                             "signal's name (an approval), kestrel.sleep or kestrel.child",
+                             ["workflow", "waiting_for"], multiprocess_mode="livemax")
         self.oldest_queued = Gauge("kestrel_oldest_queued_seconds",
                                    "Age of the oldest queued execution", ["queue"],
                                    multiprocess_mode="livemax")
@@ -106,6 +110,14 @@ class Metrics:
                              multiprocess_mode="livesum")
         self.workers = Gauge("kestrel_workers", "Worker processes alive",
                              multiprocess_mode="livesum")
+        # No workflow label: an unclaimable name may be anything a client submitted, so it
+        # never becomes a label (FAULTS P4, S2); `kestrel-runtime unclaimable` names them.
+        self.unclaimable = Gauge("kestrel_unclaimable_executions",
+                                 "Live executions whose workflow and queue no live worker "
+                                 "registers (they wait)", multiprocess_mode="livemax")
+        self.unclaimable_workflows = Gauge("kestrel_unclaimable_workflows",
+                                           "Distinct workflow names among the unclaimable "
+                                           "executions", multiprocess_mode="livemax")
 
 
 _metrics: Metrics | None = None

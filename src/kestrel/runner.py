@@ -27,6 +27,7 @@ from kestrel.config import Config
 from kestrel.db import AnyConn
 from kestrel.errors import (
     Cancelled,
+    CodeTooOld,
     DeadlineExceeded,
     KestrelError,
     LeaseLost,
@@ -247,6 +248,9 @@ class Runner:
         except Exception as exc:
             outcome = exc
         outcome = ctx.decision or outcome
+        if isinstance(outcome, CodeTooOld):
+            await self._give_back(lease, outcome)
+            return None
         if isinstance(outcome, LeaseLost):
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
@@ -263,6 +267,21 @@ class Runner:
                 return self._failure(c, exc)
             return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
         return self._failure(c, outcome)
+
+    async def _give_back(self, lease: Lease, why: CodeTooOld) -> None:
+        """Put an execution that newer code ran back in the queue, unfailed and without
+        counting the attempt, for a worker of that version (a rolling deploy). If the
+        release fails, the lease expires and the sweeper re-queues it."""
+        c = lease.claimed
+        lease.finish()
+        self.stats.extra["given_back"] = self.stats.extra.get("given_back", 0) + 1
+        log.warning("giving %s (%s) back to the queue: %s", c.id, c.workflow, why)
+        try:
+            async with self._pool.connection() as conn:
+                await db.release_batch(conn, self._q, held=[lease.key])
+        except Exception as exc:
+            log.warning("could not give %s back (%s); its lease will expire", c.id,
+                        type(exc).__name__)
 
     async def _finish(self, lease: Lease, finish: Finish) -> None:
         c = lease.claimed
@@ -313,7 +332,7 @@ class Runner:
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
             saved = await db.save_steps(conn, self._q, writes)
-            failpoint("after_checkpoint_commit_before_ack")
+            failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
             m.checkpoint_batch.observe(len(writes))

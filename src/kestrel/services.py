@@ -24,6 +24,7 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
+from kestrel.outage import OUTAGE
 from kestrel.schedule import Schedule, due_ticks
 from kestrel.sql import Queries
 from kestrel.writer import Backoff
@@ -40,9 +41,13 @@ async def _every(interval: Callable[[], float], round_: Callable[[], Any], what:
         try:
             await round_()
         except psycopg.Error as exc:
-            level = logging.WARNING if db.is_transient(exc) else logging.ERROR
-            log.log(level, "%s round failed (%s: %s)", what, type(exc).__name__,
-                    str(exc).strip()[:200])
+            if db.is_transient(exc):
+                OUTAGE.failed(exc, what)
+            else:
+                log.error("%s round failed (%s: %s)", what, type(exc).__name__,
+                          str(exc).strip()[:200])
+        else:
+            OUTAGE.succeeded()
 
 
 class Sweeper:
@@ -149,7 +154,10 @@ class Scheduler:
             try:
                 wait = await self.run_once()
             except psycopg.Error as exc:
-                log.warning("scheduler round failed (%s)", type(exc).__name__)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "scheduler")
+                else:
+                    log.warning("scheduler round failed (%s)", type(exc).__name__)
                 wait = self._cfg.poll_interval
             await asyncio.sleep(wait * random.uniform(0.9, 1.1))
 
@@ -178,6 +186,10 @@ class Scheduler:
         return nearest
 
 
+MAX_WAITING_SERIES = 100
+"""Most (workflow, waiting_for) label sets the waiting gauge exports from one process."""
+
+
 class Stats:
     """Every few seconds: this process's pool and running gauges; in the one process chosen
     by the supervisor, queue depth from one cheap query for the whole fleet."""
@@ -190,6 +202,7 @@ class Stats:
         self._interval = interval
         self._running = running
         self._known: set[tuple[str, str]] = set()
+        self._known_waits: set[tuple[str, str]] = set()
 
     async def run(self) -> NoReturn:
         """Call :meth:`run_once` every *interval* seconds forever.
@@ -228,8 +241,15 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
+                cancelled = await db.run(conn, db.count_cancelled(
+                    self._q, workflows=self._workflows))
         except psycopg.Error:
             return
+        for wf in cancelled:
+            # Only registered names become labels (FAULTS S2, P4): a day-old row of a name
+            # no worker registers comes back too, and is dropped uncounted.
+            if wf in self._workflows:
+                m.finished.labels(wf, "cancelled").inc()
         seen = set()
         for row in rows:
             seen.add((row.queue, row.status))
@@ -241,6 +261,33 @@ class Stats:
             if status == "queued":
                 m.oldest_queued.labels(queue).set(0)
         self._known |= seen
+        await self._collect_waiting()
+
+    async def _collect_waiting(self) -> None:
+        """Set the waiting gauge: executions waiting, by workflow and what they wait for.
+
+        Signal names come from workflow code but may be built at run time, so the label sets
+        this process ever exports are capped (MAX_WAITING_SERIES): past the cap, new names
+        count under ``other`` (FAULTS S2: labels stay bounded).
+        """
+        m = metrics.get()
+        try:
+            async with self._pool.connection() as conn:
+                rows = await db.run(conn, db.waiting_stats(
+                    self._q, workflows=self._workflows, limit=MAX_WAITING_SERIES))
+        except psycopg.Error:
+            return
+        counts: dict[tuple[str, str], int] = {}
+        for workflow, waiting_for, n in rows:
+            key = (workflow, waiting_for)
+            if key not in self._known_waits and len(self._known_waits) >= MAX_WAITING_SERIES:
+                key = (workflow, "other")
+            counts[key] = counts.get(key, 0) + n
+        for key in self._known_waits - counts.keys():
+            m.waiting.labels(*key).set(0)
+        for key, n in counts.items():
+            m.waiting.labels(*key).set(n)
+        self._known_waits |= counts.keys()
 
 
 class Listener:
@@ -263,12 +310,16 @@ class Listener:
                     **db.link_params(self._dsn))
                 async with conn:
                     await db.listen(conn, self._q)
+                    OUTAGE.succeeded()
                     backoff.reset()
                     self._on_work()  # anything submitted while we were not listening
                     async for _ in conn.notifies():
                         self._on_work()
             except (psycopg.Error, OSError) as exc:
                 delay = backoff.next_delay()
-                log.warning("LISTEN connection lost (%s); polling until it is back in %.1fs",
-                            type(exc).__name__, delay)
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "LISTEN")
+                else:
+                    log.warning("LISTEN connection lost (%s); polling until it is back in "
+                                "%.1fs", type(exc).__name__, delay)
                 await asyncio.sleep(delay)

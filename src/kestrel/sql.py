@@ -53,7 +53,9 @@ class Queries:
     count_by_status: str
     list_executions: str
     queue_stats: str
+    count_cancelled: str
     worker_stats: str
+    waiting_stats: str
     listen: str
     listen_done: str
     listen_events: str
@@ -65,6 +67,11 @@ class Queries:
     lock_queue_limit: str
     claim_limited: str
     db_now: str
+    advance_clock: str
+    skip_to_next_sleep: str
+    waiting_for: str
+    reset_for_test: str
+    drop_schema: str
     upsert_schedule: str
     advance_schedule: str
     get_schedule: str
@@ -75,6 +82,12 @@ class Queries:
     current_migration: str
     record_migration: str
     ensure_current_partitions: str
+    register_worker: str
+    unregister_worker: str
+    live_workers: str
+    unclaimable_total: str
+    unclaimable_by_workflow: str
+    patch_summary: str
     # The HTTP door (sql/queries/http.sql).
     create_token: str
     list_tokens: str
@@ -90,6 +103,7 @@ class Queries:
     # The web UI (sql/queries/ui.sql).
     ui_counts: str
     search_history: str
+    signal_sent: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

@@ -17,7 +17,17 @@ from datetime import datetime
 from typing import Any, Generic, TypeVar
 
 from kestrel.sql import Queries
-from kestrel.types import Execution, ExecutionSummary, QueueStat, Stats, Status, StepRow
+from kestrel.types import (
+    Execution,
+    ExecutionSummary,
+    LiveWorker,
+    PatchUse,
+    QueueStat,
+    Stats,
+    Status,
+    StepRow,
+    Unclaimable,
+)
 
 T = TypeVar("T")
 
@@ -71,7 +81,8 @@ def _execution(row: Sequence[Any]) -> Execution:
     return Execution(
         id=row[0], workflow=row[1], queue=row[2], priority=row[3], status=Status(row[4]),
         args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
-        created_at=row[10], started_at=row[11], finished_at=row[12],
+        created_at=row[10], started_at=row[11], finished_at=row[12], deadline=row[13],
+        waiting_for=row[14], wake_at=row[15], wait_deadline=row[16], queue_limit=row[17],
     )
 
 
@@ -120,14 +131,26 @@ def count_by_status(q: Queries) -> Stmt[dict[str, int]]:
 
 
 def list_executions(q: Queries, *, status: str | None, workflow: str | None,
-                    since: datetime | None, limit: int) -> Stmt[list[ExecutionSummary]]:
-    """Executions newest first, live and finished, optionally filtered."""
+                    since: datetime | None, limit: int, app_version: str | None = None,
+                    patch: str | None = None, with_patch: bool = True,
+                    ) -> Stmt[list[ExecutionSummary]]:
+    """Executions newest first, live and finished, optionally filtered (by status,
+    workflow, creation time, the app version that started them, and whether they recorded
+    *patch*'s marker)."""
     return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
-                                    "limit": limit},
+                                    "limit": limit, "app_version": app_version,
+                                    "patch": patch, "with_patch": with_patch},
                 lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
                                                status=Status(r[3]), attempts=r[4],
-                                               created_at=r[5], finished_at=r[6])
+                                               created_at=r[5], finished_at=r[6],
+                                               app_version=r[7])
                               for r in rows])
+
+
+def count_cancelled(q: Queries, *, workflows: list[str]) -> Stmt[list[str]]:
+    """Take the executions of *workflows* that cancel() finished while queued or waiting and
+    no collector has counted yet; return their workflow names (one per execution)."""
+    return Stmt(q.count_cancelled, {"workflows": workflows}, lambda rows: [r[0] for r in rows])
 
 
 def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
@@ -188,3 +211,76 @@ def upsert_schedule(q: Queries, *, name: str, cron: str, workflow: str,
     """Register a schedule; its last tick (kept if it existed)."""
     return Stmt(q.upsert_schedule, {"name": name, "cron": cron, "workflow": workflow,
                                     "last_tick": last_tick}, _first)
+
+
+# -- versions and the live fleet (kestrel.versions, migration 0010) --------------------------
+
+def register_worker(q: Queries, *, worker_id: str, app_version: str, workflows: list[str],
+                    queues: list[str], stale_after_s: float) -> Stmt[None]:
+    """Upsert a worker's row: what it claims, its version, when it counts as dead."""
+    return command(q.register_worker, {"worker_id": worker_id, "app_version": app_version,
+                                       "workflows": workflows, "queues": queues,
+                                       "stale_after_s": stale_after_s})
+
+
+def unregister_worker(q: Queries, *, worker_id: str) -> Stmt[None]:
+    """Delete a worker's row (it stopped cleanly)."""
+    return command(q.unregister_worker, {"worker_id": worker_id})
+
+
+def live_workers(q: Queries) -> Stmt[list[LiveWorker]]:
+    """Workers seen within their lifetime, newest first."""
+    return Stmt(q.live_workers, None, lambda rows: [
+        LiveWorker(worker_id=r[0], app_version=r[1], workflows=list(r[2]), queues=list(r[3]),
+                   started_at=r[4], seen_at=r[5]) for r in rows])
+
+
+def unclaimable_total(q: Queries) -> Stmt[tuple[int, int]]:
+    """Live executions no live worker can claim, and their distinct workflow names."""
+    return Stmt(q.unclaimable_total, None,
+                lambda rows: (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0))
+
+
+def unclaimable_by_workflow(q: Queries, *, limit: int) -> Stmt[list[Unclaimable]]:
+    """Unclaimable executions by workflow and queue, the most first, at most *limit* lines."""
+    return Stmt(q.unclaimable_by_workflow, {"limit": limit}, lambda rows: [
+        Unclaimable(workflow=r[0], queue=r[1], count=int(r[2]), oldest_created_at=r[3])
+        for r in rows])
+
+
+def patch_summary(q: Queries, *, patch: str | None) -> Stmt[list[PatchUse]]:
+    """Every recorded patch (or only *patch*) by workflow, with who still lacks it."""
+    return Stmt(q.patch_summary, {"patch": patch}, lambda rows: [
+        PatchUse(workflow=r[0], patch=r[1], at_step=r[2], total_with=int(r[3]),
+                 live_with=int(r[4]), live_without=int(r[5])) for r in rows])
+
+
+# -- kestrel.testing: the database clock and a clean slate per test --------------------------
+
+
+def advance_clock(q: Queries, *, seconds: float) -> Stmt[datetime]:
+    """Move the database clock (kestrel_now()) forward by *seconds*; the new time."""
+    return Stmt(q.advance_clock, {"seconds": seconds}, _first)
+
+
+def skip_to_next_sleep(q: Queries) -> Stmt[float | None]:
+    """If nothing can run now, move the clock to the end of the earliest durable sleep; the
+    seconds skipped, or None when something can run or nothing sleeps."""
+    return Stmt(q.skip_to_next_sleep, None, _first)
+
+
+def waiting_for(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[Any, ...] | None]:
+    """A live execution's (status, waiting_for, wake_at); None once it finished."""
+    return Stmt(q.waiting_for, {"id": id}, lambda rows: tuple(rows[0]) if rows else None)
+
+
+def reset_for_test(q: Queries) -> Stmt[None]:
+    """Empty every table but the migration record; set the clock back to now()."""
+    return Stmt(q.reset_for_test, None, lambda _: None)
+
+
+def waiting_stats(q: Queries, *, workflows: Sequence[str],
+                  limit: int) -> Stmt[list[tuple[str, str, int]]]:
+    """Waiting executions of *workflows* by (workflow, what they wait for), largest first."""
+    return Stmt(q.waiting_stats, {"workflows": list(workflows), "limit": limit},
+                lambda rows: [(r[0], r[1], int(r[2])) for r in rows])

@@ -176,6 +176,7 @@ class Supervisor:
         self.http = http
         self.http_slot = _Slot(-1)
         self._http_due = 0.0
+        self._http_failures = 0
         self.dsn = dsn
         self.workflows = workflows
         self.slots = [_Slot(i) for i in range(cfg.procs)]
@@ -295,8 +296,14 @@ class Supervisor:
         if self._stopping:
             log.info("HTTP server %d exited (%s)", pid, _describe(code))
             return
-        self._http_due = time.monotonic() + 1.0
-        log.warning("HTTP server %d exited (%s); restarting in 1s", pid, _describe(code))
+        # 1 s, doubling while it dies young (its port taken, say), at most 30 s.
+        now = time.monotonic()
+        self._http_failures = 0 if now - self.http_slot.started >= 10.0 else (
+            self._http_failures + 1)
+        delay = min(30.0, 2.0 ** self._http_failures)
+        self._http_due = now + delay
+        log.warning("HTTP server %d exited (%s); restarting in %.0fs", pid, _describe(code),
+                    delay)
 
     def _spawn(self, slot: _Slot) -> None:
         parent = os.getpid()

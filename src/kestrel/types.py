@@ -141,6 +141,17 @@ class Execution:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    deadline: datetime | None = None
+    """When it ends failed if it has not finished (``submit(timeout=…)``)."""
+    waiting_for: str | None = None
+    """While waiting: ``kestrel.signal:<name>``, ``kestrel.child:<id>``, ``kestrel.sleep``, or
+    None for a delayed start."""
+    wake_at: datetime | None = None
+    """While waiting: when it is claimed again (a sleep's end, a delayed start, a timeout)."""
+    wait_deadline: datetime | None = None
+    """While waiting: when the current wait times out."""
+    queue_limit: str | None = None
+    """While live, in a limited queue: its limits (a queued one may wait for a slot)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -168,6 +179,7 @@ class ExecutionSummary:
     attempts: int
     created_at: datetime
     finished_at: datetime | None
+    app_version: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -190,3 +202,38 @@ class Stats:
     queues: list[QueueStat]
     running_by_worker: dict[str, int]
     totals: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unclaimable:
+    """Live executions of one workflow and queue that no live worker registers: they wait."""
+
+    workflow: str
+    queue: str
+    count: int
+    oldest_created_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LiveWorker:
+    """A worker process seen within its lifetime: what it claims and its app version."""
+
+    worker_id: str
+    app_version: str
+    workflows: list[str]
+    queues: list[str]
+    started_at: datetime
+    seen_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PatchUse:
+    """One patch of one workflow: executions that recorded its marker, and the live ones
+    that have not (they may still need the old code path)."""
+
+    workflow: str
+    patch: str
+    at_step: int | None
+    total_with: int
+    live_with: int
+    live_without: int

@@ -34,6 +34,7 @@ from kestrel.runner import Runner, WorkerStats
 from kestrel.schedule import schedules
 from kestrel.services import Listener, Scheduler, Stats, Sweeper, Upkeep
 from kestrel.sql import queries
+from kestrel.versions import Registration, resolve_app_version
 from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.worker")
@@ -50,6 +51,7 @@ class Worker:
 
     def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
                  collect_queue_stats: bool = False, stats_interval: float = 5.0) -> None:
+        cfg = resolve_app_version(cfg, workflows)  # recorded by this worker's first claims
         self.cfg = cfg
         self.dsn = dsn
         self.id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -82,6 +84,9 @@ class Worker:
         self._stats = Stats(self._pool, self._q, workflows=sorted(workflows),
                             collect_queues=collect_queue_stats, interval=stats_interval,
                             running=lambda: len(self.leases))
+        self.registration = Registration(self._pool, self._q, cfg, worker_id=self.id,
+                                         workflows=sorted(workflows),
+                                         collect=collect_queue_stats)
         self.heartbeat: Heartbeat | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -117,6 +122,7 @@ class Worker:
             "upkeep": self.upkeep.run,
             "stats": self._stats.run,
             "ticker": self._tick,
+            "registration": self.registration.run,
         }
         if self._schedules:
             found["scheduler"] = self.scheduler.run
@@ -129,6 +135,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         await self._pool.open(wait=False)
         await self._register()
+        await self.registration.run_once()  # live (claimable names known) before claiming
         self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q, lease_s=self.cfg.lease,
                                    interval=self.cfg.heartbeat,
                                    prepared=self.cfg.prepared_statements, loop=loop,
@@ -136,10 +143,11 @@ class Worker:
         self.heartbeat.start()
         services = self.services()
         log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
-                 "connections=%s prepared=%s", self.id, self.cfg.concurrency,
+                 "connections=%s prepared=%s app_version=%s", self.id, self.cfg.concurrency,
                  self.cfg.batch_size, ",".join(self.cfg.queues),
                  "LISTEN/NOTIFY + polling" if "listener" in services else "polling only",
-                 self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no")
+                 self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no",
+                 self.cfg.app_version)
         try:
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._service(name, fn), name=name)
@@ -153,6 +161,7 @@ class Worker:
                 if lease.task is not None:
                     lease.task.cancel()
             await self.heartbeat.stop()
+            await self.registration.unregister()
             await self._pool.close()
             self._executor.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped: %s", self.id, self.stats)

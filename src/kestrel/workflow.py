@@ -77,6 +77,7 @@ from kestrel.definitions import (
 from kestrel.errors import (
     Cancelled,
     ChildFailed,
+    CodeTooOld,
     KestrelError,
     LeaseLost,
     NonDeterminismError,
@@ -84,6 +85,7 @@ from kestrel.errors import (
     StepFailed,
     WriteRejected,
 )
+from kestrel.failpoints import failpoint
 from kestrel.types import Claimed, RecordedStep, SignalTaken, StepSaved, StepWrite
 
 if TYPE_CHECKING:
@@ -149,6 +151,7 @@ class ChildHandle:
 
 _SLEEP = "kestrel.sleep"
 _SIGNAL = "kestrel.signal:"
+_PATCH = "kestrel.patch:"
 
 
 @dataclass(eq=False)
@@ -173,6 +176,22 @@ class Context:
     # refused write). Sticky: every later ctx call raises it again, so workflow code that
     # catches Exception cannot run or record another step (FAULTS P6).
     decision: KestrelError | None = field(default=None, init=False)
+    # Patches (Context.patched): what each id answered in this run, and the id of the next
+    # marker. Markers are checkpoints at negative ids, outside the numbering of steps, so
+    # adding or later removing a patch never moves a step to another position.
+    _patches: dict[str, bool] = field(default_factory=dict, init=False)
+    _next_marker: int = field(default=-1, init=False)
+    _recorded_upto: int = field(default=-1, init=False)
+
+    def __post_init__(self) -> None:
+        steps = self.claimed.steps
+        self._next_marker = min((k for k in steps if k < 0), default=0) - 1
+        # How far this execution got before this claim: its last checkpoint, or the wait it
+        # was parked at (a parked wait has passed its position though nothing is recorded).
+        upto = max((k for k in steps if k >= 0), default=-1)
+        if self.claimed.wait_step is not None:
+            upto = max(upto, self.claimed.wait_step)
+        self._recorded_upto = upto
 
     @property
     def execution_id(self) -> UUID:
@@ -300,6 +319,13 @@ class Context:
 
     def _replay(self, step_id: int, name: str, recorded: RecordedStep) -> Any:
         if recorded.name != name:
+            unknown = self._unknown_patches(step_id)
+            if unknown:
+                self._decide(CodeTooOld(
+                    f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
+                    f"but newer code recorded {recorded.name!r} there after patch "
+                    f"{unknown[0]!r}, which this code does not know; leaving the execution "
+                    "to a worker that runs the newer version"))
             self._decide(NonDeterminismError(
                 f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
                 f"but the recorded history has {recorded.name!r} there; the workflow code "
@@ -310,12 +336,25 @@ class Context:
                              recorded.error.get("message", ""))
         return recorded.output
 
+    def _unknown_patches(self, position: int) -> list[str]:
+        """Patch ids recorded at or before *position* that this run never asked about: the
+        history was written by code that knows a patch this code does not."""
+        found = []
+        for step_id, rec in self.claimed.steps.items():
+            if step_id < 0 and rec.name.startswith(_PATCH):
+                patch = rec.name[len(_PATCH):]
+                at = rec.output.get("at", 0) if isinstance(rec.output, dict) else 0
+                if patch not in self._patches and isinstance(at, int) and at <= position:
+                    found.append(patch)
+        return sorted(found)
+
     async def _run_body(
         self, info: StepInfo, fn: Callable[..., Any], args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         token = _current_step.set(info)
         try:
+            failpoint("step_body", info)  # kestrel.testing's injected step failures
             if inspect.iscoroutinefunction(fn):
                 return await fn(*args, **kwargs)
             loop = asyncio.get_running_loop()
@@ -326,6 +365,69 @@ class Context:
 
     async def _internal(self, name: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         return await self._step(StepSpec(name, RetryPolicy()), fn, args, {})
+
+    # -- versioning ---------------------------------------------------------------------------
+
+    async def patched(self, patch_id: str) -> bool:
+        """Whether this execution takes the new code path of change *patch_id*.
+
+        True for an execution that reaches this point under code that has the patch: a
+        marker is checkpointed (before this returns), so every replay answers True again.
+        False for an execution that passed this point before the change (its history goes
+        beyond here with no marker): it replays the old path it recorded. The answer for one
+        id is the same for the whole execution, however often it is asked. Markers take no
+        step position, so the steps after a patch keep their numbers, and removing the patch
+        later (once no execution needs the old path: ``kestrel-runtime patches``) is safe.
+
+        Raises:
+            SerializationError: *patch_id* is not 1-1024 characters of storable text (no
+                NUL, no lone surrogate, at most 2048 bytes of UTF-8); nothing is written.
+        """
+        codec.check_text(patch_id, what="patch id")
+        return await self._patch(patch_id)
+
+    async def deprecate_patch(self, patch_id: str) -> None:
+        """Mark where the old path of *patch_id* was removed (the code keeps only the new one).
+
+        Records the marker like :meth:`patched` (so code that still asks ``patched`` — a
+        rollback — takes the new path for executions started here) and checks that this
+        execution did not need the old path.
+
+        Raises:
+            SerializationError: *patch_id* is not storable text (see :meth:`patched`).
+            NonDeterminismError: this execution passed this point before the change: the old
+                path was removed while it still needed it.
+        """
+        codec.check_text(patch_id, what="patch id")
+        if not await self._patch(patch_id):
+            self._decide(NonDeterminismError(
+                f"execution {self.execution_id} of workflow {self.workflow!r} passed patch "
+                f"{patch_id!r} before the change and needs the old code path, which this "
+                f"code removed (deprecate_patch); restore `if ctx.patched({patch_id!r})` until "
+                f"`kestrel-runtime list --without-patch {patch_id}` shows no live executions"))
+
+    async def _patch(self, patch_id: str) -> bool:
+        if self.decision is not None:
+            raise self.decision
+        known = self._patches.get(patch_id)
+        if known is not None:
+            return known
+        name = _PATCH + patch_id
+        if any(k < 0 and r.name == name for k, r in self.claimed.steps.items()):
+            self._patches[patch_id] = True
+            return True
+        position = self._next_step
+        if self._recorded_upto >= position:
+            # Recorded before the change: the old path is what this history holds.
+            self._patches[patch_id] = False
+            return False
+        self._check_can_start()
+        marker = self._next_marker
+        self._next_marker -= 1
+        await self._record(marker, name, codec.encode({"at": position}, what="patch marker"),
+                           None, 1, 0.0)
+        self._patches[patch_id] = True
+        return True
 
     # -- durable waits ------------------------------------------------------------------------
 

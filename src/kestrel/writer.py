@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from typing import Generic, NoReturn, TypeVar
 
 from kestrel import db
+from kestrel.outage import OUTAGE
 
 log = logging.getLogger("kestrel.writer")
 
@@ -136,8 +137,7 @@ class GroupCommit(Generic[In, Out]):
             except Exception as exc:
                 if db.is_transient(exc):
                     delay = backoff.next_delay()
-                    log.warning("%s flush failed (%s: %s); retrying in %.2fs", self.name,
-                                type(exc).__name__, str(exc).strip()[:200], delay)
+                    OUTAGE.failed(exc, f"{self.name} flush")
                     self._backing_off = True
                     try:
                         await asyncio.sleep(delay)
@@ -163,6 +163,7 @@ class GroupCommit(Generic[In, Out]):
                 if not live[0][1].done():
                     live[0][1].set_exception(exc)
                 return
+            OUTAGE.succeeded()
             backoff.reset()
             self.flushes += 1
             self.items += len(live)

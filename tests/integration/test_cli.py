@@ -126,8 +126,15 @@ def test_cancel_retry_signal(cli, pg_dsn: str, schema: str) -> None:  # type: ig
     run_worker_until(pg_dsn, config(schema),
                      lambda: client.get(waiting.id).status.value == "completed")
     assert waiting.result(timeout=1) == {"ok": True}
-    code, out, _ = cli("cancel", str(waiting.id))
-    assert code == 0 and "already completed; nothing to cancel" in out
+    # Like retry of an execution it cannot re-run, cancel of one that already ended
+    # otherwise is an error (issue 18: it exited 0 while retry exited 1).
+    code, out, err = cli("cancel", str(waiting.id))
+    assert (code, out) == (1, "")
+    assert err.strip() == (f"kestrel-runtime cancel: execution {waiting.id} already "
+                           "completed; only a queued, running or waiting execution can be "
+                           "cancelled")
+    code, _, err = cli("retry", str(waiting.id))
+    assert code == 1 and "only failed, cancelled or quarantined" in err
     code, _, err = cli("cancel", MISSING)
     assert code == 1 and "no execution" in err
 

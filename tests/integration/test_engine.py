@@ -8,6 +8,7 @@ import pytest
 
 import kestrel
 from kestrel.client import SyncClient
+from kestrel.testing import KestrelTestEnv
 from kestrel.workflow import _registry as workflow_registry
 from tests.apps import ledger_app as app
 from tests.helpers import config, finished_count, q, q1, run_worker_until
@@ -83,28 +84,22 @@ def test_nondeterminism_fails_the_execution_naming_the_step(pg_dsn: str, schema:
 
 
 def test_step_retries_with_backoff_then_succeeds(
-    pg_dsn: str, schema: str, ledger_path: Path
+    kestrel_env: KestrelTestEnv, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
-    h = client.submit(app.flaky_wf, "k-retry", 2)
-    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
-    assert h.result(timeout=1) == "ok after 3"
+    run = kestrel_env.run_to_completion(app.flaky_wf, "k-retry", 2)
+    assert run.assert_completed() == "ok after 3"
     assert [e["attempt"] for e in app.read_ledger(ledger_path)] == [1, 2, 3]
-    assert q1(pg_dsn, schema, "SELECT attempt FROM {s}.workflow_steps") == 3
+    assert run.timeline == [("flaky", 3, "ok")]
 
 
 def test_non_retryable_error_is_recorded_and_fails_the_workflow(
-    pg_dsn: str, schema: str, ledger_path: Path
+    kestrel_env: KestrelTestEnv, ledger_path: Path
 ) -> None:
-    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
-    h = client.submit(app.fails_in_step)
-    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
-    with pytest.raises(kestrel.WorkflowFailed) as info:
-        h.result(timeout=1)
-    assert info.value.status == "failed"
+    run = kestrel_env.run_to_completion(app.fails_in_step)
+    assert run.status is kestrel.Status.FAILED
     assert len(app.read_ledger(ledger_path)) == 1  # ValueError is not in retry_on
-    err = q1(pg_dsn, schema, "SELECT error FROM {s}.workflow_steps")
-    assert err["type"] == "builtins.ValueError"
+    assert run.timeline == [("not_retried", 1, "error")]
+    assert run.step("not_retried").error["type"] == "builtins.ValueError"
 
 
 def test_workflow_exception_stores_type_message_and_traceback(pg_dsn: str, schema: str) -> None:

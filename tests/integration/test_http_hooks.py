@@ -211,6 +211,10 @@ def test_slack_approve_and_reject_buttons_signal_once(server: dict[str, Any]) ->
     again = api.post("/hooks/slack", body, headers=slack(body), token=None)
     assert again.json()["delivered"] is False
     assert result(server, approve) == {"outcome": "approved", "by": "ana"}
+    after = api.post("/hooks/slack", body, headers=slack(body), token=None)
+    assert after.status == 200 and after.json()["delivered"] is False
+    other = _press(approve, "approve", "ana", "1700000000.000999")  # a new press, too late
+    assert api.post("/hooks/slack", other, headers=slack(other), token=None).status == 409
     body = _press(reject, "reject", "bo", "1700000000.000200")
     assert api.post("/hooks/slack", body, headers=slack(body), token=None).status == 200
     assert result(server, reject) == {"outcome": "rejected", "by": "bo"}

@@ -55,9 +55,20 @@ def series(text: str) -> list[str]:
             if line and not line.startswith("#")]
 
 
-def dashboard_exprs() -> list[str]:
+def dashboard_exprs(workflow: str = ".*", queue: str = ".*") -> list[str]:
+    """Every panel query as Grafana sends it: variables substituted (All is ``.*``), then
+    the template variables' own queries (``label_values(m, l)`` as ``count by (l) (m)``)."""
     data = json.loads(DASHBOARD.read_text())
-    return [t["expr"] for p in data["panels"] for t in p["targets"]]
+    found = [t["expr"].replace("$workflow", workflow).replace("$queue", queue)
+             .replace("$__rate_interval", "1m")
+             for p in data["panels"] for t in p["targets"]]
+    for var in data["templating"]["list"]:
+        if var["type"] == "query":
+            m = re.fullmatch(r"label_values\((\w+), (\w+)\)", var["query"]["query"])
+            assert m is not None, var
+            found.append(f"count by ({m.group(2)}) ({m.group(1)})")
+    assert not [e for e in found if "$" in e], found
+    return found
 
 
 def test_dashboard_queries_use_only_exported_metric_names() -> None:
@@ -122,6 +133,24 @@ def test_prometheus_evaluates_every_dashboard_query(
                            what="every dashboard query to return data")
             except AssertionError:
                 raise AssertionError(f"queries without data: {missing}") from None
+
+            # One workflow and one queue picked: every query still parses and runs, and the
+            # filters filter (the waiting panel shows the waiter's signal, not another's).
+            def result(expr: str) -> list[dict[str, object]]:
+                status, body = get(api + urllib.parse.quote(expr))
+                data = json.loads(body)
+                assert status == 200 and data["status"] == "success", (expr, body)
+                return data["data"]["result"]  # type: ignore[no-any-return]
+
+            for expr in dashboard_exprs(workflow="waiter|quick", queue="default"):
+                result(expr)
+            waiting = next(e for e in dashboard_exprs(workflow="waiter")
+                           if "kestrel_waiting_executions" in e)
+            assert [(r["metric"], r["value"][1]) for r in result(waiting)] == [  # type: ignore[index]
+                ({"workflow": "waiter", "waiting_for": "go"}, "20")]
+            other = next(e for e in dashboard_exprs(workflow="quick")
+                         if "kestrel_waiting_executions" in e)
+            assert result(other) == []
     finally:
         prom.terminate()
         prom.wait(timeout=20)
@@ -208,3 +237,45 @@ def test_dead_workers_gauges_are_dropped_and_restarts_counted(
                    what="the dead worker's gauge to go")
         time.sleep(6)
         assert value("kestrel_workers") == 2  # not 3: the dead one was marked dead
+
+
+def _finished(port: int, outcome: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return {s.labels["workflow"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "kestrel_workflows_finished_total"
+            and s.labels["outcome"] == outcome and s.value}
+
+
+def test_cancelling_a_parked_or_queued_execution_counts_as_finished(
+        pg_dsn: str, schema: str, tmp_path: Path) -> None:
+    """cancel() moves a waiting or queued execution to history itself, so no worker saw it
+    finish and kestrel_workflows_finished_total never counted it (issue 18). The metrics
+    collector now counts each once, registered workflow names only."""
+    from kestrel.client import SyncClient
+    from tests.apps import ledger_app as app
+
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    port = free_port()
+    with runtime(pg_dsn, schema, procs=2, args=["--metrics-port", str(port)],
+                 log=tmp_path / "rt.log"):
+        parked = [client.submit(app.waiter) for _ in range(3)]
+        parked.append(client.submit(app.sleeper, 1, 3600.0))
+        wait_until(lambda: all(client.get(h.id).status.value == "waiting" for h in parked),
+                   timeout=60, what="the parked executions")
+        delayed = client.submit(app.quick, 1, delay=3600)  # waiting for its start
+        queued = client.submit(app.quick, 2, queue="nobody-claims-this")
+        unknown = client.submit("no_worker_knows_this", 3)
+        for h in [*parked, delayed, queued, unknown]:
+            assert client.cancel(h.id) == "cancelled"
+        wait_until(lambda: _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1,
+                                                            "quick": 2},
+                   timeout=60, what="the cancels counted")
+        # Counted once: nothing is left to count, and the unknown name is no label.
+        assert q(pg_dsn, schema, "SELECT workflow FROM {s}.uncounted_finishes") == [
+            ("no_worker_knows_this",)]  # left for a worker that registers it
+        assert _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1, "quick": 2}
+        assert client.get(parked[0].id).error == {"type": "Cancelled",
+                                                  "message": "cancelled by request"}

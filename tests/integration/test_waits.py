@@ -13,6 +13,7 @@ import pytest
 
 import kestrel
 from kestrel.client import Client, SyncClient
+from kestrel.testing import KestrelTestEnv
 from tests.apps import ledger_app as app
 from tests.helpers import (
     config,
@@ -78,11 +79,15 @@ def test_signal_errors_are_typed(pg_dsn: str, schema: str) -> None:
         client.signal(h.id, "go")
 
 
-def test_wait_timeout_returns_a_result_not_an_exception(pg_dsn: str, schema: str) -> None:
-    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
-    h = client.submit(app.wait_with_timeout, 0.5)
-    run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) == 1)
-    assert h.result(timeout=1) == {"timed_out": True, "payload": None}
+def test_wait_timeout_returns_a_result_not_an_exception(kestrel_env: KestrelTestEnv) -> None:
+    # An hour's timeout, passed by moving the database clock (kestrel.testing).
+    with pytest.raises(TimeoutError, match="still waiting for signal 'never'"):
+        kestrel_env.run_to_completion(app.wait_with_timeout, 3600, timeout=1)
+    [waiting] = kestrel_env.client.list()
+    kestrel_env.advance_clock(3601)
+    run = kestrel_env.run_until_finished(waiting.id)
+    assert run.assert_completed() == {"timed_out": True, "payload": None}
+    assert run.timeline == [("kestrel.signal:never", 1, "ok")]
 
 
 def test_sleep_never_wakes_early_by_the_database_clock(pg_dsn: str, schema: str) -> None:

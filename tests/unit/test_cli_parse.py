@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from kestrel import cli
@@ -80,3 +82,83 @@ def test_subcommand_options_are_not_taken_for_abbreviations_of_settings() -> Non
     --queue-limits (the top-level parser sees every option)."""
     ns = cli.build_parser().parse_args(["submit", "wf", "--queue", "q", "--dsn", "x"])
     assert (ns.queue, ns.dsn) == ("q", "x")
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+RUNTIME_ONLY = [k.flag for k in KNOBS if k.name not in cli.CONNECTION + cli.HISTORY
+                + ("history_retention_days",
+                   "app_version")]  # `list --app-version` is a filter of its own
+
+
+@pytest.mark.parametrize("command", ["submit", "list", "show", "cancel", "retry", "fork",
+                                     "signal", "stats", "migrate", "partitions"])
+def test_operator_help_shows_its_options_and_only_the_connection_settings(
+        capsys: pytest.CaptureFixture[str], command: str) -> None:
+    out = _help(capsys, [command, "--help"])
+    flags = {f for a in _subparsers()[command]._actions for f in a.option_strings}
+    for name in cli.CONNECTION:
+        assert "--" + name.replace("_", "-") in flags
+        assert "--" + name.replace("_", "-") in out
+    for flag in RUNTIME_ONLY:  # --procs, --batch-size, --lease…: the runtime's, not ours
+        assert flag not in flags, flag
+        assert f"[{flag} " not in out, flag
+    # Its own options come before the settings, in the usage line too.
+    assert out.index("options:") < out.index("settings:")
+    if "[--json]" in out:
+        assert out.index("[--json]") < out.index("[--dsn DSN]")
+
+
+def test_a_runtime_setting_on_an_operator_command_is_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["list", "--procs", "4"])
+    assert info.value.code == 2
+    assert "unrecognized arguments: --procs 4" in capsys.readouterr().err
+
+
+def test_every_option_and_argument_has_help_text() -> None:
+    parsers = {"kestrel-runtime": cli.build_parser(), **_subparsers()}
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), (name, action.dest)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kestrel-runtime {cli.version()}"
+    assert cli.version() not in ("", "unknown")  # installed (pip install -e .)
+
+
+@pytest.mark.parametrize("argv", [
+    ["submit", "wf", "--args", "[1]", "--queue", "default"],
+    ["submit", "wf", "--args", "[1]", "--queue=default"],
+    ["submit", "wf", "--queue=default", "--args=[1]"],
+])
+def test_submit_queue_as_two_words_or_with_equals(argv: list[str]) -> None:
+    ns = cli.build_parser().parse_args(argv)
+    assert (ns.command, ns.workflow, ns.queue, ns.args) == ("submit", "wf", "default", "[1]")
+
+
+def test_submit_delay_and_start_at_are_exclusive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["submit", "wf", "--delay", "5", "--start-at",
+                                       "2030-01-01T00:00:00Z"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_fork_is_a_command_and_needs_from_step(capsys: pytest.CaptureFixture[str]) -> None:
+    ns = cli.build_parser().parse_args(["fork", "id", "--from-step", "2"])
+    assert (ns.command, ns.id, ns.from_step) == ("fork", "id", 2)
+    assert "fork" in cli.COMMANDS
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["fork", "id"])
+    assert "--from-step" in capsys.readouterr().err

@@ -56,3 +56,54 @@ def test_a_malformed_value_stops_the_runtime_before_it_forks() -> None:
     assert done.returncode != 0
     assert "KESTREL_FAILPOINTS: cannot read 'before_completed'" in done.stderr
     assert "started worker" not in done.stderr
+
+
+# -- arm(): points set from code, for one subject (kestrel.testing) -------------------------
+
+
+@pytest.fixture
+def disarmed() -> object:
+    worker.disarm()
+    yield None
+    worker.disarm()
+
+
+def test_armed_points_fire_for_their_subject_only_and_n_times(disarmed: object) -> None:
+    worker.arm("step_body", "error", times=2, match=lambda s: s == "mine",
+               error=TimeoutError("injected"))
+    worker.failpoint("step_body", "another")  # not its subject: nothing
+    for _ in range(2):
+        with pytest.raises(TimeoutError, match="injected"):
+            worker.failpoint("step_body", "mine")
+    worker.failpoint("step_body", "mine")  # spent
+
+
+def test_halt_is_not_an_exception_that_code_can_swallow(disarmed: object) -> None:
+    worker.arm("after_checkpoint_commit_before_ack", "halt")
+    with pytest.raises(worker.Halt):
+        try:
+            worker.failpoint("after_checkpoint_commit_before_ack", [])
+        except Exception:  # what a writer's error isolation catches
+            pytest.fail("Halt was caught as an Exception")
+    assert not issubclass(worker.Halt, Exception)
+
+
+def test_disarm_forgets_every_armed_point(disarmed: object) -> None:
+    worker.arm("before_complete", "crash", times=5)
+    worker.disarm()
+    worker.failpoint("before_complete")
+
+
+@pytest.mark.parametrize(("name", "mode", "kwargs", "message"), [
+    ("nowhere", "raise", {}, "unknown failpoint 'nowhere'"),
+    ("'); DROP TABLE x; --", "raise", {}, "unknown failpoint"),
+    ("step_body", "explode", {}, "failpoint mode 'explode'"),
+    ("step_body", "error", {}, "failpoint mode 'error'"),  # error needs an exception
+    ("step_body", "raise", {"error": ValueError()}, "failpoint mode 'raise'"),
+    ("step_body", "raise", {"times": 0}, "at least once"),
+])
+def test_arm_refuses_what_it_cannot_do(disarmed: object, name: str, mode: str,
+                                       kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        worker.arm(name, mode, **kwargs)  # type: ignore[arg-type]
+    assert worker._ARMED == {}

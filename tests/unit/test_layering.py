@@ -187,16 +187,26 @@ def test_the_sync_client_is_generated_from_the_async_one() -> None:
 
 
 def test_both_clients_offer_the_same_calls() -> None:
+    """Every public call of either client (and of their handles) exists on the other with
+    the same parameters, and is a coroutine on the async side only (issue 18)."""
     import inspect
 
-    from kestrel.client import Client, SyncClient
+    from kestrel.client import Client, Handle, SyncClient, SyncHandle
 
     def calls(cls: type) -> dict[str, list[str]]:
         return {name: list(inspect.signature(fn).parameters)
                 for name, fn in inspect.getmembers(cls, inspect.isfunction)
                 if not name.startswith("_")}
 
-    assert calls(Client) == calls(SyncClient)
+    for async_cls, sync_cls in ((Client, SyncClient), (Handle, SyncHandle)):
+        assert calls(async_cls) == calls(sync_cls)
+        assert {"submit", "result", "get"} & set(calls(async_cls))
+        for name in calls(async_cls):
+            assert inspect.iscoroutinefunction(getattr(async_cls, name)), name
+            assert not inspect.iscoroutinefunction(getattr(sync_cls, name)), name
+    for name in ("submit", "signal", "cancel", "retry", "fork", "get", "steps", "list",
+                 "stats", "result", "get_event", "close"):
+        assert name in calls(Client), name
 
 
 def test_public_functions_and_classes_have_docstrings() -> None:

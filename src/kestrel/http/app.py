@@ -250,9 +250,28 @@ async def signal(request: Request) -> Response:
     name = body.get("name")
     if not isinstance(name, str):
         raise ApiError(400, "name (the signal's name, a string) is required")
-    delivered = await request.app.state.client.signal(
-        eid, name, body.get("payload"), idempotency_key=_header_key(request))
+    delivered = await send_signal(request.app, eid, name, body.get("payload"),
+                                  _header_key(request))
     return ok({"id": str(eid), "signal": name, "delivered": delivered})
+
+
+async def send_signal(app: Starlette, eid: uuid.UUID | str, name: str, payload: Any,
+                      key: str | None) -> bool:
+    """Signal *eid*; False when a signal with *key* was delivered before.
+
+    A replay whose first delivery finished the execution is still answered False, not
+    refused: the SQL function sees a finished execution before it sees the key.
+
+    Raises:
+        InvalidState: it has finished and never got a signal with *key*.
+    """
+    try:
+        return bool(await app.state.client.signal(eid, name, payload, idempotency_key=key))
+    except InvalidState:
+        if key is not None and await app.state.client.read(
+                store.signal_sent(app.state.q, id=uuid.UUID(str(eid)), key=key)):
+            return False
+        raise
 
 
 async def cancel(request: Request) -> Response:
@@ -455,10 +474,9 @@ async def hook(request: Request) -> Response:
             except ValueError as exc:
                 raise ApiError(400, str(exc)) from None
             if action is not None:
-                delivered = await state.client.signal(
-                    action.execution_id, "approval",
-                    {"approved": action.approved, "by": action.by},
-                    idempotency_key=action.key)
+                delivered = await send_signal(
+                    request.app, action.execution_id, "approval",
+                    {"approved": action.approved, "by": action.by}, action.key)
                 return ok({"id": action.execution_id, "signal": "approval",
                            "approved": action.approved, "delivered": delivered})
         payload: Any = parse_json(form["payload"].encode()) if (

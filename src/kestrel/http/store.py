@@ -51,7 +51,7 @@ def get_token(q: Queries, *, id: str) -> Stmt[tuple[str, list[str], bytes] | Non
 def _summary(r: Sequence[Any]) -> Row:
     return {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
             "claims": r[4], "created_at": _iso(r[5]), "finished_at": _iso(r[6]),
-            "parent_id": str(r[7]) if r[7] else None}
+            "parent_id": str(r[7]) if r[7] else None, "app_version": r[8]}
 
 
 def page_executions(q: Queries, *, status: str | None, workflow: str | None,
@@ -68,13 +68,13 @@ def page_executions(q: Queries, *, status: str | None, workflow: str | None,
 
 
 def get_wait(q: Queries, *, id: uuid.UUID) -> Stmt[Row | None]:
-    """What an execution waits for, its deadline, its parent and whether a cancel is
-    pending; None when there is no such execution."""
+    """What an execution waits for, its deadline, its parent, whether a cancel is pending
+    and the app version that claimed it; None when there is no such execution."""
 
     def decode(rows: list[tuple[Any, ...]]) -> Row | None:
         if not rows:
             return None
-        status, waiting_for, wait_deadline, wake_at, deadline, parent, cancel = rows[0]
+        status, waiting_for, wait_deadline, wake_at, deadline, parent, cancel, version = rows[0]
         waiting = None
         if status == "waiting" and waiting_for is not None:
             kind, _, name = str(waiting_for).partition(":")
@@ -89,7 +89,7 @@ def get_wait(q: Queries, *, id: uuid.UUID) -> Stmt[Row | None]:
             waiting = {"kind": "sleep", "until": _iso(wake_at)}
         return {"waiting": waiting, "deadline": _iso(deadline),
                 "parent_id": str(parent) if parent else None,
-                "cancel_requested": bool(cancel)}
+                "cancel_requested": bool(cancel), "app_version": version}
 
     return Stmt(q.get_wait, {"id": id}, decode)
 
@@ -125,3 +125,8 @@ def list_schedules(q: Queries) -> Stmt[list[Row]]:
     return Stmt(q.list_schedules, None, lambda rows: [
         {"name": r[0], "cron": r[1], "workflow": r[2], "last_tick": _iso(r[3]),
          "updated_at": _iso(r[4])} for r in rows])
+
+
+def signal_sent(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
+    """Whether a signal with idempotency key *key* reached execution *id*."""
+    return Stmt(q.signal_sent, {"id": id, "key": key}, lambda rows: bool(rows[0][0]))

@@ -1,0 +1,132 @@
+"""Application versions and the live fleet, for safe changes and rolling deploys.
+
+Every execution records the application version of the worker that first claimed it
+(``--app-version``; by default :func:`code_version`, a hash of the registered workflows'
+source), so an operator can ask which code started what (``list --app-version``).
+
+Every worker process keeps a row in ``workers`` with the workflows and queues it claims and
+its version, upserted each heartbeat period by :class:`Registration` and deleted when it
+stops cleanly. The union of the live rows is what the fleet can run: a live execution whose
+workflow and queue no live worker registers is *unclaimable*. It waits, queued, and is never
+failed by a worker that cannot run it (the claim only takes registered names, FAULTS P4);
+``kestrel-runtime unclaimable`` lists it and the ``kestrel_unclaimable_executions`` gauge
+counts it. Rows rather than session state, so this works behind PgBouncer in transaction
+mode and with workers of several versions side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import psycopg
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel import db, metrics
+from kestrel.config import APP_VERSION, Config
+from kestrel.errors import ConfigError
+from kestrel.outage import OUTAGE
+from kestrel.sql import Queries
+
+log = logging.getLogger("kestrel.worker")
+
+# How many (workflow, queue) lines ``unclaimable`` shows at most: made-up names submitted in
+# bulk must not make an operator's answer (or anything else) unbounded.
+UNCLAIMABLE_LIMIT = 100
+
+
+def check_app_version(value: object) -> str:
+    """Return *value* if it is a valid application version.
+
+    Raises:
+        ConfigError: not 1-128 of ``A-Z a-z 0-9 _ . : + / @ -``.
+    """
+    if not isinstance(value, str) or not APP_VERSION.fullmatch(value):
+        shown = value[:200] if isinstance(value, str) else type(value).__name__
+        raise ConfigError(f"invalid app version {shown!r}: use 1-128 of "
+                          "A-Z a-z 0-9 _ . : + / @ -")
+    return value
+
+
+def code_version(workflows: Mapping[str, Any]) -> str:
+    """A stable hash of the registered workflows: their names and source code.
+
+    The same code gives the same version on every host and Python version (source, not
+    bytecode); a change to any workflow's code gives another. Step bodies are not included:
+    they do not decide replay. A workflow whose source cannot be read (built in a REPL)
+    contributes its bytecode instead.
+    """
+    digest = hashlib.sha256()
+    for name in sorted(workflows):
+        fn = inspect.unwrap(workflows[name])
+        try:
+            code = inspect.getsource(fn).encode()
+        except (OSError, TypeError):
+            code = getattr(getattr(fn, "__code__", None), "co_code", b"")
+        digest.update(name.encode("utf-8", "surrogatepass") + b"\0" + code + b"\0")
+    return "code-" + digest.hexdigest()[:12]
+
+
+def resolve_app_version(cfg: Config, workflows: Mapping[str, Any]) -> Config:
+    """Return *cfg* with its app version set: the configured one, or :func:`code_version`."""
+    if cfg.app_version:
+        return cfg
+    return cfg.replace(app_version=code_version(workflows))
+
+
+class Registration:
+    """Keeps this worker's row in ``workers`` fresh; in the stats process, also the
+    unclaimable gauges."""
+
+    def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, cfg: Config, *,
+                 worker_id: str, workflows: list[str], collect: bool) -> None:
+        self._pool, self._q, self._cfg = pool, q, cfg
+        self._id = worker_id
+        self._workflows = workflows
+        self._collect = collect
+        # A worker not seen for its lease plus two periods is presumed dead.
+        self.interval = cfg.heartbeat
+        self._stale_after = cfg.lease + 2 * cfg.heartbeat
+
+    async def run(self) -> NoReturn:
+        """Call :meth:`run_once` every heartbeat period forever; a failed round is retried
+        at the next (the row only goes stale, which can only hide unclaimable work, never
+        make a worker claim or fail anything)."""
+        while True:
+            try:
+                await self.run_once()
+            except psycopg.Error as exc:
+                if db.is_transient(exc):
+                    OUTAGE.failed(exc, "worker registration")  # one line per outage
+                else:
+                    log.warning("worker registration failed (%s); retrying",
+                                type(exc).__name__)
+            else:
+                OUTAGE.succeeded()
+            await asyncio.sleep(self.interval)
+
+    async def run_once(self) -> None:
+        """Upsert this worker's row; in the collecting process, set the gauges."""
+        async with self._pool.connection() as conn:
+            await db.run(conn, db.register_worker(
+                self._q, worker_id=self._id, app_version=self._cfg.app_version,
+                workflows=self._workflows, queues=list(self._cfg.queues),
+                stale_after_s=self._stale_after))
+            if self._collect:
+                executions, names = await db.run(conn, db.unclaimable_total(self._q))
+                m = metrics.get()
+                m.unclaimable.set(executions)
+                m.unclaimable_workflows.set(names)
+
+    async def unregister(self) -> None:
+        """Delete this worker's row (a clean stop); best effort: a row left behind goes
+        stale on its own."""
+        try:
+            async with self._pool.connection(timeout=5) as conn:
+                await db.run(conn, db.unregister_worker(self._q, worker_id=self._id))
+        except Exception as exc:  # stopping anyway; the row goes stale by itself
+            log.info("could not remove worker row %s (%s)", self._id, type(exc).__name__)

@@ -1,0 +1,77 @@
+"""Workflows for tests/integration/test_testing_kit.py: the README's incident response in
+small, with in-process counters of how often each step body ran (the kit runs its worker in
+the test's process, so a dict is an honest ledger)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import kestrel
+
+bodies: Counter[str] = Counter()
+
+
+@kestrel.step(name="kit.analyze", retries=3, base_delay=0.01, max_delay=0.02,
+              retry_on=(TimeoutError,))
+async def analyze(alert: dict[str, Any]) -> dict[str, Any]:
+    bodies["kit.analyze"] += 1
+    return {"cause": f"{alert['workload']} ran out of memory"}
+
+
+@kestrel.step(name="kit.generate_fix")
+def generate_fix(alert: dict[str, Any], rca: dict[str, Any]) -> dict[str, Any]:
+    bodies["kit.generate_fix"] += 1
+    return {"patch": f"raise the memory limit of {alert['workload']}", "rca": rca["cause"]}
+
+
+@kestrel.step(name="kit.open_pr")
+async def open_pr(fix: dict[str, Any]) -> str:
+    bodies["kit.open_pr"] += 1
+    return f"PR: {fix['patch']}"
+
+
+@kestrel.workflow(name="kit.incident")
+async def incident(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[str, Any]:
+    try:
+        rca = await ctx.step(analyze, alert)
+    except kestrel.StepFailed:
+        return {"outcome": "analysis failed"}
+    fix = await ctx.step(generate_fix, alert, rca)
+    decision = await ctx.wait_for_signal("approval", timeout=7 * 24 * 3600)
+    if decision.timed_out or not decision.payload["approved"]:
+        return {"outcome": "not approved"}
+    return {"outcome": await ctx.step(open_pr, fix)}
+
+
+@kestrel.workflow(name="kit.cooldown")
+async def cooldown(ctx: kestrel.Context, days: int) -> dict[str, Any]:
+    """Analyse, sleep *days* days (durably), then open the PR."""
+    alert = {"workload": "api"}
+    rca = await ctx.step(analyze, alert)
+    started = await ctx.now()
+    await ctx.sleep(days * 24 * 3600)
+    woke = await ctx.now()
+    fix = await ctx.step(generate_fix, alert, rca)
+    return {"slept_s": (woke - started).total_seconds(), "pr": await ctx.step(open_pr, fix)}
+
+
+kestrel.queue("kit-ai", concurrency=1, rate=100, period=60)
+
+
+@kestrel.workflow(name="kit.in_a_queue")
+async def in_a_queue(ctx: kestrel.Context, alert: dict[str, Any]) -> str:
+    rca = await ctx.step(analyze, alert)
+    return str(rca["cause"])
+
+
+@kestrel.workflow(name="kit.wait_named")
+async def wait_named(ctx: kestrel.Context, signal: str) -> Any:
+    """Wait for the signal named by the caller (tests of the waiting gauge's bound)."""
+    return (await ctx.wait_for_signal(signal)).payload
+
+
+@kestrel.workflow(name="kit.parent_of_a_sleeper")
+async def parent_of_a_sleeper(ctx: kestrel.Context, days: int) -> dict[str, Any]:
+    """A child that sleeps *days* days: the parent waits on the child, the child sleeps."""
+    return dict(await ctx.child(cooldown, days))
