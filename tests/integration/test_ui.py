@@ -309,6 +309,16 @@ def test_pages_show_queues_schedules_search_and_live_counts(server: UiServer,
     waiting = int(re.findall(rb'<td class="num">(\d+)</td>', row.group(1))[2])
     assert waiting == int(q1(server.dsn, server.schema, "SELECT count(*) FROM "
                              "{s}.workflow_executions WHERE status = 'waiting'")) >= 1
+    # Live workers and the work none of them can claim (FAULTS P4: listed, never failed).
+    assert b"No live worker." not in queues.body
+    version = q1(server.dsn, server.schema, "SELECT app_version FROM {s}.workers LIMIT 1")
+    assert f'<td class="mono">{version}</td>'.encode() in queues.body
+    nobody = q1(server.dsn, server.schema, "SELECT {s}.submit('ui.nobody', '[]'::jsonb)")
+    listed = ui.get("/ui/queues")
+    section = listed.body.split(b'id="unclaimable"')[1].split(b"</section>")[0]
+    assert b">ui.nobody</a>" in section and b'<td class="num">1</td>' in section
+    assert status_of(client, str(nobody)) == "queued"
+    client.cancel(str(nobody))
     client.cancel(parked)
     assert ui.get("/ui/schedules").status == 200
     jump = ui.get(f"/ui/search?q={done}")

@@ -471,7 +471,8 @@ async def execution(request: Request, session: Session) -> Response:
 
 
 async def queues(request: Request, session: Session) -> Response:
-    """Each queue: live depth by status, its oldest queued age and its limits."""
+    """Each queue: live depth by status, its oldest queued age and its limits; the live
+    workers (what they claim, their app version) and the work none of them can claim."""
     _params(request, ())
     stats = await request.app.state.client.stats()
     limits = await _read(request, store.list_queue_limits(_q(request)))
@@ -482,8 +483,10 @@ async def queues(request: Request, session: Session) -> Response:
         found[s.queue]["depth"][s.status] = s.count
         if s.status == "queued":
             found[s.queue]["oldest"] = s.oldest_age_s
+    client = request.app.state.client
     return render(request, "queues.html", session=session, queues=list(found.values()),
-                  workers=stats.running_by_worker)
+                  running=stats.running_by_worker, workers=await client.workers(),
+                  unclaimable=await client.unclaimable(limit=PAGE))
 
 
 async def schedules(request: Request, session: Session) -> Response:
