@@ -100,6 +100,9 @@ class Queries:
     list_children: str
     list_queue_limits: str
     list_schedules: str
+    # The web UI (sql/queries/ui.sql).
+    ui_counts: str
+    search_history: str
     signal_sent: str
 
 

@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute
 from kestrel.config import Config
 from kestrel.http.app import create_app
 from kestrel.http.hooks import Hook
+from kestrel.http.ui import routes as ui_routes
 
 log = logging.getLogger("kestrel.http")
 
@@ -30,7 +31,8 @@ def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     import uvicorn
 
     port = cfg.http_port or DEFAULT_PORT
-    app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks, routes=routes)
+    app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,
+                     routes=[*ui_routes(), *routes])  # the web UI under /ui
     config = uvicorn.Config(
         app, host=cfg.http_host, port=port, lifespan="on",
         ssl_certfile=cfg.http_certfile or None, ssl_keyfile=cfg.http_keyfile or None,
