@@ -83,8 +83,6 @@ def test_following_the_quickstart_from_an_empty_folder(
     assert "Traceback" not in err, err
 
 
-@pytest.mark.skipif(os.environ.get("KESTREL_TEST_VIA") == "pgbouncer",
-                    reason="the embedded server is local: nothing to route through PgBouncer")
 def test_the_embedded_database_says_it_is_used_and_where_its_data_is(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KESTREL_", "PG"))}
     data = tmp_path / "pgdata"
