@@ -95,7 +95,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             mon.execute(_s("ANALYZE {s}.workflow_executions", schema))
         before = DbCounters.read(mon)
         polls = 0
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The runtime runs this checkout's code (src/ first), whichever environment's
+        # Python runs the bench: an A/B of two checkouts can share one virtualenv.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         cmd = [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", dsn,
                "--schema", schema, "--procs", str(p["procs"]),
                "--concurrency", str(p["concurrency"]), "--batch-size", str(p["batch_size"]),
