@@ -149,9 +149,9 @@ def progress(done: int, total: int, started: float, label: str) -> None:
 
 def wal_by_relation(conn: psycopg.Connection[Any], start: str, end: str, schema: str
                     ) -> dict[str, int]:
-    """WAL bytes between LSNs *start* and *end*, by relation of *schema* (indexes apart),
-    by record kind for the rest (commits, full-page images are counted inside the relation
-    whose page they carry). Uses the server's own pg_waldump on its pg_wal folder, so it
+    """WAL bytes between LSNs *start* and *end*, by relation of *schema* (indexes apart) and
+    record kind (INSERT, HOT_UPDATE, DELETE…), and by record kind alone for the rest
+    (commits); full-page images are summed apart. Uses the server's own pg_waldump on its pg_wal folder, so it
     works only for a server on this machine (the embedded one)."""
     import re
     import shutil
@@ -184,7 +184,8 @@ def wal_by_relation(conn: psycopg.Connection[Any], start: str, end: str, schema:
             continue
         rmgr, rec, tot, desc, rel = (m.group(1), int(m.group(2)), int(m.group(3)),
                                      m.group(4), m.group(5))
-        key = names.get(int(rel), "other relations") if rel else f"{rmgr}/{desc}"
+        key = (f"{names.get(int(rel), 'other relations')} {rmgr}/{desc}" if rel
+               else f"{rmgr}/{desc}")
         totals[key] = totals.get(key, 0) + rec
         if tot > rec:  # the record carries full-page images (first change since a checkpoint)
             totals["(full-page images, all relations)"] = (
