@@ -151,8 +151,8 @@ def wal_by_relation(conn: psycopg.Connection[Any], start: str, end: str, schema:
                     ) -> dict[str, int]:
     """WAL bytes between LSNs *start* and *end*, by relation of *schema* (indexes apart) and
     record kind (INSERT, HOT_UPDATE, DELETE…), and by record kind alone for the rest
-    (commits); full-page images are summed apart. Uses the server's own pg_waldump on its pg_wal folder, so it
-    works only for a server on this machine (the embedded one)."""
+    (commits); full-page images are summed apart. Uses the server's own pg_waldump on its
+    pg_wal folder, so it works only for a server on this machine (the embedded one)."""
     import re
     import shutil
 

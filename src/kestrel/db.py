@@ -225,22 +225,19 @@ async def claim_batch(
 
 
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
-    """Checkpoint *writes* in one statement; results are in the order of *writes*."""
-    now = time.monotonic()
-    cur = await conn.execute(
-        q.save_steps_batch,
-        {
-            "ids": [w.execution_id for w in writes],
-            "epochs": [w.epoch for w in writes],
-            "step_ids": [w.step_id for w in writes],
-            "names": [w.name for w in writes],
-            "outputs": [w.output for w in writes],
-            "errors": [w.error for w in writes],
-            "attempts": [w.attempt for w in writes],
-            "ran": [w.ran_s + max(0.0, now - w.ended_at) for w in writes],
-            "waited": [max(0.0, now - w.ended_at) for w in writes],
-        },
-    )
+    """Checkpoint *writes* in one statement; results are in the order of *writes*.
+
+    The statement is ``save_new_steps_batch``, a plain INSERT (no speculative insertion, so
+    less WAL). If a step of the batch is already recorded (only a retry after a lost reply
+    can meet one: FAULTS F3), it fails whole with unique_violation and the batch is sent
+    again as ``save_steps_batch`` (``ON CONFLICT DO NOTHING``), which returns the output
+    recorded first: a second round trip, on that rare path only.
+    """
+    params = _steps_params(writes)
+    try:
+        cur = await conn.execute(q.save_new_steps_batch, params)
+    except psycopg.errors.UniqueViolation:
+        cur = await conn.execute(q.save_steps_batch, params)
     by_key = {(r[0], r[1]): r for r in await cur.fetchall()}
     saved = []
     for w in writes:
@@ -253,6 +250,21 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
         saved.append(StepSaved(owned=owned, inserted=inserted, recorded=recorded,
                                cancelled=bool(r[7])))
     return saved
+
+
+def _steps_params(writes: Sequence[StepWrite]) -> dict[str, list[Any]]:
+    now = time.monotonic()
+    return {
+        "ids": [w.execution_id for w in writes],
+        "epochs": [w.epoch for w in writes],
+        "step_ids": [w.step_id for w in writes],
+        "names": [w.name for w in writes],
+        "outputs": [w.output for w in writes],
+        "errors": [w.error for w in writes],
+        "attempts": [w.attempt for w in writes],
+        "ran": [w.ran_s + max(0.0, now - w.ended_at) for w in writes],
+        "waited": [max(0.0, now - w.ended_at) for w in writes],
+    }
 
 
 async def park(

@@ -43,7 +43,6 @@ class Metrics:
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
         self.submitted = Counter(
             "kestrel_workflows_submitted_total", "Executions submitted through this "
             "process's clients (SQL submissions show in kestrel_queue_depth)", ["workflow"])
@@ -131,13 +130,15 @@ class Metrics:
         call (about 1 µs each). Safe to share: label values are bounded (FAULTS S2), so the
         cache is too, and a dict lookup needs no lock."""
         key = (id(metric), labels)
-        got = self._children.get(key)
+        got = _children.get(key)
         if got is None:
-            got = self._children[key] = metric.labels(*labels)
+            got = _children[key] = metric.labels(*labels)
         return cast(M, got)
 
 
 _metrics: Metrics | None = None
+# Metrics.child's cache (not an attribute: every attribute of Metrics is a metric).
+_children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
 _create_lock = threading.Lock()
 
 
