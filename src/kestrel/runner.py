@@ -45,9 +45,11 @@ log = logging.getLogger("kestrel.worker")
 
 Out = TypeVar("Out")
 
-import os  # noqa: E402  (experiment only)
-
-FLUSHES_IN_FLIGHT = int(os.environ.get("KESTREL_FLUSHES_IN_FLIGHT", "1"))
+FLUSHES_IN_FLIGHT = 1
+"""Group commits each writer keeps on their way at once (:class:`GroupCommit`'s in_flight).
+Two and three were measured against one on the 2-core VM (BENCHMARKS.md, issue 16): no
+difference in throughput, CPU or commits per workflow showed above the shared machine's
+noise, so the writers keep one until a machine with idle cores shows a gain."""
 
 
 @dataclass
