@@ -229,6 +229,8 @@ def run_floor(dsn: str, p: dict[str, Any], quiet: bool = False) -> dict[str, Any
     if not quiet:
         print("  floor      " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
                                           for t in best["tried"]), flush=True)
+        print(f"  floor      WAL {best['wal_bytes_per_workflow']:.0f} B/workflow at its best",
+              flush=True)
     return best
 
 
@@ -365,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             r["floor_workflows_per_s"] = floors[key]["workflows_per_s"]
             r["floor_best_concurrency"] = floors[key]["concurrency"]
             r["floor_tried"] = floors[key]["tried"]
+            r["floor_wal_bytes_per_workflow"] = floors[key]["wal_bytes_per_workflow"]
             r["ratio_to_floor"] = r["workflows_per_s"] / r["floor_workflows_per_s"]
         rows.append(r)
     print()
