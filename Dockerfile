@@ -26,6 +26,9 @@ ENV KESTREL_METRICS_HOST=0.0.0.0 \
     KESTREL_METRICS_PORT=9464 \
     PYTHONPATH=/app
 EXPOSE 9464
+# The HTTP API and web UI, when started with --http-port 8080 (or `serve`); set
+# KESTREL_HTTP_HOST=0.0.0.0 to reach it from outside the container. Every route needs a token.
+EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2)"
 ENTRYPOINT ["kestrel-runtime"]
 CMD ["--app", "kestrel.demo", "--procs", "4"]

@@ -6,7 +6,7 @@ set -uo pipefail
 PIP=${1:-pip}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
-CORE="psycopg>=3.2 psycopg-pool>=3.2 orjson>=3.10 uvloop>=0.19 prometheus-client>=0.20 cronsim>=2.8"
+CORE="psycopg>=3.2 psycopg-pool>=3.2 orjson>=3.10 uvloop>=0.19 prometheus-client>=0.20 cronsim>=2.8 starlette>=0.40 uvicorn>=0.30 httptools>=0.6 python-multipart>=0.0.9 jinja2>=3.1"
 for plat in manylinux2014_x86_64 manylinux2014_aarch64; do
   for py in 3.11 3.12 3.13; do
     d=$OUT/$plat-$py

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import re
 import sys
 import uuid
@@ -205,6 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
     parts.add_argument("--detach", action="store_true",
                        help="Detach expired partitions instead of dropping them.")
     _json_flag(parts)
+    # -- the HTTP door (kestrel.http) --
+    add("serve", "Serve the HTTP API and webhooks on --http-host:--http-port (default "
+                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config.",
+        None)
+    tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.")
+    tsub = tok.add_subparsers(dest="token_command", metavar="ACTION", required=True)
+
+    def add_token(name: str, help: str) -> argparse.ArgumentParser:
+        p = tsub.add_parser(name, help=help, description=help, allow_abbrev=False)
+        later.append((p, _settings(p, CONNECTION)))
+        return p
+
+    tc = add_token("create", "Create a token; print it once (only its hash is stored).")
+    tc.add_argument("--name", required=True, help="A name to know it by (unique while live).")
+    tc.add_argument("--scopes", required=True, help="Comma-separated: read, operate, submit.")
+    _json_flag(tc)
+    _json_flag(add_token("list", "List tokens: ids, names, scopes (never secrets)."))
+    tr = add_token("revoke", "Revoke a token by name or id; it is refused at once.")
+    tr.add_argument("token", help="The token's name or public id.")
+    _json_flag(tr)
 
     demo = add("demo", "Run the incident-response demo end to end on the embedded database.",
                None)
@@ -412,8 +433,17 @@ def cmd_run(cfg: Config, ns: argparse.Namespace) -> int:
     except InsufficientPrivilege:
         log.warning("history partition upkeep needs the schema owner's rights; run "
                     "`kestrel-runtime partitions` as the owner")
+    http = None
+    if cfg.http_port:  # the HTTP door, in a child process of its own (kestrel.http)
+        import functools
+
+        from kestrel.http.hooks import load_hooks
+        from kestrel.http.server import serve
+
+        hooks = load_hooks(getattr(ns, "config", None) or os.environ.get("KESTREL_CONFIG"))
+        http = functools.partial(serve, cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     try:
-        code = Supervisor(cfg, workflows, dsn=dsn).run()
+        code = Supervisor(cfg, workflows, dsn=dsn, http=http).run()
     finally:
         if metrics_dir:
             import shutil
@@ -920,6 +950,47 @@ def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     return demo.run(cfg, incidents=ns.incidents)
 
 
+def cmd_serve(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime serve``: serve the HTTP API (see :mod:`kestrel.http`) until SIGTERM.
+
+    Raises:
+        ConfigError: --app is unset, or a [hooks.NAME] table is invalid.
+        MigrationError: the schema is not at this code's version and this role may not
+            migrate it.
+    """
+    from psycopg.errors import InsufficientPrivilege
+
+    from kestrel.http.hooks import load_hooks
+    from kestrel.http.server import serve
+    from kestrel.migrate import migrate
+
+    if not cfg.app:
+        raise ConfigError("invalid setting --app / KESTREL_APP: serve accepts the workflows "
+                          "that module registers, e.g. --app myapp.workflows")
+    workflows = import_app(cfg.app)
+    hooks = load_hooks(getattr(ns, "config", None) or os.environ.get("KESTREL_CONFIG"))
+    dsn, server = resolve_dsn(cfg)
+    if (warning := tls_warning(dsn)) is not None:
+        log.warning("%s", warning)
+    try:
+        migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
+                history_ahead=cfg.history_ahead)
+    except InsufficientPrivilege:
+        check_schema_current(dsn, cfg.schema)
+    serve(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
+    del server
+    return 0
+
+
+def cmd_token(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime token create|list|revoke``: manage HTTP API tokens."""
+    from kestrel.http.commands import token_command
+
+    dsn, _server = resolve_dsn(cfg)
+    data, text = token_command(cfg, dsn, ns.token_command, vars(ns))
+    return _emit(ns, data, lambda: print(text))
+
+
 COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "run": cmd_run,
     "migrate": cmd_migrate,
@@ -935,6 +1006,8 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "demo": cmd_demo,
     "unclaimable": cmd_unclaimable,
     "patches": cmd_patches,
+    "serve": cmd_serve,
+    "token": cmd_token,
 }
 
 if __name__ == "__main__":  # pragma: no cover

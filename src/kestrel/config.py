@@ -111,6 +111,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("metrics_certfile", str, "TLS certificate for the metrics endpoint (PEM); "
          "without one it serves plain HTTP.", "PATH"),
     Knob("metrics_keyfile", str, "TLS private key for --metrics-certfile.", "PATH"),
+    Knob("http_host", str, "Address of the HTTP API (kestrel-runtime serve, or --http-port "
+         "on the supervisor).", "HOST"),
+    Knob("http_port", int, "Port of the HTTP API. On the supervisor 0 disables it; serve "
+         "uses 8080 when it is 0.", "PORT"),
+    Knob("http_certfile", str, "TLS certificate for the HTTP API (PEM); without one it "
+         "serves plain HTTP.", "PATH"),
+    Knob("http_keyfile", str, "TLS private key for --http-certfile.", "PATH"),
+    Knob("http_max_body_bytes", int, "Largest request body the HTTP API reads; a larger one "
+         "gets 413 before it is read.", "BYTES"),
     Knob("data_dir", str, "Directory of the embedded PostgreSQL used when no DSN is set.",
          "PATH"),
     Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
@@ -154,6 +163,11 @@ class Config:
     metrics_port: int = 0
     metrics_certfile: str = ""
     metrics_keyfile: str = ""
+    http_host: str = "127.0.0.1"
+    http_port: int = 0
+    http_certfile: str = ""
+    http_keyfile: str = ""
+    http_max_body_bytes: int = 1024 * 1024
     data_dir: str = ".kestrel/pgdata"
     log_level: str = "info"
     log_format: str = "text"
@@ -205,6 +219,12 @@ class Config:
                  "--max-payload-bytes and at most 200 MiB (PostgreSQL's jsonb limit is 256 MB)")
         if not 0 <= self.metrics_port <= 65535:
             _bad("metrics_port", self.metrics_port, "must be 0-65535")
+        if not 0 <= self.http_port <= 65535:
+            _bad("http_port", self.http_port, "must be 0-65535")
+        if self.http_certfile and not self.http_keyfile:
+            _bad("http_keyfile", "", "is needed with --http-certfile")
+        if not 1024 <= self.http_max_body_bytes <= 256 * 1024 * 1024:
+            _bad("http_max_body_bytes", self.http_max_body_bytes, "must be 1 KiB-256 MiB")
         if self.log_level not in {"debug", "info", "warning", "error"}:
             _bad("log_level", self.log_level, "must be debug, info, warning or error")
         if self.log_format not in {"text", "json"}:
@@ -304,7 +324,8 @@ def _read_file(path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     section = data.get("kestrel", data)
-    known = {k.name for k in KNOBS}
+    # [hooks.NAME] tables configure the HTTP door's webhooks (kestrel/http/hooks.py).
+    known = {k.name for k in KNOBS} | {"hooks"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")

@@ -5,6 +5,12 @@ a generated fix, a wait for a human's approval (``wait_for_signal``: the executi
 as a row, holding no worker), and a (simulated) GitOps pull request. Every step is
 checkpointed, so a worker killed mid-incident resumes at the next step without redoing the
 analysis.
+
+The runtime also serves the HTTP door on 127.0.0.1 (the web UI under ``/ui``). The demo
+answers all incidents but one from Python, SQL and the CLI, creates a token for the
+operator, and prints the UI's address and the token, so a person can approve the last one in
+the browser. On a terminal it keeps serving until Ctrl-C; otherwise (CI, scripts) it stops
+after printing what a person would do, and the waiting incident stays in the database.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ import asyncio
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 from typing import Any
 
 import kestrel
@@ -84,7 +93,9 @@ async def incident_response(ctx: kestrel.Context, alert: dict[str, Any]) -> dict
 
 
 def run(cfg: Config, *, incidents: int) -> int:
-    """Start the runtime, raise *incidents* alerts, approve them, show what happened."""
+    """Start the runtime (with the HTTP door), raise *incidents* alerts, answer them, show
+    what happened; then leave one more waiting for a person in the web UI and print its
+    address and a token. On a terminal, serve until Ctrl-C; otherwise return at once."""
     import psycopg
 
     from kestrel import db
@@ -104,9 +115,12 @@ def run(cfg: Config, *, incidents: int) -> int:
     migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
                       history_ahead=cfg.history_ahead)
     procs = max(cfg.procs, 2)
+    port = http_port(cfg.http_host, cfg.http_port)
     env = dict(os.environ, KESTREL_DSN=dsn, KESTREL_SCHEMA=cfg.schema,
-               KESTREL_APP="kestrel.demo", KESTREL_PROCS=str(procs))
-    print(f"\n1. starting the runtime: kestrel-runtime --procs {procs} --app kestrel.demo")
+               KESTREL_APP="kestrel.demo", KESTREL_PROCS=str(procs),
+               KESTREL_HTTP_HOST=cfg.http_host, KESTREL_HTTP_PORT=str(port))
+    print(f"\n1. starting the runtime: kestrel-runtime --procs {procs} --app kestrel.demo "
+          f"--http-port {port}")
     runtime = subprocess.Popen([sys.executable, "-m", "kestrel", "--log-level", "warning"],
                                env=env)
     try:
@@ -165,9 +179,82 @@ def run(cfg: Config, *, incidents: int) -> int:
         print(f"\ndemo done: {opened} pull requests opened, "
               f"{sum(1 for r in results if r['outcome'] == 'rejected')} rejected. "
               f"Data stays in {cfg.data_dir}; `make clean` removes it.")
+        left = client.submit(incident_response, {
+            "workload": "search-api", "namespace": "prod", "alert": "KubePodCrashLooping"},
+            idempotency_key=f"demo-{run_id}-for-you")
+        client.get_event(left.id, "stage", timeout=60)
+        token = _operator_token(cfg, dsn, run_id)
+        host = f"[{cfg.http_host}]" if ":" in cfg.http_host else cfg.http_host
+        ui = f"{'https' if cfg.http_certfile else 'http'}://{host}:{port}"
+        up = cfg.http_certfile != "" or _wait_http(f"{ui}/healthz")
+        print(f"\n6. one more incident waits for you: approve it in the web UI"
+              f"{'' if up else ' (the HTTP server did not answer yet)'}")
+        print(f"   UI:        {ui}/ui/")
+        print(f"   incident:  {ui}/ui/executions/{left.id}")
+        print(f"   token:     {token}")
+        print("              (scopes read,operate; paste it on the login page; "
+              f"`kestrel-runtime token revoke demo-operator-{run_id}` ends it)")
+        if sys.stdin is not None and sys.stdin.isatty():
+            _serve_until_interrupted(client, left.id)
+        else:
+            print("   not attached to a terminal: stopping now. The incident stays waiting in "
+                  "PostgreSQL; run `make run` in a terminal, or `kestrel-runtime --app "
+                  "kestrel.demo --http-port 8080`, to approve it.")
         client.close()
         return 0
     finally:
         runtime.send_signal(signal.SIGTERM)
         runtime.wait(timeout=60)
         del server
+
+
+def http_port(host: str, wanted: int) -> int:
+    """*wanted*, or 8080 when 0, if it is free on *host*; otherwise a free port there."""
+    port = wanted or 8080
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host, port))
+            return port
+        except OSError:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+
+
+def _operator_token(cfg: Config, dsn: str, run_id: str) -> str:
+    """A fresh ``read,operate`` token for the person at the keyboard (printed once)."""
+    from kestrel.http.commands import token_command
+
+    data, _ = token_command(cfg, dsn, "create", {"name": f"demo-operator-{run_id}",
+                                                 "scopes": "read,operate"})
+    return str(data["token"])
+
+
+def _wait_http(url: str, timeout: float = 30) -> bool:
+    """Whether *url* answers 200 within *timeout* seconds (the HTTP child starting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                if reply.status == 200:
+                    return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def _serve_until_interrupted(client: Any, incident: uuid.UUID) -> None:
+    """Keep the runtime and the UI up until Ctrl-C; say so when the incident is answered."""
+    print("\n   serving until Ctrl-C …", flush=True)
+    told = False
+    try:
+        while True:
+            if not told and client.get(incident).status.terminal:
+                told = True
+                outcome = client.get(incident).result or {}
+                where = outcome.get("pull_request") or outcome.get("outcome")
+                print(f"   search-api: {outcome.get('outcome')} by {outcome.get('by')} "
+                      f"→ {where}", flush=True)
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\n   stopping.", flush=True)

@@ -89,6 +89,22 @@ class Queries:
     unclaimable_total: str
     unclaimable_by_workflow: str
     patch_summary: str
+    # The HTTP door (sql/queries/http.sql).
+    create_token: str
+    list_tokens: str
+    revoke_token: str
+    get_token: str
+    page_executions: str
+    get_wait: str
+    list_events: str
+    pending_signals: str
+    list_children: str
+    list_queue_limits: str
+    list_schedules: str
+    # The web UI (sql/queries/ui.sql).
+    ui_counts: str
+    search_history: str
+    signal_sent: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

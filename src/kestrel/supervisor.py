@@ -168,8 +168,15 @@ def _set_parent_death_signal(expected_parent: int) -> None:
 class Supervisor:
     """Fork and watch *cfg.procs* workers running *workflows* against *dsn*."""
 
-    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str) -> None:
+    def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
+                 http: Callable[[], None] | None = None) -> None:
         self.cfg = cfg
+        # The HTTP door (--http-port) runs in a child of its own, restarted if it dies; the
+        # workers never share a process, a loop or a pool with it.
+        self.http = http
+        self.http_slot = _Slot(-1)
+        self._http_due = 0.0
+        self._http_failures = 0
         self.dsn = dsn
         self.workflows = workflows
         self.slots = [_Slot(i) for i in range(cfg.procs)]
@@ -218,6 +225,8 @@ class Supervisor:
         log.info("supervisor %d starting %d worker processes", os.getpid(), self.cfg.procs)
         for slot in self.slots:
             self._spawn(slot)
+        if self.http is not None:
+            self._spawn(self.http_slot)
         deadline = 0.0
         while True:
             self._reap()
@@ -226,14 +235,14 @@ class Supervisor:
                 if not self._signalled_children:
                     self._signalled_children = True
                     deadline = now + self.cfg.drain_timeout + 10.0
-                    for slot in self.slots:
+                    for slot in [*self.slots, self.http_slot]:
                         if slot.pid:
                             _kill(slot.pid, signal.SIGTERM)
-                if not any(s.pid for s in self.slots):
+                if not any(s.pid for s in [*self.slots, self.http_slot]):
                     log.info("all workers exited; supervisor done (%d restarts)", self.restarts)
                     return 0
                 if now > deadline:
-                    for slot in self.slots:
+                    for slot in [*self.slots, self.http_slot]:
                         if slot.pid:
                             log.warning("worker %d did not drain in time; killing it", slot.pid)
                             _kill(slot.pid, signal.SIGKILL)
@@ -241,6 +250,8 @@ class Supervisor:
             else:
                 for index in self.planner.due(now):
                     self._spawn(self.slots[index])
+                if self.http is not None and not self.http_slot.pid and now >= self._http_due:
+                    self._spawn(self.http_slot)
             time.sleep(0.05)
 
     def _reap(self) -> None:
@@ -251,6 +262,9 @@ class Supervisor:
                 return
             if pid == 0:
                 return
+            if self.http_slot.pid and pid == self.http_slot.pid:
+                self._http_exited(pid, os.waitstatus_to_exitcode(status))
+                continue
             slot = next((s for s in self.slots if s.pid == pid), None)
             if slot is None:
                 continue
@@ -274,6 +288,23 @@ class Supervisor:
                             "of %d workers running", other.slot, other.delay,
                             self.planner.policy.floor, len(self.slots))
 
+    def _http_exited(self, pid: int, code: int) -> None:
+        from kestrel import metrics
+
+        self.http_slot.pid = 0
+        metrics.mark_dead(pid)
+        if self._stopping:
+            log.info("HTTP server %d exited (%s)", pid, _describe(code))
+            return
+        # 1 s, doubling while it dies young (its port taken, say), at most 30 s.
+        now = time.monotonic()
+        self._http_failures = 0 if now - self.http_slot.started >= 10.0 else (
+            self._http_failures + 1)
+        delay = min(30.0, 2.0 ** self._http_failures)
+        self._http_due = now + delay
+        log.warning("HTTP server %d exited (%s); restarting in %.0fs", pid, _describe(code),
+                    delay)
+
     def _spawn(self, slot: _Slot) -> None:
         parent = os.getpid()
         sys.stdout.flush()
@@ -285,6 +316,9 @@ class Supervisor:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 _set_parent_death_signal(parent)
+                if slot.index < 0 and self.http is not None:
+                    self.http()
+                    os._exit(0)
                 from kestrel.worker import run_worker
 
                 # One process reads fleet-wide queue depth for the metrics; not all of them.
@@ -298,6 +332,9 @@ class Supervisor:
                 os._exit(code)
         slot.pid = pid
         slot.started = time.monotonic()
+        if slot.index < 0:
+            log.info("started HTTP server %d", pid)
+            return
         self.planner.started(slot.index, slot.started)
         log.info("started worker %d (slot %d)", pid, slot.index)
 

@@ -18,6 +18,7 @@ they decide whether the mechanism worked at all, they are not performance assert
 
 from __future__ import annotations
 
+import calendar
 import re
 import subprocess
 import time
@@ -61,7 +62,8 @@ EXIT_WITHIN = 1.0 + 1.0
 STOP_EXTENDING_WITHIN = LEASE + HEARTBEAT + 1.0
 UPKEEP_STANDS_DOWN = "history partition upkeep needs the schema owner's rights"
 
-_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) +\w+ +([\w.]+)\[(\d+)\] (.*)$")
+# The text log format: an RFC 3339 UTC time with milliseconds, the level, logger[pid], message.
+_LINE = re.compile(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)\.(\d{3})Z +\w+ +([\w.]+)\[(\d+)\] (.*)$")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def events(log: Path, needle: str, *, pid: int | None = None,
         if (pid is not None and int(m.group(4)) != pid) or (
                 logger is not None and m.group(3) != logger):
             continue
-        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+        t = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S")) + int(m.group(2)) / 1000
         found.append(Event(t, m.group(3), int(m.group(4)), m.group(5)))
     return found
 

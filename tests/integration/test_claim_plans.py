@@ -55,7 +55,7 @@ def on_hot_table(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 CLAIM = {"owner": "w", "queues": ["default", "other"], "limit": 32, "lease_s": 30.0,
          "take_suspect": True, "workflows": ["wf"], "any_workflow": False,
-         "max_history_bytes": 1 << 27}
+         "max_history_bytes": 1 << 27, "app_version": "v1"}
 
 
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
@@ -81,7 +81,8 @@ def test_claim_limited_reads_indexes_in_order_and_never_the_whole_queue(
     nodes = explain(pg_dsn, queries(backlog).claim_limited,
                     {"queue": "other", "owner": "w", "limit": 32, "lease_s": 30.0,
                      "workflows": ["wf"], "any_workflow": False,
-                     "max_history_bytes": 1 << 27}, generic=generic)
+                     "max_history_bytes": 1 << 27, "app_version": "v1"},
+                    generic=generic)
     hot = on_hot_table(nodes)
     assert [n for n in hot if "Seq" in n["Node Type"]] == []
     used = {n.get("Index Name") for n in hot}

@@ -1,0 +1,107 @@
+-- The HTTP door (kestrel/http): tokens and the reads of the JSON API. Reads only, apart
+-- from the token rows: every change to an execution goes through the SQL functions that the
+-- clients and the CLI call (submit, signal, cancel, retry, fork).
+
+-- name: create_token
+INSERT INTO __schema__.http_tokens (id, name, scopes, secret_hash)
+VALUES (%(id)s, %(name)s, %(scopes)s::text[], %(secret_hash)s)
+RETURNING created_at;
+
+-- name: list_tokens
+SELECT id, name, scopes, created_at, revoked_at
+  FROM __schema__.http_tokens
+ ORDER BY created_at, id;
+
+-- name: revoke_token
+-- By id or by name; only a live token. Returns the ids revoked.
+UPDATE __schema__.http_tokens
+   SET revoked_at = __schema__.kestrel_now()
+ WHERE (id = %(key)s OR name = %(key)s) AND revoked_at IS NULL
+RETURNING id;
+
+-- name: get_token
+-- A live token by its public id: its scopes and the hash of its secret.
+SELECT name, scopes, secret_hash
+  FROM __schema__.http_tokens
+ WHERE id = %(id)s AND revoked_at IS NULL;
+
+-- name: page_executions
+-- Newest first, live and finished, filtered (NULL = any), after a keyset cursor
+-- (created_at, id): each branch reads its (created_at DESC, id DESC) index and stops after
+-- %(limit)s rows, so a page costs the same on the thousandth page as on the first.
+SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version
+  FROM ((SELECT id, workflow, queue, status, attempts, created_at,
+                NULL::timestamptz AS finished_at, parent_id, app_version
+           FROM __schema__.workflow_executions
+          WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+            AND (%(after_at)s::timestamptz IS NULL
+                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+          ORDER BY created_at DESC, id DESC
+          LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
+                app_version
+           FROM __schema__.workflow_history
+          WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+            AND (%(after_at)s::timestamptz IS NULL
+                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+          ORDER BY created_at DESC, id DESC
+          LIMIT %(limit)s)) AS page
+ ORDER BY created_at DESC, id DESC
+ LIMIT %(limit)s;
+
+-- name: get_wait
+-- What a live execution waits for and until when, its deadline and parent; for a finished
+-- one only the parent and deadline it had.
+SELECT status, waiting_for, wait_deadline, wake_at, deadline, parent_id, cancel_requested,
+       app_version
+  FROM __schema__.workflow_executions WHERE id = %(id)s
+UNION ALL
+SELECT status, NULL, NULL, NULL, deadline, parent_id, false, app_version
+  FROM __schema__.workflow_history WHERE id = %(id)s;
+
+-- name: list_events
+SELECT key, value, updated_at
+  FROM __schema__.events WHERE execution_id = %(id)s
+ ORDER BY key;
+
+-- name: pending_signals
+-- Signals sent and not consumed yet, oldest first (a child's completion is one too).
+SELECT id, name, payload, created_at
+  FROM __schema__.signals
+ WHERE execution_id = %(id)s AND consumed_step IS NULL
+ ORDER BY id
+ LIMIT 1000;
+
+-- name: list_children
+SELECT id, workflow, status, created_at, NULL::timestamptz AS finished_at
+  FROM __schema__.workflow_executions WHERE parent_id = %(id)s
+UNION ALL
+SELECT id, workflow, status, created_at, finished_at
+  FROM __schema__.workflow_history WHERE parent_id = %(id)s
+ ORDER BY created_at, id
+ LIMIT 1000;
+
+-- name: list_queue_limits
+SELECT queue, concurrency, rate, extract(epoch FROM period)
+  FROM __schema__.queue_limits
+ ORDER BY queue;
+
+-- name: list_schedules
+SELECT name, cron, workflow, last_tick, updated_at
+  FROM __schema__.schedules
+ ORDER BY name;
+
+-- name: signal_sent
+-- Whether a signal with this idempotency key reached the execution: a replay of a request
+-- that signalled an execution which has finished since is answered "already delivered".
+SELECT EXISTS (SELECT 1 FROM __schema__.signals
+                WHERE execution_id = %(id)s AND idempotency_key = %(key)s);

@@ -1,0 +1,666 @@
+"""The ASGI application of the HTTP door: :func:`create_app`.
+
+Routes are declared once in :data:`ENDPOINTS` (method, path, scope, handler, what it does),
+which builds both the Starlette routes and the OpenAPI document, so the two cannot drift.
+Every change goes through the kestrel :class:`~kestrel.client.Client` and so through the
+same SQL functions as Python, SQL and the CLI: one set of rules at every door.
+
+What the web UI (mounted under ``/ui`` by :func:`create_app`'s caller) finds on
+``app.state``: ``client`` (a :class:`kestrel.client.Client`, opened at start-up in the
+serving process, after any fork), ``q`` (the statements, for :mod:`kestrel.http.store`
+reads run with ``client.read``), ``require`` (``await app.state.require(request, scope)``
+returns the :class:`~kestrel.http.auth.Caller` or raises :class:`ApiError` 401/403),
+``check_token`` (the same for a token held elsewhere, e.g. a session cookie),
+``read_json``, ``workflows``, ``hooks`` and ``cfg``.
+
+Errors are one line of JSON, ``{"error": "..."}``, with a 4xx status and nothing written;
+no request body, token or secret is ever logged (a route's template, never its path, is
+what a log line names).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import parse_qsl
+
+import orjson
+import psycopg
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from kestrel import codec, db
+from kestrel.client_async import Client
+from kestrel.codec import QUEUE_NAME
+from kestrel.config import Config
+from kestrel.errors import (
+    DuplicateExecution,
+    ExecutionNotFound,
+    IdempotencyConflict,
+    InvalidState,
+    KestrelError,
+    PayloadTooLarge,
+)
+from kestrel.http import auth, store
+from kestrel.http.hooks import Hook, SignatureError, slack_action
+from kestrel.http.hooks import verify as verify_signature
+from kestrel.sql import queries
+from kestrel.types import Status
+
+log = logging.getLogger("kestrel.http")
+
+API = "/api/v1"
+MAX_PAGE = 500
+
+
+class ApiError(Exception):
+    """A request refused with *status* and a one-line *reason* (nothing was written)."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+def error_response(status: int, reason: str) -> Response:
+    """``{"error": reason}`` as one line of ASCII JSON (hostile text escaped, never raw)."""
+    text = codec.printable(" ".join(str(reason).split()), 500)
+    body = json.dumps({"error": text}, ensure_ascii=True)
+    return Response(body + "\n", status_code=status, media_type="application/json")
+
+
+def ok(data: Any, status: int = 200) -> Response:
+    """*data* as JSON (the values come from the database or were checked on the way in)."""
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _status_of(exc: KestrelError) -> int:
+    if isinstance(exc, PayloadTooLarge):
+        return 413
+    if isinstance(exc, ExecutionNotFound):
+        return 404
+    if isinstance(exc, IdempotencyConflict | DuplicateExecution | InvalidState):
+        return 409
+    return 400
+
+
+# -- request parts ---------------------------------------------------------------------------
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 once it passes ``http_max_body_bytes`` (announced or
+    streamed: a client that lies about Content-Length is cut off at the cap too)."""
+    cap: int = request.app.state.cfg.http_max_body_bytes
+    announced = request.headers.get("content-length")
+    if announced is not None and (not announced.isdigit() or int(announced) > cap):
+        raise ApiError(413, f"request body over the cap of {cap} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise ApiError(413, f"request body over the cap of {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a request body as JSON exactly (no silent rounding of huge integers).
+
+    Raises:
+        ApiError: 400 for text that is not UTF-8 or not JSON (lone surrogate escapes,
+            nesting past 1024 levels and numbers beyond a double included).
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(400, "request body is not UTF-8") from None
+    try:
+        return codec.decode_exact(text)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+
+
+async def read_json(request: Request, *, default: Any = None) -> Any:
+    """The body as JSON; *default* when it is empty."""
+    body = await read_body(request)
+    if not body.strip():
+        return default
+    return parse_json(body)
+
+
+def _object(value: Any, allowed: Iterable[str]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise ApiError(400, f"unknown field(s): {', '.join(map(ascii, unknown))}")
+    return value
+
+
+def execution_id(request: Request) -> uuid.UUID:
+    """The ``{id}`` path parameter as a UUID (400 otherwise)."""
+    raw = request.path_params["id"]
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise ApiError(400, f"{codec.printable(raw, 80)!r} is not an execution id (a UUID)"
+                       ) from None
+
+
+def _header_key(request: Request) -> str | None:
+    key = request.headers.get("idempotency-key")
+    if key is not None:
+        codec.check_text(key, what="Idempotency-Key header")
+    return key
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError(400, f"{name} must be a number of seconds")
+    return float(value)
+
+
+def _text(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
+    value = body.get(name, default)
+    if value is not None and not isinstance(value, str):
+        raise ApiError(400, f"{name} must be a string")
+    return value
+
+
+# -- auth ------------------------------------------------------------------------------------
+
+
+async def require(request: Request, scope: str) -> auth.Caller:
+    """The caller of *request* if its bearer token is live and has *scope*.
+
+    Raises:
+        ApiError: 401 without a valid token, 403 with one that lacks *scope*.
+    """
+    header = request.headers.get("authorization")
+    if auth.split(header) is None:
+        raise ApiError(401, "missing or malformed bearer token (Authorization: Bearer kst_…)")
+    return await check_token(request.app, header.partition(" ")[2] if header else "", scope)
+
+
+async def check_token(app: Starlette, token: str, scope: str) -> auth.Caller:
+    """The caller holding *token* (``kst_…``, from a header or, for the UI, a cookie) if it
+    is live and has *scope*.
+
+    Raises:
+        ApiError: 401 for a malformed, unknown or revoked token, 403 for a missing scope.
+    """
+    parts = auth.split(f"Bearer {token}")
+    if parts is None:
+        raise ApiError(401, "malformed token (kst_…)")
+    row = await app.state.client.read(store.get_token(app.state.q, id=parts[0]))
+    caller = auth.verify(parts[1], row, parts[0])
+    if caller is None:
+        raise ApiError(401, "invalid or revoked token")
+    if scope not in caller.scopes:
+        raise ApiError(403, f"this token lacks the {scope!r} scope")
+    return caller
+
+
+# -- the JSON API ----------------------------------------------------------------------------
+
+
+async def submit(request: Request) -> Response:
+    """Start an execution of ``{workflow}``; an ``Idempotency-Key`` header makes it
+    idempotent (the same key and arguments return the same execution)."""
+    await require(request, "submit")
+    state = request.app.state
+    name = request.path_params["workflow"]
+    if state.workflows is not None and name not in state.workflows:
+        raise ApiError(404, f"unknown workflow {codec.printable(name, 200)!r}")
+    body = _object(await read_json(request), ("args", "queue", "priority", "timeout", "delay",
+                                              "dedup_key"))
+    args = body.get("args", [])
+    if not isinstance(args, list):
+        raise ApiError(400, "args must be a JSON array")
+    priority = body.get("priority", 0)
+    handle = await state.client.submit(
+        name, *args, queue=_text(body, "queue", "default"), priority=priority,
+        idempotency_key=_header_key(request), timeout=_number(body, "timeout"),
+        delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"))
+    return ok({"id": str(handle.id), "workflow": name})
+
+
+async def signal(request: Request) -> Response:
+    """Send a signal (``name``, ``payload``) to an execution, at most once per
+    ``Idempotency-Key``."""
+    await require(request, "operate")
+    eid = execution_id(request)
+    body = _object(await read_json(request), ("name", "payload"))
+    name = body.get("name")
+    if not isinstance(name, str):
+        raise ApiError(400, "name (the signal's name, a string) is required")
+    delivered = await send_signal(request.app, eid, name, body.get("payload"),
+                                  _header_key(request))
+    return ok({"id": str(eid), "signal": name, "delivered": delivered})
+
+
+async def send_signal(app: Starlette, eid: uuid.UUID | str, name: str, payload: Any,
+                      key: str | None) -> bool:
+    """Signal *eid*; False when a signal with *key* was delivered before.
+
+    A replay whose first delivery finished the execution is still answered False, not
+    refused: the SQL function sees a finished execution before it sees the key.
+
+    Raises:
+        InvalidState: it has finished and never got a signal with *key*.
+    """
+    try:
+        return bool(await app.state.client.signal(eid, name, payload, idempotency_key=key))
+    except InvalidState:
+        if key is not None and await app.state.client.read(
+                store.signal_sent(app.state.q, id=uuid.UUID(str(eid)), key=key)):
+            return False
+        raise
+
+
+async def cancel(request: Request) -> Response:
+    """Cancel an execution and its live children."""
+    await require(request, "operate")
+    eid = execution_id(request)
+    return ok({"id": str(eid), "status": await request.app.state.client.cancel(eid)})
+
+
+async def retry(request: Request) -> Response:
+    """Re-run a failed, cancelled or quarantined execution from its last checkpoint."""
+    await require(request, "operate")
+    eid = execution_id(request)
+    await request.app.state.client.retry(eid)
+    return ok({"id": str(eid), "status": "queued"})
+
+
+async def fork(request: Request) -> Response:
+    """Start a new execution that reuses the first ``from_step`` checkpoints."""
+    await require(request, "operate")
+    eid = execution_id(request)
+    body = _object(await read_json(request), ("from_step",))
+    step = body.get("from_step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
+        raise ApiError(400, "from_step must be an integer in [0, 2^31)")
+    handle = await request.app.state.client.fork(eid, step)
+    return ok({"id": str(handle.id), "forked_from": str(eid), "from_step": step})
+
+
+_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,200}")
+
+
+def encode_cursor(created_at: datetime, eid: str) -> str:
+    """The opaque cursor after a row: its exact creation time and id, base64url."""
+    raw = f"{created_at.isoformat()}|{eid}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> tuple[datetime, uuid.UUID]:
+    """Read a cursor made by :func:`encode_cursor` (400 for anything else)."""
+    try:
+        if not _CURSOR.fullmatch(text):
+            raise ValueError
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        at, _, eid = raw.partition("|")
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError
+        return when, uuid.UUID(eid)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise ApiError(400, "cursor is not one this API returned") from None
+
+
+def _time(params: Mapping[str, str], name: str) -> datetime | None:
+    text = params.get(name)
+    if text is None:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise ApiError(400, f"{name} must be an ISO 8601 time") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor")
+
+
+async def list_executions(request: Request) -> Response:
+    """Executions newest first, live and finished, filtered, one keyset page at a time."""
+    await require(request, "read")
+    params = request.query_params
+    unknown = sorted(set(params) - set(LIST_PARAMS))
+    if unknown:
+        raise ApiError(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
+    status = params.get("status")
+    if status is not None and status not in {s.value for s in Status}:
+        raise ApiError(400, f"status must be one of {', '.join(s.value for s in Status)}")
+    workflow = params.get("workflow")
+    if workflow is not None:
+        codec.check_text(workflow, what="workflow")
+    queue = params.get("queue")
+    if queue is not None and not QUEUE_NAME.fullmatch(queue):
+        raise ApiError(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+    limit_text = params.get("limit", "50")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_PAGE:
+        raise ApiError(400, f"limit must be an integer in [1, {MAX_PAGE}]")
+    limit = int(limit_text)
+    cursor = params.get("cursor")
+    after = decode_cursor(cursor) if cursor else None
+    state = request.app.state
+    rows = await state.client.read(store.page_executions(
+        state.q, status=status, workflow=workflow, queue=queue, since=_time(params, "since"),
+        until=_time(params, "until"), after=after, limit=limit + 1))
+    page = rows[:limit]
+    more = len(rows) > limit
+    next_cursor = encode_cursor(page[-1][1], page[-1][0]["id"]) if more and page else None
+    return ok({"executions": [r for r, _ in page], "next_cursor": next_cursor})
+
+
+def _step(s: Any, created: datetime) -> dict[str, Any]:
+    return {"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
+            "started_at": s.started_at.isoformat(), "finished_at": s.finished_at.isoformat(),
+            "offset_ms": round((s.started_at - created).total_seconds() * 1000, 1),
+            "duration_ms": round((s.finished_at - s.started_at).total_seconds() * 1000, 1),
+            "output": s.output, "error": s.error}
+
+
+async def get_execution(request: Request) -> Response:
+    """One execution with its step timeline, events, pending signals, children, what it
+    waits for and its deadline."""
+    await require(request, "read")
+    eid = execution_id(request)
+    state = request.app.state
+    ex = await state.client.get(eid)
+    steps = await state.client.steps(eid)
+    wait = await state.client.read(store.get_wait(state.q, id=eid)) or {}
+    return ok({
+        "id": str(ex.id), "workflow": ex.workflow, "queue": ex.queue, "priority": ex.priority,
+        "status": ex.status.value, "claims": ex.attempts, "args": ex.args,
+        "result": ex.result, "error": ex.error,
+        "created_at": ex.created_at.isoformat(),
+        "started_at": ex.started_at.isoformat() if ex.started_at else None,
+        "finished_at": ex.finished_at.isoformat() if ex.finished_at else None,
+        **wait,
+        "steps": [_step(s, ex.created_at) for s in steps],
+        "events": await state.client.read(store.list_events(state.q, id=eid)),
+        "pending_signals": await state.client.read(store.pending_signals(state.q, id=eid)),
+        "children": await state.client.read(store.list_children(state.q, id=eid)),
+    })
+
+
+async def list_queues(request: Request) -> Response:
+    """Each queue with live depth by status, its oldest queued age and its limits."""
+    await require(request, "read")
+    state = request.app.state
+    stats = await state.client.stats()
+    limits = await state.client.read(store.list_queue_limits(state.q))
+    found: dict[str, dict[str, Any]] = {}
+    for name in sorted({*(s.queue for s in stats.queues), *limits}):
+        found[name] = {"queue": name, "depth": {}, "oldest_queued_age_s": None,
+                       "limits": limits.get(name)}
+    for s in stats.queues:
+        found[s.queue]["depth"][s.status] = s.count
+        if s.status == "queued":
+            found[s.queue]["oldest_queued_age_s"] = s.oldest_age_s
+    return ok({"queues": list(found.values())})
+
+
+async def list_schedules(request: Request) -> Response:
+    """Every cron schedule with its last tick."""
+    await require(request, "read")
+    state = request.app.state
+    return ok({"schedules": await state.client.read(store.list_schedules(state.q))})
+
+
+async def list_workflows(request: Request) -> Response:
+    """The workflows this server accepts (those its ``--app`` registers)."""
+    await require(request, "read")
+    names = request.app.state.workflows
+    return ok({"workflows": sorted(names) if names is not None else None})
+
+
+async def openapi(request: Request) -> Response:
+    """The OpenAPI 3.1 document of this API."""
+    from kestrel.http.openapi import document
+
+    return ok(document(ENDPOINTS))
+
+
+async def healthz(request: Request) -> Response:
+    """The server is up (no database round trip, no token)."""
+    return ok({"ok": True})
+
+
+# -- webhooks --------------------------------------------------------------------------------
+
+
+async def hook(request: Request) -> Response:
+    """A configured webhook: verify its signature, then submit its workflow with the body
+    as the one argument, or turn a Slack Approve/Reject press into an ``approval`` signal."""
+    state = request.app.state
+    name = request.path_params["name"]
+    spec: Hook | None = state.hooks.get(name)
+    if spec is None:
+        raise ApiError(404, f"unknown hook {codec.printable(name, 80)!r}")
+    body = await read_body(request)
+    try:
+        key = verify_signature(spec, request.headers, body)
+    except SignatureError as exc:
+        raise ApiError(401, str(exc)) from None
+    codec.check_text(key, what="idempotency key (the delivery id)")
+    if spec.format == "github" and not spec.accepts(event := request.headers.get(
+            "x-github-event")):
+        return ok({"ignored": codec.printable(event or "", 100)})
+    if _is_form(request):
+        form = _form(body)
+        if spec.format == "slack":
+            try:
+                action = slack_action(form)
+            except ValueError as exc:
+                raise ApiError(400, str(exc)) from None
+            if action is not None:
+                delivered = await send_signal(
+                    request.app, action.execution_id, "approval",
+                    {"approved": action.approved, "by": action.by}, action.key)
+                return ok({"id": action.execution_id, "signal": "approval",
+                           "approved": action.approved, "delivered": delivered})
+        payload: Any = parse_json(form["payload"].encode()) if (
+            spec.format == "github" and "payload" in form) else form
+    else:
+        payload = parse_json(body)
+        if (spec.format == "slack" and isinstance(payload, dict)
+                and payload.get("type") == "url_verification"):
+            return ok({"challenge": payload.get("challenge")})
+    handle = await state.client.submit(spec.workflow, payload, queue=spec.queue,
+                                       idempotency_key=key)
+    return ok({"id": str(handle.id), "workflow": spec.workflow})
+
+
+def _is_form(request: Request) -> bool:
+    ctype = request.headers.get("content-type", "")
+    return ctype.split(";")[0].strip().lower() == "application/x-www-form-urlencoded"
+
+
+def _form(body: bytes) -> dict[str, str]:
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False,
+                          max_num_fields=1000)
+    except (UnicodeDecodeError, ValueError):
+        raise ApiError(400, "malformed form body") from None
+    return dict(pairs)
+
+
+# -- the route table -------------------------------------------------------------------------
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One route: what the OpenAPI document says of it, and its handler."""
+
+    method: str
+    path: str
+    handler: Handler
+    scope: str | None
+    summary: str
+    body: dict[str, Any] | None = None
+    query: tuple[str, ...] = ()
+    headers: tuple[str, ...] = ()
+    tags: tuple[str, ...] = field(default=("executions",))
+
+
+_ARGS_BODY = {"type": "object", "additionalProperties": False, "properties": {
+    "args": {"type": "array"}, "queue": {"type": "string"},
+    "priority": {"type": "integer"}, "timeout": {"type": "number"},
+    "delay": {"type": "number"}, "dedup_key": {"type": "string"}}}
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/healthz", healthz, None, "Liveness.", tags=("meta",)),
+    Endpoint("GET", f"{API}/openapi.json", openapi, None, "This document.", tags=("meta",)),
+    Endpoint("GET", f"{API}/workflows", list_workflows, "read", "Registered workflows.",
+             tags=("workflows",)),
+    Endpoint("POST", f"{API}/workflows/{{workflow}}/submit", submit, "submit",
+             "Submit an execution.", body=_ARGS_BODY, headers=("Idempotency-Key",),
+             tags=("workflows",)),
+    Endpoint("GET", f"{API}/executions", list_executions, "read",
+             "List executions, newest first (keyset pages).", query=LIST_PARAMS),
+    Endpoint("GET", f"{API}/executions/{{id}}", get_execution, "read",
+             "One execution: steps, events, pending signals, children, wait, deadline."),
+    Endpoint("POST", f"{API}/executions/{{id}}/signal", signal, "operate",
+             "Send a signal.", body={"type": "object", "required": ["name"],
+                                     "additionalProperties": False,
+                                     "properties": {"name": {"type": "string"},
+                                                    "payload": {}}},
+             headers=("Idempotency-Key",)),
+    Endpoint("POST", f"{API}/executions/{{id}}/cancel", cancel, "operate",
+             "Cancel it and its live children."),
+    Endpoint("POST", f"{API}/executions/{{id}}/retry", retry, "operate",
+             "Re-run a failed, cancelled or quarantined execution."),
+    Endpoint("POST", f"{API}/executions/{{id}}/fork", fork, "operate",
+             "Start a new execution from its first from_step checkpoints.",
+             body={"type": "object", "required": ["from_step"], "additionalProperties": False,
+                   "properties": {"from_step": {"type": "integer", "minimum": 0}}}),
+    Endpoint("GET", f"{API}/queues", list_queues, "read", "Queues: depth and limits.",
+             tags=("queues",)),
+    Endpoint("GET", f"{API}/schedules", list_schedules, "read", "Cron schedules.",
+             tags=("schedules",)),
+    Endpoint("POST", "/hooks/{name}", hook, None,
+             "A configured webhook (GitHub, Slack or HMAC signature instead of a token).",
+             body={}, tags=("hooks",)),
+)
+
+
+def _guarded(handler: Handler) -> Handler:
+    async def endpoint(request: Request) -> Response:
+        response = await _answer(request)
+        # The route's template, never its path or query: those hold values callers chose.
+        log.debug("%s %s %d", request.method, _template(request), response.status_code)
+        return response
+
+    async def _answer(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return error_response(exc.status, exc.reason)
+        except KestrelError as exc:
+            return error_response(_status_of(exc), str(exc))
+        except psycopg.OperationalError:
+            log.warning("database unavailable on %s %s", request.method, _template(request))
+            return error_response(503, "database unavailable; try again")
+        except psycopg.Error as exc:
+            # SQLSTATE only: a server message may quote the request's values.
+            log.error("database error %s on %s %s", exc.sqlstate, request.method,
+                      _template(request))
+            return error_response(500, f"database error {exc.sqlstate}")
+        except ClientDisconnect:
+            return error_response(400, "the client went away before its body was read")
+        except Exception as exc:
+            # The type only: a message or a traceback's locals may hold a caller's values
+            # (FAULTS S5). The request fails alone; the server keeps serving.
+            log.error("internal error %s on %s %s", type(exc).__name__, request.method,
+                      _template(request))
+            return error_response(500, "internal error")
+
+    endpoint.__doc__ = handler.__doc__
+    return endpoint
+
+
+def _template(request: Request) -> str:
+    route = request.scope.get("route")
+    return str(getattr(route, "path", "?"))
+
+
+@asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    state = app.state
+    state.client = HttpClient(state.dsn, schema=state.cfg.schema,
+                              max_payload_bytes=state.cfg.max_payload_bytes,
+                              pool_size=max(2, state.cfg.pool_size),
+                              connection_mode=state.cfg.connection_mode,
+                              listen_dsn=state.cfg.listen_dsn or None)
+    try:
+        yield
+    finally:
+        await state.client.close()
+
+
+class HttpClient(Client):
+    """The kestrel client with one more call: :meth:`read`, for the door's own reads."""
+
+    async def read(self, stmt: db.Stmt[Any]) -> Any:
+        """Run one read statement of :mod:`kestrel.http.store` on a pooled connection."""
+        return await self._run(stmt)
+
+
+def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
+               hooks: Mapping[str, Hook] | None = None,
+               routes: Sequence[BaseRoute] = ()) -> Starlette:
+    """Return the ASGI app of the HTTP door.
+
+    *workflows*: the names a submit may start (404 for others); None accepts any name.
+    *hooks*: the configured webhooks by name. *routes*: more routes (the web UI's, under
+    ``/ui``), served next to the API's. The database client is created at start-up (the
+    lifespan), in the process that serves, so the app can be built before a fork.
+    """
+    routes = [*routes,
+              *(Route(e.path, _guarded(e.handler), methods=[e.method]) for e in ENDPOINTS)]
+    app = Starlette(routes=routes, lifespan=_lifespan,
+                    exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.cfg = cfg
+    app.state.dsn = dsn
+    app.state.q = queries(cfg.schema)
+    app.state.workflows = frozenset(workflows) if workflows is not None else None
+    app.state.hooks = dict(hooks or {})
+    app.state.require = require
+    app.state.check_token = check_token
+    app.state.read_json = read_json
+    return app
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, "no such route")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"method {request.method} not allowed here")
+
+
+__all__ = ["ENDPOINTS", "ApiError", "Endpoint", "create_app", "error_response", "ok",
+           "read_json", "require"]

@@ -1,0 +1,233 @@
+"""Webhook triggers: ``[hooks.NAME]`` tables of the TOML config and their signatures.
+
+Each hook is ``POST /hooks/NAME``; its body becomes the one argument of its workflow, or,
+for a Slack interactive Approve/Reject button, a signal. Signatures are checked exactly as
+the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
+
+- ``github``: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``;
+  ``X-GitHub-Delivery`` is the idempotency key (a redelivery returns the first execution).
+  A ``ping`` (sent when the webhook is created) is answered and starts nothing; with
+  ``events = [...]`` other ``X-GitHub-Event`` types are acknowledged and ignored.
+- ``slack``: ``X-Slack-Signature: v0=<hex HMAC-SHA256(secret, "v0:{ts}:{body}")>`` with
+  ``X-Slack-Request-Timestamp`` = ts within five minutes of now; an identical request
+  replayed inside the window maps to the same idempotency key, so it starts nothing new.
+- ``hmac``: ``X-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``; the idempotency key
+  is the signature, so an exact replay of a body returns the first execution (a sender puts
+  an event id in the body to tell two equal events apart). An unsigned header could not be
+  the key: a captured request replayed with a new one would start new work.
+
+The secret is read from the environment variable the hook names (``secret_env``), at start:
+a hook whose secret is missing stops the server from starting rather than accepting unsigned
+calls. No secret, signature or body is ever logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kestrel import codec
+from kestrel.codec import QUEUE_NAME
+from kestrel.errors import ConfigError, SerializationError
+
+FORMATS = ("github", "slack", "hmac")
+HOOK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+SLACK_WINDOW_S = 300.0
+"""Slack's own advice: refuse a request whose timestamp is more than five minutes off."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hook:
+    """One configured webhook (its secret is held, never shown in repr)."""
+
+    name: str
+    workflow: str
+    format: str
+    secret: bytes = field(default=b"", repr=False)
+    queue: str = "default"
+    events: frozenset[str] | None = None
+    """GitHub only: the X-GitHub-Event types that start the workflow (None: all)."""
+
+    def accepts(self, event: str | None) -> bool:
+        """Whether a GitHub delivery of *event* starts the workflow (never a ping)."""
+        if event == "ping":
+            return False
+        return self.events is None or event in self.events
+
+
+class SignatureError(Exception):
+    """A request whose signature is missing, malformed, wrong or stale (401)."""
+
+
+def load_hooks(path: str | None, environ: dict[str, str] | None = None) -> dict[str, Hook]:
+    """Return the hooks of the TOML file *path* (``[hooks.NAME]``, at the top level or in a
+    ``[kestrel]`` table); none without a file.
+
+    Raises:
+        ConfigError: a hook misses a key, names an unknown format, has a bad name or queue, or
+            its ``secret_env`` is unset or empty.
+    """
+    if not path:
+        return {}
+    env = os.environ if environ is None else environ
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read hooks from config file {path}: {exc}") from None
+    tables = data.get("hooks") or data.get("kestrel", {}).get("hooks") or {}
+    if not isinstance(tables, dict):
+        raise ConfigError(f"config file {path}: hooks must be tables, [hooks.NAME]")
+    hooks = {}
+    for name, spec in tables.items():
+        hooks[name] = _hook(path, name, spec, env)
+    return hooks
+
+
+def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
+    where = f"config file {path}: [hooks.{name}]"
+    if not HOOK_NAME.fullmatch(name):
+        raise ConfigError(f"{where}: a hook name is 1-64 of A-Z a-z 0-9 _ . -")
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue", "events"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
+    for key in ("workflow", "format", "secret_env"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise ConfigError(f"{where}: {key} is required (a string)")
+    if spec["format"] not in FORMATS:
+        raise ConfigError(f"{where}: format must be one of {', '.join(FORMATS)}")
+    queue = spec.get("queue", "default")
+    if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+        raise ConfigError(f"{where}: queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+    try:
+        codec.check_text(spec["workflow"], what="its workflow name")
+    except SerializationError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    events = spec.get("events")
+    if events is not None and (spec["format"] != "github" or not isinstance(events, list)
+                               or not all(isinstance(e, str) and e for e in events)):
+        raise ConfigError(f"{where}: events is a list of GitHub event names (github only)")
+    secret = env.get(spec["secret_env"], "")
+    if not secret:
+        raise ConfigError(f"{where}: the environment variable {spec['secret_env']} (its "
+                          "secret_env) is unset or empty")
+    return Hook(name=name, workflow=spec["workflow"], format=spec["format"],
+                secret=secret.encode(), queue=queue,
+                events=frozenset(events) if events is not None else None)
+
+
+def _hex_hmac(secret: bytes, message: bytes) -> str:
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _same(expected: str, given: str) -> bool:
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
+
+
+def verify(hook: Hook, headers: Any, body: bytes, *, now: float | None = None) -> str:
+    """Check the signature of a request to *hook*; return the idempotency key it carries.
+
+    *headers* is a case-insensitive mapping; *now* the current Unix time (default: this
+    machine's clock, the one Slack's window is defined against).
+
+    Raises:
+        SignatureError: the reason, in words that never include the secret or the body.
+    """
+    if hook.format == "github":
+        _check_prefixed(hook, headers.get("x-hub-signature-256"), "X-Hub-Signature-256",
+                        body)
+        delivery = headers.get("x-github-delivery")
+        if not delivery:
+            raise SignatureError("missing X-GitHub-Delivery header")
+        return f"hook:{hook.name}:github:{delivery}"
+    if hook.format == "slack":
+        return _verify_slack(hook, headers, body, time.time() if now is None else now)
+    signature = _check_prefixed(hook, headers.get("x-signature-256"), "X-Signature-256", body)
+    return f"hook:{hook.name}:sig:{signature}"
+
+
+def _check_prefixed(hook: Hook, header: str | None, name: str, body: bytes) -> str:
+    if not header:
+        raise SignatureError(f"missing {name} header")
+    if not header.startswith("sha256="):
+        raise SignatureError(f"{name} must be sha256=<hex>")
+    expected = "sha256=" + _hex_hmac(hook.secret, body)
+    if not _same(expected, header):
+        raise SignatureError(f"{name} does not match the body")
+    return header[7:]
+
+
+def _verify_slack(hook: Hook, headers: Any, body: bytes, now: float) -> str:
+    signature = headers.get("x-slack-signature")
+    stamp = headers.get("x-slack-request-timestamp")
+    if not signature or not stamp:
+        raise SignatureError("missing X-Slack-Signature or X-Slack-Request-Timestamp header")
+    if not re.fullmatch(r"\d{1,12}", stamp):
+        raise SignatureError("X-Slack-Request-Timestamp must be Unix seconds")
+    if abs(now - int(stamp)) > SLACK_WINDOW_S:
+        raise SignatureError("X-Slack-Request-Timestamp is more than 5 minutes from now "
+                             "(stale or replayed)")
+    if not signature.startswith("v0="):
+        raise SignatureError("X-Slack-Signature must be v0=<hex>")
+    expected = "v0=" + _hex_hmac(hook.secret, b"v0:" + stamp.encode() + b":" + body)
+    if not _same(expected, signature):
+        raise SignatureError("X-Slack-Signature does not match the body")
+    # A replay inside the window is the same bytes, so the same signature: the same key.
+    return f"hook:{hook.name}:slack:{hashlib.sha256(signature.encode()).hexdigest()}"
+
+
+@dataclass(frozen=True, slots=True)
+class SlackAction:
+    """A Slack interactive Approve/Reject button press, as a signal to send."""
+
+    execution_id: str
+    approved: bool
+    by: str
+    key: str
+
+
+def slack_action(form: dict[str, str]) -> SlackAction | None:
+    """Return the approval in a Slack interactivity request (form field ``payload``, JSON
+    with ``type: block_actions``), or None when *form* is not one (a slash command).
+
+    The button's ``value`` carries the execution id and its ``action_id`` is ``approve`` or
+    ``reject``. The signal's idempotency key is the action's own ``action_ts`` with the
+    button, so each press is delivered at most once however often Slack retries it.
+
+    Raises:
+        ValueError: a ``payload`` that is not a block action of this form.
+    """
+    if "payload" not in form:
+        return None
+    try:
+        payload = codec.decode(form["payload"])
+    except ValueError:
+        raise ValueError("payload is not valid JSON") from None
+    if not isinstance(payload, dict) or payload.get("type") != "block_actions":
+        raise ValueError("payload must be a Slack block_actions interaction")
+    actions = payload.get("actions")
+    if not isinstance(actions, list) or not actions or not isinstance(actions[0], dict):
+        raise ValueError("payload has no actions")
+    action = actions[0]
+    action_id, value = action.get("action_id"), action.get("value")
+    if action_id not in ("approve", "reject"):
+        raise ValueError("actions[0].action_id must be approve or reject")
+    if not isinstance(value, str):
+        raise ValueError("actions[0].value must be the execution id")
+    user = payload.get("user")
+    by = ""
+    if isinstance(user, dict):
+        by = str(user.get("username") or user.get("name") or user.get("id") or "")
+    stamp = action.get("action_ts")
+    if not isinstance(stamp, str) or not stamp:
+        raise ValueError("actions[0].action_ts is missing")
+    key = f"slack:{action_id}:{value}:{stamp}"
+    return SlackAction(execution_id=value, approved=action_id == "approve", by=by, key=key)

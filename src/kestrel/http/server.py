@@ -1,0 +1,55 @@
+"""Serving the HTTP door with uvicorn: standalone (``kestrel-runtime serve``) or as the
+supervisor's HTTP child process (``--http-port``).
+
+One process, one event loop, one small connection pool, created after any fork. Several
+servers (processes or hosts) may serve one schema: tokens, idempotency keys and replays live
+in the database, nothing in a server's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Iterable, Mapping, Sequence
+
+from starlette.routing import BaseRoute
+
+from kestrel.config import Config
+from kestrel.http.app import create_app
+from kestrel.http.hooks import Hook
+from kestrel.http.ui import routes as ui_routes
+
+log = logging.getLogger("kestrel.http")
+
+DEFAULT_PORT = 8080
+
+
+def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
+          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = ()) -> None:
+    """Serve the API (and *routes*, e.g. the web UI's) on ``cfg.http_host``:``cfg.http_port``
+    (8080 when 0) until SIGTERM or SIGINT; TLS with ``cfg.http_certfile``/``http_keyfile``."""
+    import uvicorn
+
+    port = cfg.http_port or DEFAULT_PORT
+    app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,
+                     routes=[*ui_routes(), *routes])  # the web UI under /ui
+    config = uvicorn.Config(
+        app, host=cfg.http_host, port=port, lifespan="on",
+        ssl_certfile=cfg.http_certfile or None, ssl_keyfile=cfg.http_keyfile or None,
+        # uvicorn's access log prints paths and query strings: values a caller chose, which
+        # may be secret. The app logs route templates only.
+        access_log=False, log_config=None, server_header=False,
+        # Starlette reads bodies in chunks; the app caps them (413) as they stream in.
+        limit_concurrency=1000, timeout_keep_alive=15,
+    )
+    log.info("serving the HTTP API on %s://%s:%d (%d hooks)",
+             "https" if cfg.http_certfile else "http", cfg.http_host, port, len(hooks or {}))
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and
+    # raises the signal again; found handlers that ignore it make that a clean exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _after_shutdown)
+    uvicorn.Server(config).run()
+
+
+def _after_shutdown(signum: int, frame: object) -> None:
+    """The signal uvicorn re-raises once it has shut down gracefully: nothing left to do."""

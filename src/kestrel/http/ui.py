@@ -1,0 +1,665 @@
+"""The web UI of the HTTP door: server-rendered pages under ``/ui`` (Jinja2, no JS build).
+
+Pages: executions (filters and live counts), one execution (step timeline, what it waits
+for with approve/reject/send forms, events, child tree, cancel and retry), queues, schedules
+and a search over history. Every read is a statement of :mod:`kestrel.http.store` (shared
+with the JSON API) or of ``sql/queries/ui.sql``; every change goes through the kestrel
+client, so the same SQL functions and rules as at every other door.
+
+Sessions. The login page takes an API token (``kestrel-runtime token create``); the server
+checks it exactly as the API checks a bearer token (:func:`kestrel.http.auth.verify`) and
+stores it in an ``HttpOnly; SameSite=Strict`` cookie (``Secure`` over TLS), checked again on
+every request, so revoking the token ends its sessions at once. Pages need ``read``; forms
+need ``operate``. Each form carries a CSRF token: an HMAC keyed with the session's secret,
+which only the cookie's holder knows and the server never stores, so it needs no server
+secret shared between processes; it is compared in constant time, and a POST whose
+``Origin`` is another site is refused too.
+
+Bad input (unknown parameters, NUL, lone surrogates, over-long values, ids that are not
+UUIDs, unknown ids) gets a 4xx page with a one-line reason before anything is written.
+Output is HTML-escaped everywhere (Jinja2 autoescape), and a Content-Security-Policy allows
+only this server's own CSS and script.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, urlencode
+
+import jinja2
+import psycopg
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from kestrel import codec
+from kestrel.codec import QUEUE_NAME
+from kestrel.db import Stmt
+from kestrel.errors import (
+    DuplicateExecution,
+    ExecutionNotFound,
+    IdempotencyConflict,
+    InvalidState,
+    KestrelError,
+    PayloadTooLarge,
+)
+from kestrel.http import auth, store
+from kestrel.http.app import ApiError, decode_cursor, encode_cursor
+from kestrel.sql import Queries
+from kestrel.types import Status
+
+log = logging.getLogger("kestrel.http.ui")
+
+HERE = Path(__file__).parent
+COOKIE = "kestrel_session"
+PAGE = 50
+MAX_QUERY_BYTES = 4096
+MAX_FORM_BYTES = 256 * 1024
+SHOWN_CHARS = 2000
+"""How much of a JSON value (arguments, outputs, payloads) a page shows before cutting."""
+FINISHED_WINDOW = timedelta(hours=24)
+SEARCH_DAYS = 30
+TREE_NODES = 200
+TIMELINE_STEPS = 500
+"""Most steps the execution page draws (a long loop of steps would make a page of megabytes)."""
+TREE_DEPTH = 5
+TERMINAL = tuple(s.value for s in Status if s.terminal)
+ACTIONS = ("approve", "reject", "signal", "cancel", "retry")
+NOTICES = {"approve": "Approval sent.", "reject": "Rejection sent.", "signal": "Signal sent.",
+           "cancel": "Cancelled.", "retry": "Queued again from its last checkpoint.",
+           "duplicate": "Already sent from this form; nothing sent twice."}
+
+SECURITY_HEADERS = {
+    # Inline style attributes only (the timeline's bar widths, computed here); no inline
+    # script, nothing from another origin.
+    "Content-Security-Policy": ("default-src 'none'; style-src 'self'; script-src 'self'; "
+                                "style-src-attr 'unsafe-inline'; img-src 'self' data:; "
+                                "connect-src 'self'; form-action 'self'; base-uri 'none'; "
+                                "frame-ancestors 'none'"),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class UiError(Exception):
+    """A request refused with *status* and a one-line *reason*; nothing was written."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """A logged-in operator: the token's caller and the CSRF token of this session."""
+
+    caller: auth.Caller
+    csrf: str
+
+    def can(self, scope: str) -> bool:
+        """Whether the session's token holds *scope*."""
+        return scope in self.caller.scopes
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def _short_json(value: Any, limit: int = SHOWN_CHARS) -> str:
+    text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}\n… ({len(text) - limit} more characters not shown)"
+
+
+def _cut(value: Any, limit: int = SHOWN_CHARS) -> str:
+    text = str(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more)"
+
+
+def _when(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value < 1000:
+        return f"{value:.1f} ms"
+    if value < 120_000:
+        return f"{value / 1000:.2f} s"
+    return f"{value / 60_000:.1f} min"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms)
+    return env
+
+
+TEMPLATES = _environment()
+
+
+def render(request: Request, template: str, *, status: int = 200,
+           session: Session | None = None, **context: Any) -> HTMLResponse:
+    """*template* rendered with *context*, with the UI's security headers."""
+    html = TEMPLATES.get_template(template).render(
+        session=session, path=request.url.path, statuses=[s.value for s in Status], **context)
+    return HTMLResponse(html, status_code=status, headers=SECURITY_HEADERS)
+
+
+def error_page(request: Request, status: int, reason: str,
+               session: Session | None = None) -> HTMLResponse:
+    """The one-line *reason* of a refusal as a page (hostile text made printable)."""
+    line = codec.printable(" ".join(str(reason).split()), 300)
+    return render(request, "error.html", status=status, session=session, status_code=status,
+                  reason=line)
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+def csrf_token(cookie: str) -> str:
+    """The CSRF token of the session whose cookie is *cookie*: an HMAC keyed with it."""
+    return hmac.new(cookie.encode(), b"kestrel-ui-csrf-v1", hashlib.sha256).hexdigest()
+
+
+async def current_session(request: Request) -> Session | None:
+    """The session of *request*'s cookie if it holds a live token, else None.
+
+    The token is checked by the API's own checker (``app.state.check_token``), so a cookie
+    is exactly as good as the bearer token it holds, and no better.
+
+    Raises:
+        UiError: 403 when the token is live but lacks ``read``.
+    """
+    cookie = request.cookies.get(COOKIE)
+    if not cookie:
+        return None
+    try:
+        caller = await request.app.state.check_token(request.app, cookie, "read")
+    except ApiError as exc:
+        if exc.status == 401:
+            return None
+        raise UiError(exc.status, exc.reason) from None
+    return Session(caller, csrf_token(cookie))
+
+
+def _same_origin(request: Request) -> bool:
+    origin = request.headers.get("origin")
+    if origin is None:  # not a browser's cross-site POST; the CSRF token still guards it
+        return True
+    return origin == f"{request.url.scheme}://{request.headers.get('host', '')}"
+
+
+async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, str]:
+    """The urlencoded form of a POST, each field once, as strictly checked UTF-8 text.
+
+    Raises:
+        UiError: 413 over *cap*; 400 not a urlencoded form, not UTF-8, a field twice.
+    """
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/x-www-form-urlencoded":
+        raise UiError(400, "expected a form (application/x-www-form-urlencoded)")
+    announced = request.headers.get("content-length")
+    if announced is not None and (not announced.isdigit() or int(announced) > cap):
+        raise UiError(413, f"form over the cap of {cap} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise UiError(413, f"form over the cap of {cap} bytes")
+        chunks.append(chunk)
+    try:
+        pairs = parse_qsl(b"".join(chunks).decode("utf-8"), keep_blank_values=True,
+                          strict_parsing=False, encoding="utf-8", errors="strict",
+                          max_num_fields=50)
+    except (UnicodeDecodeError, ValueError):
+        raise UiError(400, "the form is not UTF-8 text (or has too many fields)") from None
+    form: dict[str, str] = {}
+    for name, value in pairs:
+        if name in form:
+            raise UiError(400, f"field {codec.printable(name, 40)!r} given twice")
+        form[name] = value
+    return form
+
+
+def _checked(form: Mapping[str, str], name: str, *, what: str, max_chars: int = 1024,
+             required: bool = True) -> str | None:
+    value = form.get(name)
+    if value is None or value == "":
+        if required:
+            raise UiError(400, f"{what} is required")
+        return None
+    try:
+        return codec.check_text(value, what=what, max_chars=max_chars)
+    except KestrelError as exc:
+        raise UiError(400, str(exc)) from None
+
+
+def _safe_next(target: str | None) -> str:
+    """Where to go after logging in: a path of this UI only (no open redirect)."""
+    if (target and target.startswith("/ui") and not target.startswith("//")
+            and "\\" not in target and all(31 < ord(c) < 127 for c in target)):
+        return target
+    return "/ui/"
+
+
+# -- handlers --------------------------------------------------------------------------------
+
+Page = Callable[[Request, Session], Awaitable[Response]]
+
+
+def page(handler: Page, *, scope: str = "read") -> Callable[[Request], Awaitable[Response]]:
+    """A GET page: a request without a session is sent to the login page; one whose token
+    lacks *scope* gets 403; refusals and database trouble become error pages."""
+
+    async def endpoint(request: Request) -> Response:
+        session: Session | None = None
+        try:
+            _check_query(request)
+            session = await current_session(request)
+            if session is None:
+                target = request.url.path + (f"?{request.url.query}" if request.url.query
+                                             else "")
+                return RedirectResponse(f"/ui/login?{urlencode({'next': target})}", 303)
+            if not session.can(scope):
+                raise UiError(403, f"this token lacks the {scope!r} scope")
+            return await handler(request, session)
+        except Exception as exc:
+            return _refusal(request, exc, session)
+
+    endpoint.__doc__ = handler.__doc__
+    return endpoint
+
+
+def _refusal(request: Request, exc: Exception, session: Session | None) -> Response:
+    if isinstance(exc, UiError | ApiError):
+        return error_page(request, exc.status, exc.reason, session)
+    if isinstance(exc, KestrelError):
+        return error_page(request, _status_of(exc), str(exc), session)
+    if isinstance(exc, psycopg.OperationalError):
+        log.warning("database unavailable on %s %s", request.method, _template(request))
+        return error_page(request, 503, "database unavailable; try again", session)
+    if isinstance(exc, psycopg.Error):
+        # SQLSTATE only: a server message may quote the request's values.
+        log.error("database error %s on %s %s", exc.sqlstate, request.method,
+                  _template(request))
+        return error_page(request, 500, f"database error {exc.sqlstate}", session)
+    # A bug of ours: the type only, since a message may quote the request's values.
+    log.error("UI error %s on %s %s", type(exc).__name__, request.method, _template(request))
+    return error_page(request, 500, "internal error; the server log names it", session)
+
+
+def _status_of(exc: KestrelError) -> int:
+    if isinstance(exc, PayloadTooLarge):
+        return 413
+    if isinstance(exc, ExecutionNotFound):
+        return 404
+    if isinstance(exc, IdempotencyConflict | DuplicateExecution | InvalidState):
+        return 409
+    return 400
+
+
+def _template(request: Request) -> str:
+    return str(getattr(request.scope.get("route"), "path", "?"))
+
+
+def _check_query(request: Request) -> None:
+    raw = request.scope.get("query_string", b"")
+    if len(raw) > MAX_QUERY_BYTES:
+        raise UiError(414, f"query string over {MAX_QUERY_BYTES} bytes")
+    for name, value in request.query_params.multi_items():
+        for text in (name, value):
+            if "\x00" in text or "\ufffd" in text:
+                raise UiError(400, "a query parameter holds NUL or bytes that are not UTF-8")
+
+
+def _params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
+    params = request.query_params
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise UiError(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
+    if len(params.multi_items()) != len(params):
+        raise UiError(400, "a query parameter is given twice")
+    return {k: v for k, v in params.items() if v != ""}
+
+
+def _time(params: Mapping[str, str], name: str) -> datetime | None:
+    text = params.get(name)
+    if text is None:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UiError(400, f"{name} must be a time like 2026-01-31T09:30") from None
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
+    status = params.get("status")
+    if status is not None and status not in allowed:
+        raise UiError(400, f"status must be one of {', '.join(allowed)}")
+    return status
+
+
+def _execution_id(text: str) -> uuid.UUID:
+    try:
+        if len(text) > 64:
+            raise ValueError
+        return uuid.UUID(text)
+    except ValueError:
+        raise UiError(400, f"{codec.printable(text, 60)!r} is not an execution id (a UUID)"
+                      ) from None
+
+
+async def _read(request: Request, stmt: Stmt[Any]) -> Any:
+    return await request.app.state.client.read(stmt)
+
+
+def _q(request: Request) -> Queries:
+    q: Queries = request.app.state.q
+    return q
+
+
+async def counts(request: Request) -> dict[str, Any]:
+    """Live executions by status and those finished in the last 24 hours by status."""
+    rows = await _read(request, Stmt(_q(request).ui_counts,
+                                     {"finished_window": FINISHED_WINDOW},
+                                     lambda rows: rows))
+    live = {s.value: 0 for s in Status if not s.terminal}
+    finished = dict.fromkeys(TERMINAL, 0)
+    for status, n, is_live in rows:
+        (live if is_live else finished)[status] = int(n)
+    return {"live": live, "finished_24h": finished}
+
+
+async def executions(request: Request, session: Session) -> Response:
+    """Executions newest first, filtered by status, workflow, queue and creation time."""
+    params = _params(request, ("status", "workflow", "queue", "since", "until", "cursor"))
+    status = _status(params, tuple(s.value for s in Status))
+    workflow = params.get("workflow")
+    if workflow is not None:
+        _checked(params, "workflow", what="workflow")
+    queue = params.get("queue")
+    if queue is not None and not QUEUE_NAME.fullmatch(queue):
+        raise UiError(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+    cursor = params.get("cursor")
+    after = decode_cursor(cursor) if cursor else None
+    rows = await _read(request, store.page_executions(
+        _q(request), status=status, workflow=workflow, queue=queue,
+        since=_time(params, "since"), until=_time(params, "until"), after=after,
+        limit=PAGE + 1))
+    page_rows = rows[:PAGE]
+    next_url = None
+    if len(rows) > PAGE and page_rows:
+        nxt = {k: v for k, v in params.items() if k != "cursor"}
+        nxt["cursor"] = encode_cursor(page_rows[-1][1], page_rows[-1][0]["id"])
+        next_url = f"/ui/?{urlencode(nxt)}"
+    return render(request, "executions.html", session=session, filters=params,
+                  rows=[r for r, _ in page_rows], next_url=next_url,
+                  counts=await counts(request))
+
+
+async def counts_json(request: Request, session: Session) -> Response:
+    """The live counts as JSON, for the executions page's refresh."""
+    _params(request, ())
+    return JSONResponse(await counts(request), headers={"Cache-Control": "no-store"})
+
+
+async def _tree(request: Request, root: uuid.UUID) -> list[dict[str, Any]]:
+    """The child tree below *root*, depth-first, each node with its depth (bounded)."""
+    found: list[dict[str, Any]] = []
+
+    async def walk(eid: uuid.UUID, depth: int) -> None:
+        if depth > TREE_DEPTH or len(found) >= TREE_NODES:
+            return
+        for child in await _read(request, store.list_children(_q(request), id=eid)):
+            if len(found) >= TREE_NODES:
+                return
+            found.append({**child, "depth": depth})
+            await walk(uuid.UUID(child["id"]), depth + 1)
+
+    await walk(root, 0)
+    return found
+
+
+async def execution(request: Request, session: Session) -> Response:
+    """One execution: its state, wait, step timeline, events, signals and child tree."""
+    params = _params(request, ("done",))
+    notice = NOTICES.get(params.get("done", ""))
+    eid = _execution_id(request.path_params["id"])
+    client = request.app.state.client
+    ex = await client.get(eid)
+    steps = await client.steps(eid)
+    wait = await _read(request, store.get_wait(_q(request), id=eid)) or {}
+    end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
+    span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
+    timeline = []
+    for s in steps[:TIMELINE_STEPS]:
+        offset = (s.started_at - ex.created_at).total_seconds() * 1000
+        duration = (s.finished_at - s.started_at).total_seconds() * 1000
+        timeline.append({
+            "step": s, "offset_ms": offset, "duration_ms": duration,
+            "left": min(max(offset / span_ms * 100, 0), 100),
+            "width": min(max(duration / span_ms * 100, 0.5), 100)})
+    return render(
+        request, "execution.html", session=session, ex=ex, wait=wait, timeline=timeline,
+        events=await _read(request, store.list_events(_q(request), id=eid)),
+        signals=await _read(request, store.pending_signals(_q(request), id=eid)),
+        tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
+        hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
+
+
+async def queues(request: Request, session: Session) -> Response:
+    """Each queue: live depth by status, its oldest queued age and its limits; the live
+    workers (what they claim, their app version) and the work none of them can claim."""
+    _params(request, ())
+    stats = await request.app.state.client.stats()
+    limits = await _read(request, store.list_queue_limits(_q(request)))
+    found: dict[str, dict[str, Any]] = {}
+    for name in sorted({*(s.queue for s in stats.queues), *limits}):
+        found[name] = {"queue": name, "depth": {}, "oldest": None, "limits": limits.get(name)}
+    for s in stats.queues:
+        found[s.queue]["depth"][s.status] = s.count
+        if s.status == "queued":
+            found[s.queue]["oldest"] = s.oldest_age_s
+    client = request.app.state.client
+    return render(request, "queues.html", session=session, queues=list(found.values()),
+                  running=stats.running_by_worker, workers=await client.workers(),
+                  unclaimable=await client.unclaimable(limit=PAGE))
+
+
+async def schedules(request: Request, session: Session) -> Response:
+    """Every cron schedule with its last tick."""
+    _params(request, ())
+    rows = await _read(request, store.list_schedules(_q(request)))
+    return render(request, "schedules.html", session=session, schedules=rows)
+
+
+def like_pattern(text: str) -> str:
+    r"""An ILIKE pattern matching *text* anywhere, its ``%``, ``_`` and ``\`` escaped."""
+    escaped = text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+async def search(request: Request, session: Session) -> Response:
+    """Finished executions whose workflow, error, arguments or key contain the text; an
+    execution id goes straight to its page."""
+    params = _params(request, ("q", "status", "since", "until"))
+    text = _checked(params, "q", what="search text", max_chars=200, required=False) or ""
+    text = text.strip()
+    try:
+        return RedirectResponse(f"/ui/executions/{uuid.UUID(text)}", 303)
+    except ValueError:
+        pass
+    status = _status(params, TERMINAL)
+    now = datetime.now(UTC)
+    since = _time(params, "since") or now - timedelta(days=SEARCH_DAYS)
+    until = _time(params, "until") or now + timedelta(days=1)
+    rows = await _read(request, Stmt(_q(request).search_history, {
+        "since": since, "until": until, "status": status, "pattern": like_pattern(text),
+        "limit": PAGE}, lambda rows: [
+            {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
+             "claims": r[4], "created_at": r[5], "finished_at": r[6],
+             "parent_id": str(r[7]) if r[7] else None,
+             "error": f"{r[8]}: {r[9]}" if r[8] else None} for r in rows]))
+    return render(request, "search.html", session=session, q=text, filters=params,
+                  since=since, until=until, rows=rows, limit=PAGE)
+
+
+async def login_page(request: Request) -> Response:
+    """The login form: paste a token."""
+    try:
+        _check_query(request)
+        params = _params(request, ("next",))
+    except UiError as exc:
+        return error_page(request, exc.status, exc.reason)
+    return render(request, "login.html", next=_safe_next(params.get("next")))
+
+
+async def login(request: Request) -> Response:
+    """Check the pasted token like a bearer token; set the session cookie."""
+    try:
+        if not _same_origin(request):
+            raise UiError(403, "cross-site login refused")
+        form = await read_form(request, cap=8192)
+        token = (_checked(form, "token", what="token", max_chars=200) or "").strip()
+        caller = await request.app.state.check_token(request.app, token, "read")
+    except Exception as exc:
+        return _refusal(request, exc, None)
+    log.info("UI login by %s", auth.describe(caller))
+    response = RedirectResponse(_safe_next(form.get("next")), 303)
+    response.set_cookie(COOKIE, token, max_age=12 * 3600, path="/ui", httponly=True,
+                        samesite="strict", secure=request.url.scheme == "https")
+    return response
+
+
+async def logout(request: Request) -> Response:
+    """End the session: clear the cookie (the token itself stays valid)."""
+    try:
+        try:
+            session = await current_session(request)
+        except UiError:  # a token without read: nothing to protect, just log out
+            session = None
+        if session is not None:
+            if not _same_origin(request):
+                raise UiError(403, "cross-site form refused")
+            form = await read_form(request, cap=8192)
+            if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+                raise UiError(403, "the form's CSRF token does not match this session")
+    except Exception as exc:
+        return _refusal(request, exc, None)
+    response = RedirectResponse("/ui/login", 303)
+    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict",
+                           secure=request.url.scheme == "https")
+    return response
+
+
+async def act(request: Request) -> Response:
+    """A form on the execution page: approve, reject, send a signal, cancel or retry.
+
+    Needs a session whose token has ``operate`` and the session's CSRF token; anything
+    else is refused with 403 before the form is even parsed, and nothing is written.
+    """
+    session: Session | None = None
+    try:
+        session = await current_session(request)
+        if session is None:
+            raise UiError(403, "not logged in (or the session's token was revoked)")
+        if not session.can("operate"):
+            raise UiError(403, "this token lacks the 'operate' scope")
+        if not _same_origin(request):
+            raise UiError(403, "cross-site form refused")
+        form = await read_form(request)
+        if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
+            raise UiError(403, "the form's CSRF token does not match this session")
+        action = request.path_params["action"]
+        if action not in ACTIONS:
+            raise UiError(404, f"unknown action {codec.printable(action, 40)!r}")
+        eid = _execution_id(request.path_params["id"])
+        done = await _perform(request, session, action, eid, form)
+    except Exception as exc:
+        return _refusal(request, exc, session)
+    log.info("UI %s on an execution by %s", action, auth.describe(session.caller))
+    return RedirectResponse(f"/ui/executions/{eid}?done={done}", 303)
+
+
+async def _perform(request: Request, session: Session, action: str, eid: uuid.UUID,
+                   form: Mapping[str, str]) -> str:
+    client = request.app.state.client
+    key = _checked(form, "key", what="form key", max_chars=64, required=False)
+    form_key = f"ui:{action}:{key}" if key else None
+    if action in ("approve", "reject", "signal"):
+        name = _checked(form, "name", what="signal name")
+        if action == "signal":
+            payload_text = form.get("payload", "").strip() or "null"
+            try:
+                payload = codec.decode_exact(payload_text)
+            except (ValueError, RecursionError) as exc:
+                raise UiError(400, f"payload is not JSON: {exc}") from None
+        else:
+            payload = {"approved": action == "approve", "by": session.caller.name,
+                       "via": "web UI"}
+        delivered = await client.signal(eid, name, payload, idempotency_key=form_key)
+        return action if delivered else "duplicate"
+    if action == "cancel":
+        await client.cancel(eid)
+        return action
+    await client.retry(eid)
+    return action
+
+
+async def root(request: Request) -> Response:
+    """``/`` and ``/ui``: to the executions page."""
+    return RedirectResponse("/ui/", 307)
+
+
+async def not_found(request: Request) -> Response:
+    """Any other path under ``/ui``."""
+    return error_page(request, 404, "no such page")
+
+
+def routes() -> list[BaseRoute]:
+    """The UI's routes, for :func:`kestrel.http.app.create_app` to mount."""
+    return [
+        Route("/", root, methods=["GET"]),
+        Route("/ui", root, methods=["GET"]),
+        Mount("/ui", routes=[
+            Route("/", page(executions), methods=["GET"]),
+            Route("/counts", page(counts_json), methods=["GET"]),
+            Route("/executions/{id}", page(execution), methods=["GET"]),
+            Route("/executions/{id}/{action}", act, methods=["POST"]),
+            Route("/queues", page(queues), methods=["GET"]),
+            Route("/schedules", page(schedules), methods=["GET"]),
+            Route("/search", page(search), methods=["GET"]),
+            Route("/login", login_page, methods=["GET"]),
+            Route("/login", login, methods=["POST"]),
+            Route("/logout", logout, methods=["POST"]),
+            Mount("/static", app=StaticFiles(directory=HERE / "static"), name="static"),
+            Route("/{rest:path}", not_found, methods=["GET", "POST"]),
+        ]),
+    ]
+
+
+__all__ = ["COOKIE", "Session", "UiError", "csrf_token", "like_pattern", "read_form",
+           "routes"]

@@ -1,0 +1,37 @@
+"""Workflows for the web UI's tests (tests/integration/test_ui.py, tests/browser): the HTTP
+tests' workflows, the demo's incident_response, and one whose arguments, output and step
+error carry whatever hostile text it is given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kestrel
+import kestrel.demo
+import tests.apps.http_app  # noqa: F401  (registers http.*)
+
+
+@kestrel.step(name="ui.echo")
+async def echo(value: Any) -> Any:
+    return value
+
+
+@kestrel.step(name="ui.explode")
+async def explode(text: str) -> None:
+    raise RuntimeError(text)
+
+
+@kestrel.workflow(name="ui.hostile")
+async def hostile(ctx: kestrel.Context, text: str) -> None:
+    """Records *text* as a step output and an event, then fails with it as the error."""
+    await ctx.step(echo, {"html": text})
+    await ctx.set_event("note", text)
+    await ctx.step(explode, text)
+
+
+@kestrel.workflow(name="ui.many")
+async def many(ctx: kestrel.Context, n: int, size: int) -> int:
+    """*n* steps, each with an output of *size* characters: a long, heavy timeline."""
+    for i in range(n):
+        await ctx.step(echo, f"{i}:" + "x" * size)
+    return n

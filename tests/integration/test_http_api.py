@@ -1,0 +1,261 @@
+"""The JSON API against a real ``kestrel-runtime --http-port`` (supervisor, workers and the
+HTTP child process) and a real PostgreSQL; through PgBouncer too (KESTREL_TEST_VIA)."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql as pgsql
+
+from tests.helpers import q, q1, wait_until
+from tests.http_helpers import Api, free_port, http_runtime, make_token
+
+API = "/api/v1"
+
+
+@pytest.fixture(scope="module")
+def server(pg_dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """One schema and one runtime for the module: executions are independent."""
+    from kestrel.migrate import migrate
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, schema)
+    tokens = {scope: make_token(pg_dsn, schema, f"t-{scope}", scope)
+              for scope in ("read", "operate", "submit")}
+    tokens["all"] = make_token(pg_dsn, schema, "t-all", "read,operate,submit")
+    log = tmp_path_factory.mktemp("http") / "rt.log"
+    with http_runtime(pg_dsn, schema, port=free_port(), log=log, procs=2) as api:
+        api.token = tokens["all"]
+        yield {"api": api, "schema": schema, "tokens": tokens, "dsn": pg_dsn, "log": log}
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))
+
+
+def submit(api: Api, workflow: str, *args: Any, key: str | None = None,
+           **extra: Any) -> str:
+    reply = api.post(f"{API}/workflows/{workflow}/submit", {"args": list(args), **extra},
+                     headers={"Idempotency-Key": key} if key else None)
+    assert reply.status == 200, reply.body
+    return str(reply.json()["id"])
+
+
+def finished(api: Api, eid: str, status: str = "completed") -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        ex: dict[str, Any] = api.get(f"{API}/executions/{eid}").json()
+        return ex if ex["status"] == status else None
+
+    return wait_until(done, timeout=60, what=f"{eid} {status}")  # type: ignore[no-any-return]
+
+
+def test_submit_runs_to_completion_and_the_page_shows_its_timeline(server: dict[str, Any],
+                                                                   ) -> None:
+    api: Api = server["api"]
+    eid = submit(api, "http.steps", 5)
+    ex = finished(api, eid)
+    assert ex["result"] == 5 * 2 + 2
+    names = [s["name"] for s in ex["steps"]]
+    assert names[0] == "http.double" and names.count("http.double") == 2, names
+    assert all(s["duration_ms"] >= 0 and s["offset_ms"] >= 0 for s in ex["steps"])
+    assert ex["events"] == [{"key": "stage", "value": "doubled",
+                             "updated_at": ex["events"][0]["updated_at"]}]
+    assert len(ex["children"]) == 1 and ex["children"][0]["workflow"] == "http.echo"
+    assert ex["children"][0]["status"] == "completed"
+    assert ex["app_version"]  # stamped by the claim (versions), shown here and in lists
+    listed = api.get(f"{API}/executions?workflow=http.steps&limit=500").json()["executions"]
+    assert next(e for e in listed if e["id"] == eid)["app_version"] == ex["app_version"]
+    child = api.get(f"{API}/executions/{ex['children'][0]['id']}").json()
+    assert child["parent_id"] == eid and child["result"] == 10
+
+
+def test_idempotency_key_header_returns_the_first_execution(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    key = f"k-{uuid.uuid4()}"
+    first = submit(api, "http.echo", {"a": 1}, key=key)
+    assert submit(api, "http.echo", {"a": 1}, key=key) == first
+    other = api.post(f"{API}/workflows/http.echo/submit", {"args": [{"a": 2}]},
+                     headers={"Idempotency-Key": key})
+    assert other.status == 409 and "already used" in other.json()["error"]
+    assert q1(server["dsn"], server["schema"],
+              "SELECT count(*) FROM {s}.idempotency_keys WHERE idempotency_key = %s", [key]) == 1
+
+
+def test_a_waiting_execution_shows_what_it_waits_for_and_a_signal_completes_it(
+        server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    eid = submit(api, "http.approval", {"alert": "disk full"}, timeout=600)
+    ex = finished(api, eid, "waiting")
+    assert ex["waiting"]["kind"] == "signal" and ex["waiting"]["signal"] == "approval"
+    assert ex["waiting"]["until"] is not None and ex["deadline"] is not None
+    assert ex["pending_signals"] == []
+    sent = api.post(f"{API}/executions/{eid}/signal",
+                    {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                    headers={"Idempotency-Key": "press-1"})
+    assert sent.status == 200 and sent.json()["delivered"] is True
+    again = api.post(f"{API}/executions/{eid}/signal",
+                     {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                     headers={"Idempotency-Key": "press-1"})
+    assert again.json()["delivered"] is False
+    assert finished(api, eid)["result"] == {"outcome": "approved", "by": "ana"}
+    # A retry of the request that finished it is still "already delivered", not an error.
+    replay = api.post(f"{API}/executions/{eid}/signal",
+                      {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                      headers={"Idempotency-Key": "press-1"})
+    assert replay.status == 200 and replay.json()["delivered"] is False
+    late = api.post(f"{API}/executions/{eid}/signal", {"name": "approval"},
+                    headers={"Idempotency-Key": "press-2"})
+    assert late.status == 409 and "already finished" in late.json()["error"]
+
+
+def test_cancel_retry_and_fork(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    waiting = submit(api, "http.approval", {})
+    finished(api, waiting, "waiting")
+    assert api.post(f"{API}/executions/{waiting}/cancel").json()["status"] == "cancelled"
+    assert api.get(f"{API}/executions/{waiting}").json()["status"] == "cancelled"
+    assert api.post(f"{API}/executions/{waiting}/retry").json()["status"] == "queued"
+    finished(api, waiting, "waiting")
+    api.post(f"{API}/executions/{waiting}/cancel")
+
+    failing = submit(api, "http.fails")
+    ex = finished(api, failing, "failed")
+    assert ex["steps"][0]["error"]["message"] == "exploded on purpose"
+    done = submit(api, "http.steps", 1)
+    finished(api, done)
+    forked = api.post(f"{API}/executions/{done}/fork", {"from_step": 1})
+    assert forked.status == 200
+    assert finished(api, forked.json()["id"])["result"] == 4
+    refused = api.post(f"{API}/executions/{done}/retry")
+    assert refused.status == 409 and "only failed" in refused.json()["error"]
+
+
+def test_list_filters_and_keyset_pages_over_live_and_history(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    # Unclaimed (no worker reads this queue) and finished ones, in one listing.
+    live = [submit(api, "http.echo", i, queue=queue) for i in range(7)]
+    done = [submit(api, "http.echo", i) for i in range(5)]
+    for eid in done:
+        finished(api, eid)
+    seen: list[str] = []
+    cursor = None
+    while True:
+        url = f"{API}/executions?queue={queue}&limit=3" + (f"&cursor={cursor}" if cursor
+                                                            else "")
+        page = api.get(url).json()
+        seen += [e["id"] for e in page["executions"]]
+        assert all(e["queue"] == queue and e["status"] == "queued"
+                   for e in page["executions"])
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert seen == list(reversed(live))
+    completed = api.get(f"{API}/executions?workflow=http.echo&status=completed&limit=500")
+    ids = {e["id"] for e in completed.json()["executions"]}
+    assert set(done) <= ids and not set(live) & ids
+    since = api.get(f"{API}/executions?since=2999-01-01T00:00:00Z").json()
+    assert since == {"executions": [], "next_cursor": None}
+    until = api.get(f"{API}/executions?until=2000-01-01T00:00:00&limit=5").json()
+    assert until["executions"] == []
+    for eid in live:
+        api.post(f"{API}/executions/{eid}/cancel")
+
+
+def test_queues_schedules_workflows_and_openapi(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    queue = f"q{uuid.uuid4().hex[:8]}"
+    ids = [submit(api, "http.echo", i, queue=queue) for i in range(3)]
+    q(server["dsn"], server["schema"], "INSERT INTO {s}.queue_limits (queue, concurrency, "
+      "rate, period) VALUES (%s, 5, 60, interval '60 seconds')", [queue])
+    q(server["dsn"], server["schema"], "INSERT INTO {s}.schedules (name, cron, workflow, "
+      "last_tick) VALUES ('nightly', '0 3 * * *', 'http.echo', now())")
+    queues = {x["queue"]: x for x in api.get(f"{API}/queues").json()["queues"]}
+    assert queues[queue]["depth"] == {"queued": 3}
+    assert queues[queue]["limits"] == {"concurrency": 5, "rate": 60, "period_s": 60.0}
+    assert queues[queue]["oldest_queued_age_s"] >= 0
+    schedules = api.get(f"{API}/schedules").json()["schedules"]
+    assert [(s["name"], s["cron"], s["workflow"]) for s in schedules] == [
+        ("nightly", "0 3 * * *", "http.echo")]
+    assert "http.approval" in api.get(f"{API}/workflows").json()["workflows"]
+    doc = api.get(f"{API}/openapi.json", token=None).json()
+    assert doc["openapi"].startswith("3.")
+    assert doc["paths"][f"{API}/executions/{{id}}/signal"]["post"]["security"] == [
+        {"bearer": ["operate"]}]
+    assert f"{API}/workflows/{{workflow}}/submit" in doc["paths"]
+    for eid in ids:
+        api.post(f"{API}/executions/{eid}/cancel")
+
+
+def test_each_route_needs_its_scope_and_a_refusal_writes_nothing(server: dict[str, Any],
+                                                                  ) -> None:
+    api: Api = server["api"]
+    tokens = server["tokens"]
+    count = "SELECT count(*) FROM {s}.executions"
+    before = q1(server["dsn"], server["schema"], count)
+    target = submit(api, "http.approval", {})
+    finished(api, target, "waiting")
+    before += 1
+    routes = [("GET", f"{API}/executions", "read"), ("GET", f"{API}/queues", "read"),
+              ("GET", f"{API}/executions/{target}", "read"),
+              ("POST", f"{API}/workflows/http.echo/submit", "submit"),
+              ("POST", f"{API}/executions/{target}/signal", "operate"),
+              ("POST", f"{API}/executions/{target}/fork", "operate"),
+              ("POST", f"{API}/executions/{target}/cancel", "operate")]
+    for method, path, scope in routes:
+        body = {"name": "nope"} if path.endswith("signal") else (
+            {"from_step": 0} if path.endswith("fork") else None)
+        for name, token in tokens.items():
+            if name in (scope, "all"):
+                continue
+            reply = api.request(method, path, body, token=token)
+            assert reply.status == 403, (method, path, name, reply.body)
+            assert reply.json()["error"] == f"this token lacks the {scope!r} scope"
+        assert api.request(method, path, body, token=None).status == 401
+    assert q1(server["dsn"], server["schema"], count) == before
+    assert api.get(f"{API}/executions/{target}").json()["pending_signals"] == []
+    assert api.get(f"{API}/executions/{target}").json()["status"] == "waiting"
+    api.post(f"{API}/executions/{target}/cancel")
+
+
+def test_runtime_log_has_the_http_child(server: dict[str, Any]) -> None:
+    text = Path(server["log"]).read_text()
+    assert "started HTTP server" in text and "serving the HTTP API on http://127.0.0.1" in text
+
+
+def test_a_killed_http_child_is_restarted_and_the_workers_never_notice(
+        server: dict[str, Any]) -> None:
+    """Last in the module: it kills the HTTP server the others use."""
+    import signal
+
+    import psutil
+
+    api: Api = server["api"]
+
+    def http_child() -> psutil.Process | None:
+        for child in psutil.Process(api.proc.pid).children():
+            try:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == api.port
+                       for c in child.net_connections("inet")):
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    old = wait_until(http_child, timeout=30, what="the HTTP child")
+    workers = {p.pid for p in psutil.Process(api.proc.pid).children()} - {old.pid}
+    assert len(workers) == 2
+    old.send_signal(signal.SIGKILL)
+    # Work submitted while the door is down still runs: the workers are another process.
+    eid = str(q1(server["dsn"], server["schema"], "SELECT {s}.submit('http.steps', '[2]')"))
+    new = wait_until(lambda: (c := http_child()) is not None and c.pid != old.pid and c,
+                     timeout=60, what="a new HTTP child")
+    assert finished(api, eid)["result"] == 6
+    assert {p.pid for p in psutil.Process(api.proc.pid).children()} - {new.pid} == workers
+    assert "HTTP server" in Path(server["log"]).read_text()
+    assert re.search(r"HTTP server \d+ exited \(killed by SIGKILL\); restarting in [12]s",
+                     Path(server["log"]).read_text())
