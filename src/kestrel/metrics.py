@@ -129,7 +129,7 @@ class Metrics:
         few metrics per step and per workflow, and ``labels()`` validates and locks on every
         call (about 1 µs each). Safe to share: label values are bounded (FAULTS S2), so the
         cache is too, and a dict lookup needs no lock."""
-        key = (id(metric), labels)
+        key = (metric, labels)  # the metric itself, not its id: an id can be reused
         got = _children.get(key)
         if got is None:
             got = _children[key] = metric.labels(*labels)
@@ -138,7 +138,7 @@ class Metrics:
 
 _metrics: Metrics | None = None
 # Metrics.child's cache (not an attribute: every attribute of Metrics is a metric).
-_children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}
+_children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
 _create_lock = threading.Lock()
 
 
