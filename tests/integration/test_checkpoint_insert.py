@@ -95,3 +95,70 @@ def test_a_superseded_epoch_records_nothing_on_either_statement(
 
     asyncio.run(main())
     assert q(pg_dsn, schema, "SELECT step_id, output FROM {s}.operation_outputs") == [(0, 1)]
+
+
+# -- the batch as one JSON parameter (jsonb_array_elements), hostile values through it ---------
+
+OUTPUTS = ["null", '"a\\"b\\\\c\'d $$ ; --"', '{"k": [1, 2.5, "ü🚀"], "": {}}', "[]",
+           "[" * 200 + "]" * 200, '"' + "x" * 200_000 + '"', "-0.0", "12345678901234567890"]
+
+
+def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
+    pg_dsn: str, schema: str
+) -> None:
+    qs = queries(schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    hs = [client.submit(app.three_steps, i) for i in range(len(OUTPUTS) + 1)]
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            db.configure_connection(conn)
+            claimed = await db.claim_batch(conn, qs, owner="w", queues=["default"],
+                                           limit=len(hs), lease_s=30)
+            epoch = {c.id: c.epoch for c in claimed}
+            batch = [StepWrite(h.id, epoch[h.id], 0, "s", out, None, 1, 0.0)
+                     for h, out in zip(hs, OUTPUTS, strict=False)]
+            failed = hs[-1].id  # an error and no output: SQL NULL, not JSON null
+            batch.append(StepWrite(failed, epoch[failed], 0, "s", None,
+                                   '{"type": "E", "message": "\\u00e9 \' \\""}', 1, 0.0))
+            saved = await db.save_steps(conn, qs, batch)
+            assert all(s.owned and s.inserted for s in saved)
+            # What comes back is what jsonb stored: the value itself, exactly.
+            for s, out in zip(saved, OUTPUTS, strict=False):
+                assert s.recorded is not None
+                assert s.recorded.output == __import__("orjson").loads(out), out[:40]
+            assert saved[-1].recorded is not None and saved[-1].recorded.output is None
+            assert saved[-1].recorded.error == {"type": "E", "message": "é ' \""}
+
+    asyncio.run(main())
+    rows = dict(q(pg_dsn, schema, "SELECT execution_id, output IS NULL "
+                  "FROM {s}.operation_outputs"))
+    assert rows[hs[0].id] is False  # JSON null is a value
+    assert rows[hs[-1].id] is True  # no output at all
+
+
+def test_text_the_database_cannot_store_is_a_data_error_of_its_batch(
+    pg_dsn: str, schema: str
+) -> None:
+    """A NUL (PostgreSQL refuses it) or a lone surrogate (it cannot be encoded) in a name:
+    the statement fails with an error db.is_data_error recognises, so the group commit
+    isolates the item and fails only its execution (FAULTS P1); nothing is written."""
+    qs = queries(schema)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            db.configure_connection(conn)
+            (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
+                                        lease_s=30)
+            for name in ("nul\x00name", "lone\ud800surrogate"):
+                try:
+                    await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, name, "1",
+                                                             None, 1, 0.0)])
+                except Exception as exc:
+                    assert db.is_data_error(exc), repr(exc)
+                else:
+                    raise AssertionError(f"{name!r} was accepted")
+
+    asyncio.run(main())
+    assert q(pg_dsn, schema, "SELECT * FROM {s}.operation_outputs") == []
