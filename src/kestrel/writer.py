@@ -7,8 +7,9 @@ when idle. A batch is bounded by count and by encoded bytes, so it never approac
 PostgreSQL's 1 GB message limit.
 
 Up to *in_flight* flushes may be on their way at once, each on its own connection, so the
-process does not sit idle for a whole round trip and commit while the next batch gathers
-(one flush in flight left a quarter of two cores idle at saturation, BENCHMARKS.md). This
+process need not sit idle for a whole round trip and commit while the next batch gathers
+(the runtime keeps one, ``runner.FLUSHES_IN_FLIGHT``: two and three measured no better on
+the 2-core VM, BENCHMARKS.md). This
 never reorders an execution's writes: a workflow awaits each checkpoint before its next step
 and its completion only after every checkpoint, so no execution ever has two writes of one
 kind racing, and each statement carries the lease epoch, so fencing holds whichever flush
