@@ -43,6 +43,10 @@ CONNECTION = ("dsn", "schema", "connection_mode", "listen_dsn", "data_dir", "log
 HISTORY = ("history_interval", "history_ahead")
 """What ``migrate`` also needs: the history partitions it creates ahead."""
 
+PAYLOAD = ("max_payload_bytes",)
+"""What the commands that write a value (submit, signal) also need: the cap they check it
+against before anything is written."""
+
 
 def _settings(p: argparse.ArgumentParser, names: Sequence[str] | None = None,
               title: str = "settings") -> list[argparse.Action]:
@@ -122,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("migrate", "Create or upgrade the schema (as its owner), then exit.",
         CONNECTION + HISTORY)
 
-    s = add("submit", "Submit an execution; print its id.")
+    s = add("submit", "Submit an execution; print its id.", CONNECTION + PAYLOAD)
     s.add_argument("workflow", help="Registered workflow name.")
     s.add_argument("--args", default="[]", help="JSON array of arguments (default: []).")
     s.add_argument("--queue", default="default", help="Queue to run it on (default: default).")
@@ -187,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "execution runs from step N.")
     _json_flag(fork)
 
-    sig = add("signal", "Send a signal to an execution (e.g. an approval).")
+    sig = add("signal", "Send a signal to an execution (e.g. an approval).",
+              CONNECTION + PAYLOAD)
     _id_arg(sig)
     sig.add_argument("name", help="The signal's name, as the workflow waits for it.")
     sig.add_argument("--payload", default="null", help="JSON payload (default: null).")

@@ -25,7 +25,9 @@ def labels_of_metrics() -> dict[str, set[str]]:
     from kestrel import metrics
 
     found: dict[str, set[str]] = {}
-    for metric in vars(metrics.Metrics()).values():
+    # The process's own metrics: a second Metrics() would register every name twice when
+    # an earlier test of the same run (an in-process worker) already made them.
+    for metric in vars(metrics.get()).values():
         name = metric._name
         if type(metric).__name__ == "Counter":
             name += "_total"
@@ -35,18 +37,7 @@ def labels_of_metrics() -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
-    from prometheus_client import REGISTRY
-
-    before = set(REGISTRY._names_to_collectors)
-    try:
-        return labels_of_metrics()
-    finally:
-        for name, collector in list(REGISTRY._names_to_collectors.items()):
-            if name not in before:
-                try:
-                    REGISTRY.unregister(collector)
-                except KeyError:
-                    pass
+    return labels_of_metrics()
 
 
 def walk(node: Any) -> Iterator[tuple[str, Any]]:
