@@ -55,6 +55,7 @@ class DbCounters:
     commits: int
     wal_bytes: int
     pg_cpu_s: float
+    lsn: str = "0/0"
 
     @staticmethod
     def read(conn: psycopg.Connection[Any]) -> DbCounters:
@@ -62,18 +63,35 @@ class DbCounters:
         # snapshot so this read sees the newest numbers.
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute(
-            "SELECT xact_commit, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint "
+            "SELECT xact_commit, pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint, "
+            "pg_current_wal_lsn()::text "
             "FROM pg_stat_database WHERE datname = current_database()").fetchone()
         assert row is not None
-        return DbCounters(int(row[0]), int(row[1]), postgres_cpu_seconds())
+        pid = conn.execute("SELECT pg_backend_pid()").fetchone()
+        assert pid is not None
+        return DbCounters(int(row[0]), int(row[1]), postgres_cpu_seconds(int(pid[0])),
+                          str(row[2]))
 
 
-def postgres_cpu_seconds() -> float:
-    total = 0.0
-    for p in psutil.process_iter(["name", "cpu_times"]):
-        if p.info["name"] in ("postgres", "postmaster") and p.info["cpu_times"]:
-            t = p.info["cpu_times"]
-            total += t.user + t.system
+def postgres_cpu_seconds(backend_pid: int) -> float:
+    """CPU seconds of the server that runs *backend_pid*: its postmaster, every live child
+    and every child that has exited (the postmaster reaps them, so their time shows in its
+    ``children_*`` times). Only this server: other PostgreSQL servers on a shared machine
+    (other engineers' test suites) must not count, nor may exited backends be lost."""
+    try:
+        postmaster = psutil.Process(backend_pid).parent()
+    except psutil.NoSuchProcess:
+        return 0.0
+    if postmaster is None:
+        return 0.0
+    t = postmaster.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in postmaster.children():
+        try:
+            c = child.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += c.user + c.system
     return total
 
 
@@ -127,3 +145,49 @@ def progress(done: int, total: int, started: float, label: str) -> None:
     bar = "█" * int(frac * width) + "·" * (width - int(frac * width))
     rate = done / max(time.monotonic() - started, 1e-9)
     print(f"\r  {label:<10} {bar} {done:>7}/{total} {rate:8.0f}/s", end="", flush=True)
+
+
+def wal_by_relation(conn: psycopg.Connection[Any], start: str, end: str, schema: str
+                    ) -> dict[str, int]:
+    """WAL bytes between LSNs *start* and *end*, by relation of *schema* (indexes apart) and
+    record kind (INSERT, HOT_UPDATE, DELETE…), and by record kind alone for the rest
+    (commits); full-page images are summed apart. Uses the server's own pg_waldump on its
+    pg_wal folder, so it works only for a server on this machine (the embedded one)."""
+    import re
+    import shutil
+
+    row = conn.execute("SELECT current_setting('data_directory')").fetchone()
+    assert row is not None
+    names = {int(r[0]): str(r[1]) for r in conn.execute(
+        "SELECT c.relfilenode, c.relname FROM pg_class AS c "
+        "JOIN pg_namespace AS n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relfilenode <> 0", [schema]).fetchall()}
+    binary = shutil.which("pg_waldump")
+    try:
+        import pgserver  # the embedded server's own binaries match its WAL format
+
+        candidate = Path(pgserver.__file__).parent / "pginstall" / "bin" / "pg_waldump"
+        if candidate.exists():
+            binary = str(candidate)
+    except ImportError:
+        pass
+    if binary is None:
+        return {}
+    out = subprocess.run([binary, "-p", str(Path(str(row[0])) / "pg_wal"), "-s", start,
+                          "-e", end], capture_output=True, text=True).stdout
+    totals: dict[str, int] = {}
+    pattern = re.compile(r"rmgr: (\w+)\s+len \(rec/tot\):\s*(\d+)/\s*(\d+).*?desc: (\w+)"
+                         r"(?:.*?blkref #0: rel \d+/\d+/(\d+))?")
+    for line in out.splitlines():
+        m = pattern.search(line)
+        if not m:
+            continue
+        rmgr, rec, tot, desc, rel = (m.group(1), int(m.group(2)), int(m.group(3)),
+                                     m.group(4), m.group(5))
+        key = (f"{names.get(int(rel), 'other relations')} {rmgr}/{desc}" if rel
+               else f"{rmgr}/{desc}")
+        totals[key] = totals.get(key, 0) + rec
+        if tot > rec:  # the record carries full-page images (first change since a checkpoint)
+            totals["(full-page images, all relations)"] = (
+                totals.get("(full-page images, all relations)", 0) + tot - rec)
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))

@@ -98,6 +98,8 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
         ) -> dict[str, Any]:
     """Run the floor; return workflows/s measured on the database clock."""
     prepare(dsn, schema, n, steps)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        wal_before = _wal_bytes(conn)
     ctx = multiprocessing.get_context("fork")
     started = time.monotonic()
     workers = [ctx.Process(target=_proc, args=(dsn, schema, concurrency)) for _ in range(procs)]
@@ -111,13 +113,20 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
             "SELECT count(*) FILTER (WHERE status = 'done'), "
             "extract(epoch FROM max(finished_at) - min(started_at)) FROM {s}.floor_job",
             schema)).fetchone()
+        wal = _wal_bytes(conn) - wal_before
         conn.execute(_q("DROP SCHEMA {s} CASCADE", schema))
     assert row is not None
     finished, span = int(row[0]), float(row[1] or wall)
     if finished != n:
         raise RuntimeError(f"floor finished {finished} of {n} workflows")
     return {"workflows": n, "seconds": span, "workflows_per_s": n / span,
-            "procs": procs, "concurrency": concurrency}
+            "procs": procs, "concurrency": concurrency, "wal_bytes_per_workflow": wal / n}
+
+
+def _wal_bytes(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def run_best(dsn: str, schema: str, *, n: int, steps: int, procs: int,
@@ -128,5 +137,6 @@ def run_best(dsn: str, schema: str, *, n: int, steps: int, procs: int,
              for c in concurrencies]
     best = max(tried, key=lambda r: r["workflows_per_s"])
     return {**best, "tried": [{"concurrency": r["concurrency"],
-                               "workflows_per_s": round(r["workflows_per_s"])}
+                               "workflows_per_s": round(r["workflows_per_s"]),
+                               "wal_bytes_per_workflow": round(r["wal_bytes_per_workflow"])}
                               for r in tried]}

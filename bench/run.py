@@ -46,6 +46,7 @@ from bench.common import (
     git_rev,
     machine,
     progress,
+    wal_by_relation,
 )
 
 SWEEPABLE = {"batch_size": int, "procs": int, "concurrency": int, "lease": float,
@@ -94,7 +95,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             mon.execute(_s("ANALYZE {s}.workflow_executions", schema))
         before = DbCounters.read(mon)
         polls = 0
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The runtime runs this checkout's code (src/ first), whichever environment's
+        # Python runs the bench: an A/B of two checkouts can share one virtualenv.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
         cmd = [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", dsn,
                "--schema", schema, "--procs", str(p["procs"]),
                "--concurrency", str(p["concurrency"]), "--batch-size", str(p["batch_size"]),
@@ -133,6 +136,8 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                     raise RuntimeError(f"only {done}/{n} finished in {p['timeout']}s")
             after = DbCounters.read(mon)
             claim_ms = _claim_latency(metrics_port)
+            wal_rel = (wal_by_relation(mon, before.lsn, after.lsn, schema)
+                       if p.get("wal_by_relation") else {})
         finally:
             stop.set()
             cpu.sample()
@@ -179,6 +184,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         "hot_tables": {r[0]: {"bytes": r[1], "live": r[2], "dead": r[3]} for r in tables},
         "claim_ms": claim_ms,
     }
+    if wal_rel:
+        result["wal_bytes_per_workflow_by_relation"] = {k: round(v / n) for k, v in
+                                                        wal_rel.items()}
     drop_schema(dsn, schema)
     return result
 
@@ -221,6 +229,8 @@ def run_floor(dsn: str, p: dict[str, Any], quiet: bool = False) -> dict[str, Any
     if not quiet:
         print("  floor      " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
                                           for t in best["tried"]), flush=True)
+        print(f"  floor      WAL {best['wal_bytes_per_workflow']:.0f} B/workflow at its best",
+              flush=True)
     return best
 
 
@@ -319,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="run through a PgBouncer in transaction mode (Debian's pgbouncer)")
     ap.add_argument("--prepare", choices=["auto", "on", "off"], default="auto",
                     help="server-side prepared statements (kestrel --prepare)")
+    ap.add_argument("--wal-by-relation", action="store_true",
+                    help="attribute the run's WAL to the schema's tables and indexes "
+                         "(pg_waldump on the embedded server's pg_wal)")
     ap.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -329,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
                                         "concurrency", "batch_size", "lease", "heartbeat",
                                         "rate", "timeout", "with_limited", "prepare",
-                                        "backlog")}
+                                        "backlog", "wal_by_relation")}
     base["connection_mode"] = "direct"
     bouncer = None
     if ns.pgbouncer:
@@ -354,10 +367,17 @@ def main(argv: list[str] | None = None) -> int:
             r["floor_workflows_per_s"] = floors[key]["workflows_per_s"]
             r["floor_best_concurrency"] = floors[key]["concurrency"]
             r["floor_tried"] = floors[key]["tried"]
+            r["floor_wal_bytes_per_workflow"] = floors[key]["wal_bytes_per_workflow"]
             r["ratio_to_floor"] = r["workflows_per_s"] / r["floor_workflows_per_s"]
         rows.append(r)
     print()
     print(table(rows))
+    for r in rows:
+        line = (f"CPU ms/workflow: workers {r['worker_cpu_s_per_workflow'] * 1000:.3f}, "
+                f"PostgreSQL {r['postgres_cpu_s_per_workflow'] * 1000:.3f}")
+        print(line)
+        for rel, size in r.get("wal_bytes_per_workflow_by_relation", {}).items():
+            print(f"  WAL B/workflow {size:6d}  {rel}")
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")

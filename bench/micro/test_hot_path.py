@@ -66,6 +66,19 @@ def test_step_body_failpoint_when_nothing_is_armed(benchmark: Any) -> None:
     assert benchmark(failpoints.failpoint, "step_body", info) is None
 
 
+def test_checkpoint_batch_parameter_of_64(benchmark: Any) -> None:
+    """Building a 64-row checkpoint batch's one JSON parameter (psycopg dumping nine arrays
+    instead cost ~10 µs a row, BENCHMARKS.md)."""
+    import uuid
+
+    output = codec.encode(OUTPUT, what="bench")
+    writes = [StepWrite(uuid.uuid4(), 1, k, "bench.step", output, None, 1, 0.0)
+              for k in range(64)]
+    params = benchmark(db._steps_params, writes)
+    rows = __import__("orjson").loads(params["rows"])
+    assert len(rows) == 64 and rows[5][4] == [OUTPUT]
+
+
 def test_claim_batch_of_32(benchmark: Any, pg_dsn: str, schema: str, conn: Any,
                            loop: asyncio.AbstractEventLoop) -> None:
     _submit(pg_dsn, schema, 5000)

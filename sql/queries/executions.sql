@@ -122,8 +122,11 @@ RETURNING e.id, e.cancel_requested;
 -- place. A finished child signals its parent. Returns the ids that were finished; the others
 -- were fenced.
 WITH finished(id, epoch, status, result, error) AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(statuses)s::text[],
-                         %(results)s::jsonb[], %(errors)s::jsonb[])
+    -- One JSON array of rows, as in save_steps_batch (see db.complete_batch).
+    SELECT (r->>0)::uuid, (r->>1)::integer, r->>2,
+           CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), locked AS (
     -- Every row this statement will change, the finishing executions and the parents they
     -- tell, locked up front in id order (see heartbeat).

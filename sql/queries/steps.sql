@@ -11,9 +11,15 @@
 -- never writes its time into a row.
 WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
            waited_s) AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[], %(step_ids)s::integer[],
-                         %(names)s::text[], %(outputs)s::jsonb[], %(errors)s::jsonb[],
-                         %(attempts)s::integer[], %(ran)s::float8[], %(waited)s::float8[])
+    -- One JSON array of rows (see db.save_steps), not nine arrays: psycopg dumped those in
+    -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
+    -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
+    -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)
+    SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), owned AS (
     SELECT e.id, e.lease_epoch, e.cancel_requested
       FROM __schema__.workflow_executions AS e
@@ -33,6 +39,61 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
      -- A cancelled execution records nothing more: it stops at this step boundary.
      WHERE NOT o.cancel_requested
         ON CONFLICT (execution_id, step_id) DO NOTHING
+    RETURNING execution_id, step_id, step_name, output, error
+)
+-- The stored value comes back either way: our row as jsonb normalized it (so the live run
+-- returns exactly what a replay will), or the row that was recorded first.
+SELECT i.execution_id, i.step_id,
+       (o.id IS NOT NULL) AS owned,
+       (ins.step_id IS NOT NULL) AS inserted,
+       coalesce(ins.step_name, prior.step_name),
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       coalesce(o.cancel_requested, false) AS cancelled
+  FROM input AS i
+  LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+  LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
+  LEFT JOIN __schema__.operation_outputs AS prior
+         ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
+
+-- name: save_new_steps_batch
+-- save_steps_batch without ON CONFLICT: the statement every group commit tries first.
+-- INSERT … ON CONFLICT inserts speculatively and confirms each row with a second WAL record
+-- (Heap/HEAP_CONFIRM, 48 bytes a checkpoint, 144 of the ~3,000 bytes of WAL a 3-step
+-- workflow costs; BENCHMARKS.md). A conflict needs a row for the same (execution, step)
+-- already there, and under the epoch-checked FOR SHARE lock only this process's own earlier
+-- try of the same batch can have written one (a lost reply, FAULTS F3). Then this statement
+-- fails as a whole with unique_violation, nothing of it is written, and db.save_steps sends
+-- save_steps_batch, which keeps the first committed output and returns it, as before.
+WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
+           waited_s) AS (
+    -- One JSON array of rows (see db.save_steps), not nine arrays: psycopg dumped those in
+    -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
+    -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
+    -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)
+    SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS r
+), owned AS (
+    SELECT e.id, e.lease_epoch, e.cancel_requested
+      FROM __schema__.workflow_executions AS e
+      JOIN input AS i ON i.execution_id = e.id AND i.epoch = e.lease_epoch
+     WHERE e.status = 'running'
+     ORDER BY e.id  -- lock order: see heartbeat
+       FOR SHARE OF e
+), inserted AS (
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
+    SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
+           __schema__.kestrel_now() - make_interval(secs => i.ran_s),
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
+      FROM input AS i
+      JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+     -- A cancelled execution records nothing more: it stops at this step boundary.
+     WHERE NOT o.cancel_requested
     RETURNING execution_id, step_id, step_name, output, error
 )
 -- The stored value comes back either way: our row as jsonb normalized it (so the live run

@@ -158,9 +158,9 @@ class Claimer:
         self.stats.claimed += len(claimed)
         for c in claimed:
             if c.attempt == 1 and not c.steps and c.wait_step is None:
-                m.started.labels(c.workflow).inc()
+                m.child(m.started, c.workflow).inc()
                 if c.db_now is not None and c.created_at is not None:
-                    m.submit_to_start.labels(c.workflow).observe(
+                    m.child(m.submit_to_start, c.workflow).observe(
                         max(0.0, (c.db_now - c.created_at).total_seconds()))
             self._runner.start(Lease(c, trusted_until=sent + self.cfg.lease, claimed_at=sent,
                               queue=queue, cancel_requested=c.cancel_requested))

@@ -45,6 +45,12 @@ log = logging.getLogger("kestrel.worker")
 
 Out = TypeVar("Out")
 
+FLUSHES_IN_FLIGHT = 1
+"""Group commits each writer keeps on their way at once (:class:`GroupCommit`'s in_flight).
+Two and three were measured against one on the 2-core VM (BENCHMARKS.md, issue 16): no
+difference in throughput, CPU or commits per workflow showed above the shared machine's
+noise, so the writers keep one until a machine with idle cores shows a gain."""
+
 
 @dataclass
 class WorkerStats:
@@ -87,9 +93,11 @@ class Runner:
         self._stopping = stopping
         self._slot_freed = slot_freed
         self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
-            "checkpoint", self._flush_checkpoints, size=_write_size)
+            "checkpoint", self._flush_checkpoints, size=_write_size,
+            in_flight=FLUSHES_IN_FLIGHT)
         self.completions: GroupCommit[Finish, bool] = GroupCommit(
-            "completion", self._flush_completions, size=_finish_size)
+            "completion", self._flush_completions, size=_finish_size,
+            in_flight=FLUSHES_IN_FLIGHT)
 
     # -- what a Context asks of its worker (kestrel.workflow.Writer) --------------------------
 
@@ -238,7 +246,8 @@ class Runner:
             value = await fn(ctx, *c.args)
         except Park:
             self.stats.parked += 1
-            metrics.get().parked.labels(c.workflow).inc()
+            m = metrics.get()
+            m.child(m.parked, c.workflow).inc()
             return None
         except asyncio.CancelledError:
             if not lease.deadline_hit or lease.lost or self._stopping.is_set():
@@ -307,12 +316,12 @@ class Runner:
                 self.stats.completed += 1
             else:
                 self.stats.failed += 1
-            m.finished.labels(c.workflow, finish.status.value).inc()
+            m.child(m.finished, c.workflow, finish.status.value).inc()
             if c.db_now is not None and c.created_at is not None:
                 # Database time at the claim plus what elapsed here since.
                 took = (c.db_now - c.created_at).total_seconds() + (
                     time.monotonic() - lease.claimed_at)
-                m.submit_to_finish.labels(c.workflow).observe(max(0.0, took))
+                m.child(m.submit_to_finish, c.workflow).observe(max(0.0, took))
         else:
             self.stats.fenced += 1
             m.fenced.labels("completion").inc()

@@ -37,6 +37,7 @@ class Queries:
     park: str
     finished_readback: str
     save_steps_batch: str
+    save_new_steps_batch: str
     load_step: str
     consume_signal: str
     set_event: str

@@ -263,8 +263,8 @@ class Context:
                 attempt += 1
         m = metrics.get()
         ran = time.perf_counter() - clock
-        m.step_seconds.labels(*labels).observe(ran)
-        m.step_runs.labels(*labels, "error" if error else "ok").inc()
+        m.child(m.step_seconds, *labels).observe(ran)
+        m.child(m.step_runs, *labels, "error" if error else "ok").inc()
         return await self._record(step_id, spec.name, output, error, attempt, ran)
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,

@@ -6,6 +6,16 @@ new items queue up, so the batch size follows the load with no timer and no adde
 when idle. A batch is bounded by count and by encoded bytes, so it never approaches
 PostgreSQL's 1 GB message limit.
 
+Up to *in_flight* flushes may be on their way at once, each on its own connection, so the
+process need not sit idle for a whole round trip and commit while the next batch gathers
+(the runtime keeps one, ``runner.FLUSHES_IN_FLIGHT``: two and three measured no better on
+the 2-core VM, BENCHMARKS.md). This
+never reorders an execution's writes: a workflow awaits each checkpoint before its next step
+and its completion only after every checkpoint, so no execution ever has two writes of one
+kind racing, and each statement carries the lease epoch, so fencing holds whichever flush
+commits first. Concurrent flushes lock execution rows in id order like every other
+multi-row statement, so they cannot deadlock each other (FAULTS X3).
+
 What a failed flush means depends on the error, never on who else shared the batch:
 
 * A connection-level failure (:func:`kestrel.db.is_transient`) retries the same batch with
@@ -61,6 +71,17 @@ class Backoff:
 _Waiter = tuple[In, "asyncio.Future[Out]"]
 
 
+class _Flight:
+    """One flush on its way: since when its current attempt has been waiting, and whether it
+    is backing off (the database unreachable: the heartbeats notice that by themselves)."""
+
+    __slots__ = ("backing_off", "since")
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.backing_off = False
+
+
 class GroupCommit(Generic[In, Out]):
     """One writer: ``submit`` an item and wait; ``run`` flushes until cancelled.
 
@@ -72,7 +93,7 @@ class GroupCommit(Generic[In, Out]):
         self, name: str, flush: Callable[[list[In]], Awaitable[list[Out]]], *,
         max_items: int = 1000, max_bytes: int = MAX_BATCH_BYTES,
         size: Callable[[In], int] = lambda _: 0, statement_retries: int = STATEMENT_RETRIES,
-        retry_delay: float = 0.1,
+        retry_delay: float = 0.1, in_flight: int = 1,
     ) -> None:
         self.name = name
         self._flush = flush
@@ -81,42 +102,67 @@ class GroupCommit(Generic[In, Out]):
         self._size = size
         self._statement_retries = statement_retries
         self._retry_delay = retry_delay
+        self._in_flight = max(1, in_flight)
+        self._flights: dict[asyncio.Task[None], _Flight] = {}
         self._pending: list[tuple[In, asyncio.Future[Out]]] = []
         self._wake = asyncio.Event()
         self.flushes = 0
         self.items = 0
         self.rejected = 0
-        # Since when the writer has had items and no flush attempt has ended (None when
-        # idle). The lease watchdog reads it (stalled_for) to tell a stuck writer (a
-        # statement that never returns) from an idle one or one backing off while the
-        # database is unreachable, which its heartbeats notice by themselves.
+        # Since when items have waited with no flush on its way (None otherwise); with the
+        # flights' own clocks, the lease watchdog reads it (stalled_for) to tell a stuck
+        # writer (a statement that never returns) from an idle one.
         self.busy_since: float | None = None
-        self._backing_off = False
 
     async def submit(self, item: In) -> Out:
         """Queue *item* for the next flush; return its result (or raise its own error)."""
         fut: asyncio.Future[Out] = asyncio.get_running_loop().create_future()
-        if self.busy_since is None:
+        if self.busy_since is None and not self._flights:
             self.busy_since = time.monotonic()
         self._pending.append((item, fut))
         self._wake.set()
         return await fut
 
     async def run(self) -> NoReturn:
-        """Flush forever. If this task ends (cancelled or crashed), every waiter is cancelled:
-        a writer's death is never turned into an execution's failure."""
+        """Flush forever, up to *in_flight* batches at once. If this task ends (cancelled or
+        crashed, a flight's crash included), every flight is cancelled and every waiter with
+        it: a writer's death is never turned into an execution's failure."""
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
-                while self._pending:
-                    batch = self._take()
-                    await self._send([w for w in batch if not w[1].done()], Backoff())
-                    self.busy_since = time.monotonic() if self._pending else None
+                for task in [t for t in self._flights if t.done()]:
+                    del self._flights[task]
+                    task.result()  # a flight that crashed ends the writer (crash-only)
+                while self._pending and len(self._flights) < self._in_flight:
+                    batch = [w for w in self._take() if not w[1].done()]
+                    if not batch:
+                        continue
+                    flight = _Flight(time.monotonic())
+                    task = asyncio.create_task(self._fly(batch, flight),
+                                               name=f"{self.name}-flush")
+                    self._flights[task] = flight
+                    task.add_done_callback(lambda _: self._wake.set())
+                # Whatever still waits is behind a flight on its way (stalled_for reads
+                # the flights' clocks).
+                self.busy_since = None
         finally:
+            for task in self._flights:
+                task.cancel()
+            self._flights.clear()
             for _, fut in self._pending:
                 fut.cancel()
             self._pending.clear()
+
+    async def _fly(self, batch: list[tuple[In, asyncio.Future[Out]]], flight: _Flight) -> None:
+        try:
+            await self._send(batch, Backoff(), flight)
+        finally:
+            # A waiter whose flight ended without a result (cancelled with the writer) is
+            # cancelled too, never left waiting.
+            for _, fut in batch:
+                if not fut.done():
+                    fut.cancel()
 
     def _take(self) -> list[tuple[In, asyncio.Future[Out]]]:
         count, total = 0, 0
@@ -129,7 +175,8 @@ class GroupCommit(Generic[In, Out]):
         del self._pending[:count]
         return batch
 
-    async def _send(self, live: list[tuple[In, asyncio.Future[Out]]], backoff: Backoff) -> None:
+    async def _send(self, live: list[tuple[In, asyncio.Future[Out]]], backoff: Backoff,
+                    flight: _Flight) -> None:
         tries = 0
         while live:
             try:
@@ -138,19 +185,20 @@ class GroupCommit(Generic[In, Out]):
                 if db.is_transient(exc):
                     delay = backoff.next_delay()
                     OUTAGE.failed(exc, f"{self.name} flush")
-                    self._backing_off = True
+                    flight.backing_off = True
                     try:
                         await asyncio.sleep(delay)
                     finally:
-                        self._backing_off = False
-                        self.busy_since = time.monotonic()
+                        flight.backing_off = False
+                        flight.since = time.monotonic()
                     live = [w for w in live if not w[1].done()]
                     continue
                 if len(live) > 1:
                     # Isolate: whichever half holds the item that fails, the other goes on.
                     half = len(live) // 2
-                    await self._send(live[:half], backoff)
-                    await self._send([w for w in live[half:] if not w[1].done()], backoff)
+                    await self._send(live[:half], backoff, flight)
+                    await self._send([w for w in live[half:] if not w[1].done()], backoff,
+                                     flight)
                     return
                 tries += 1
                 if tries <= self._statement_retries:
@@ -173,8 +221,12 @@ class GroupCommit(Generic[In, Out]):
             return
 
     def stalled_for(self, now: float) -> float:
-        """Seconds items have waited with no flush completing (0 when idle); *now* is
-        ``time.monotonic()`` (safe to call from the heartbeat thread)."""
-        if self.busy_since is None or self._backing_off:
-            return 0.0
-        return max(0.0, now - self.busy_since)
+        """Seconds the oldest flush on its way has waited, or items have waited with no
+        flush on its way (0 when idle or backing off); *now* is ``time.monotonic()`` (safe
+        to call from the heartbeat thread). One stuck flight counts even while others
+        complete: its executions make no progress."""
+        waits = [now - f.since for f in tuple(self._flights.values()) if not f.backing_off]
+        busy = self.busy_since
+        if busy is not None:
+            waits.append(now - busy)
+        return max([0.0, *waits])
