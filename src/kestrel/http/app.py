@@ -98,20 +98,28 @@ def _status_of(exc: KestrelError) -> int:
 # -- request parts ---------------------------------------------------------------------------
 
 
-async def read_body(request: Request) -> bytes:
-    """The raw body, refused with 413 once it passes ``http_max_body_bytes`` (announced or
-    streamed: a client that lies about Content-Length is cut off at the cap too)."""
-    cap: int = request.app.state.cfg.http_max_body_bytes
+async def read_capped(request: Request, cap: int) -> bytes | None:
+    """The raw body, or None once it passes *cap* bytes, announced or streamed: a client
+    that lies about Content-Length is cut off at the cap too, and nothing past it is read."""
     announced = request.headers.get("content-length")
     if announced is not None and (not announced.isdigit() or int(announced) > cap):
-        raise ApiError(413, f"request body over the cap of {cap} bytes")
+        return None
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > cap:
-            raise ApiError(413, f"request body over the cap of {cap} bytes")
+            return None
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 once it passes ``http_max_body_bytes``."""
+    cap: int = request.app.state.cfg.http_max_body_bytes
+    body = await read_capped(request, cap)
+    if body is None:
+        raise ApiError(413, f"request body over the cap of {cap} bytes")
+    return body
 
 
 def parse_json(body: bytes) -> Any:

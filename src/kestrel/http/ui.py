@@ -55,7 +55,7 @@ from kestrel.errors import (
     PayloadTooLarge,
 )
 from kestrel.http import auth, store
-from kestrel.http.app import ApiError, decode_cursor, encode_cursor
+from kestrel.http.app import ApiError, decode_cursor, encode_cursor, read_capped
 from kestrel.sql import Queries
 from kestrel.types import Status
 
@@ -220,17 +220,11 @@ async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, st
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
         raise UiError(400, "expected a form (application/x-www-form-urlencoded)")
-    announced = request.headers.get("content-length")
-    if announced is not None and (not announced.isdigit() or int(announced) > cap):
+    body = await read_capped(request, cap)
+    if body is None:
         raise UiError(413, f"form over the cap of {cap} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise UiError(413, f"form over the cap of {cap} bytes")
-        chunks.append(chunk)
     try:
-        pairs = parse_qsl(b"".join(chunks).decode("utf-8"), keep_blank_values=True,
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True,
                           strict_parsing=False, encoding="utf-8", errors="strict",
                           max_num_fields=50)
     except (UnicodeDecodeError, ValueError):
