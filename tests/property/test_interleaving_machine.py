@@ -63,7 +63,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from psycopg import sql as pgsql
 from psycopg.pq import TransactionStatus
 
@@ -761,7 +761,8 @@ class InterleavingMachine(RuleBasedStateMachine):
 
         self.client_call(t, stmt, done, failed, python if t == AUTO else None)
 
-    @precondition(lambda self: bool(getattr(self, "order", None)))
+    # No precondition: `order` grows when a transaction commits, which a race may do or not
+    # depending on lock timing (see end_tx).
     @rule(t=st.sampled_from([0, 1, AUTO]),
           call=st.sampled_from(["signal", "signal", "cancel", "retry", "signal other"]),
           e=st.integers(0, 5), key=st.sampled_from([None, None, "s1"]))
@@ -769,7 +770,8 @@ class InterleavingMachine(RuleBasedStateMachine):
         """signal (the waited name, or one no wait takes), cancel or retry an execution,
         in an open transaction (0, 1) or through the Python client (AUTO)."""
         ex = self.pick(e)
-        assert ex is not None
+        if ex is None:
+            return
         if call == "cancel":
             self.send_cancel(t, ex)
         elif call == "retry":
@@ -863,7 +865,10 @@ class InterleavingMachine(RuleBasedStateMachine):
         self.client_call(t, lambda c: _call(c, self.q.retry, {"id": ex.id}), done, failed,
                          python)
 
-    @precondition(lambda self: any(tx.used and not tx.busy() for tx in self.txs[:AUTO]))
+    # No precondition on what the database's timing decides (a statement still blocked,
+    # a claim still out): Hypothesis replays a prefix of rules and demands the same
+    # rules be enabled again (FlakyStrategyDefinition otherwise). The body does nothing
+    # when there is nothing to do.
     @rule(t=st.integers(0, 1), commit=st.booleans())
     def end_tx(self, t: int, commit: bool) -> None:
         tx = self.txs[t]
@@ -912,7 +917,10 @@ class InterleavingMachine(RuleBasedStateMachine):
         L.task = self.spawn(self.advance(L, conn))
         return True
 
-    @precondition(lambda self: any(not L.busy() for L in getattr(self, "leases", [])))
+    # No precondition on what the database's timing decides (a statement still blocked,
+    # a claim still out): Hypothesis replays a prefix of rules and demands the same
+    # rules be enabled again (FlakyStrategyDefinition otherwise). The body does nothing
+    # when there is nothing to do.
     @rule(i=st.integers(0, MAX_LEASES - 1))
     def advance_one(self, i: int) -> None:
         idle = [L for L in self.live_leases() if not L.busy()]
@@ -920,7 +928,6 @@ class InterleavingMachine(RuleBasedStateMachine):
             self.launch(idle[i % len(idle)])
             self.settled()
 
-    @precondition(lambda self: bool(getattr(self, "order", None)))
     @rule(poison=st.sampled_from([None, None, "nul", "surrogate"]))
     def advance_all(self, poison: str | None) -> None:
         """Every idle lease acts at once: their checkpoints share one group commit. A worker
@@ -941,7 +948,10 @@ class InterleavingMachine(RuleBasedStateMachine):
             self.launch(L)
         self.settled()
 
-    @precondition(lambda self: bool(getattr(self, "leases", None)))
+    # No precondition on what the database's timing decides (a statement still blocked,
+    # a claim still out): Hypothesis replays a prefix of rules and demands the same
+    # rules be enabled again (FlakyStrategyDefinition otherwise). The body does nothing
+    # when there is nothing to do.
     @rule(i=st.integers(0, MAX_LEASES - 1), t=st.integers(0, 1),
           call=st.sampled_from(["signal", "signal", "cancel"]), commit=st.booleans())
     def race(self, i: int, t: int, call: str, commit: bool) -> None:
