@@ -333,15 +333,24 @@ def decode_cursor(text: str) -> tuple[datetime, uuid.UUID]:
         raise ApiError(400, "cursor is not one this API returned") from None
 
 
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 time; one without a zone is UTC.
+
+    Raises:
+        ValueError: *text* is not an ISO 8601 time.
+    """
+    when = datetime.fromisoformat(text)
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
 def _time(params: Mapping[str, str], name: str) -> datetime | None:
     text = params.get(name)
     if text is None:
         return None
     try:
-        when = datetime.fromisoformat(text)
+        return parse_time(text)
     except ValueError:
         raise ApiError(400, f"{name} must be an ISO 8601 time") from None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor")

@@ -55,7 +55,13 @@ from kestrel.errors import (
     PayloadTooLarge,
 )
 from kestrel.http import auth, store
-from kestrel.http.app import ApiError, decode_cursor, encode_cursor, read_capped
+from kestrel.http.app import (
+    ApiError,
+    decode_cursor,
+    encode_cursor,
+    parse_time,
+    read_capped,
+)
 from kestrel.sql import Queries
 from kestrel.types import Status
 
@@ -343,10 +349,9 @@ def _time(params: Mapping[str, str], name: str) -> datetime | None:
     if text is None:
         return None
     try:
-        when = datetime.fromisoformat(text)
+        return parse_time(text)
     except ValueError:
         raise UiError(400, f"{name} must be a time like 2026-01-31T09:30") from None
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
 def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
