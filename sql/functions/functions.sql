@@ -421,12 +421,21 @@ $$;
 -- failed with NonDeterminismError (FAULTS X7). Now only the checkpoints before the first
 -- failed one come back; the rest are dropped and run again. A child whose parent was
 -- cancelled is not brought back (KS009), as submit() would not start it.
+--
+-- The re-run is a fresh run from the first failed step (FAULTS O1, O2), so what the dropped
+-- checkpoints took is given back with them: signals consumed at a dropped position are
+-- pending again, patch markers asked at or after it (output {"at": position}) are dropped,
+-- and each child's end is delivered again from the child's own record (restore_child_outcomes:
+-- a child keeps its id, since its idempotency key is its parent's and the step's). Signals
+-- and events come back from history with the execution (archive_steps moved them there).
 CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_status text;
     v_parent uuid;
     v_cancelling boolean;
+    v_cut integer;
+    v_children uuid[];
 BEGIN
     SELECT parent_id INTO v_parent FROM __schema__.workflow_history
      WHERE id = p_execution AND status IN ('failed', 'cancelled', 'quarantined');
@@ -456,6 +465,10 @@ BEGIN
            started_at, parent_id, app_version
       FROM removed;
     IF FOUND THEN
+        -- The first failed step's position: it and everything after it runs again.
+        SELECT coalesce(min(s.step_id), 2147483647) INTO v_cut
+          FROM __schema__.step_history AS s
+         WHERE s.execution_id = p_execution AND s.step_id >= 0 AND s.error IS NOT NULL;
         WITH back AS (
             DELETE FROM __schema__.step_history AS s
              WHERE s.execution_id = p_execution
@@ -467,8 +480,34 @@ BEGIN
         SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
                started_at, finished_at
           FROM back
-         WHERE step_id < coalesce((SELECT min(step_id) FROM back WHERE error IS NOT NULL),
-                                  2147483647);
+         WHERE CASE WHEN step_id >= 0 THEN step_id < v_cut
+                    ELSE __schema__.marker_position(output) < v_cut END;
+        WITH back AS (
+            DELETE FROM __schema__.signal_history AS s
+             WHERE s.execution_id = p_execution
+         RETURNING s.*
+        )
+        INSERT INTO __schema__.signals
+               (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+                consumed_at)
+        SELECT id, execution_id, name, payload, idempotency_key, created_at,
+               CASE WHEN consumed_step < v_cut THEN consumed_step END,
+               CASE WHEN consumed_step < v_cut THEN consumed_at END
+          FROM back;
+        WITH back AS (
+            DELETE FROM __schema__.event_history AS v
+             WHERE v.execution_id = p_execution
+         RETURNING v.*
+        )
+        INSERT INTO __schema__.events (execution_id, key, value, updated_at)
+        SELECT execution_id, key, value, updated_at FROM back;
+        SELECT array_agg(c.id) INTO v_children
+          FROM (SELECT id FROM __schema__.workflow_executions WHERE parent_id = p_execution
+                UNION ALL
+                SELECT id FROM __schema__.workflow_history WHERE parent_id = p_execution) AS c;
+        IF v_children IS NOT NULL THEN
+            PERFORM __schema__.restore_child_outcomes(p_execution, v_children);
+        END IF;
         PERFORM pg_notify('kestrel.__schema_name__', 'retry');
         RETURN;
     END IF;
@@ -484,36 +523,169 @@ BEGIN
 END
 $$;
 
+-- name: marker_position
+-- The step position a patch marker (a checkpoint at a negative id, output {"at": position})
+-- was recorded at: the first position whose re-run may ask the patch again. A marker of an
+-- unexpected form counts as recorded at 0, so whatever reruns drops it (the re-run asks
+-- again and records it again).
+CREATE OR REPLACE FUNCTION __schema__.marker_position(p_output jsonb) RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN jsonb_typeof(p_output -> 'at') = 'number'
+                 AND (p_output ->> 'at') ~ '^[0-9]{1,9}$'
+                THEN (p_output ->> 'at')::integer ELSE 0 END
+$$;
+
+-- name: restore_child_outcomes
+-- Deliver again to p_execution the ends of its children p_children that no checkpoint it
+-- keeps has consumed, from each child's own record: a retried or forked execution is told
+-- every child's end, however the first delivery went (consumed by a dropped wait, never made
+-- because the parent had left the hot table in the same statement, or stale because the
+-- child was retried since). A pending signal of a child that is live again is dropped: the
+-- child tells its parent when it ends (child_finished). A child found nowhere (its history
+-- dropped by retention) keeps whatever signal there is.
+CREATE OR REPLACE FUNCTION __schema__.restore_child_outcomes(
+    p_execution uuid, p_children uuid[]
+) RETURNS void
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM __schema__.signals AS s
+     USING __schema__.workflow_executions AS c
+     WHERE c.id = ANY (p_children)
+       AND s.execution_id = p_execution
+       AND s.idempotency_key = 'kestrel.child:' || c.id
+       AND s.consumed_step IS NULL;
+    UPDATE __schema__.signals AS s
+       SET payload = jsonb_build_object('status', h.status, 'result', h.result,
+                                        'error', h.error)
+      FROM __schema__.workflow_history AS h
+     WHERE h.id = ANY (p_children)
+       AND s.execution_id = p_execution
+       AND s.idempotency_key = 'kestrel.child:' || h.id
+       AND s.consumed_step IS NULL;
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
+    SELECT p_execution, 'kestrel.child:' || h.id,
+           jsonb_build_object('status', h.status, 'result', h.result, 'error', h.error),
+           'kestrel.child:' || h.id
+      FROM __schema__.workflow_history AS h
+     WHERE h.id = ANY (p_children)
+     ORDER BY h.finished_at, h.id
+        ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
+END
+$$;
+
 -- name: fork
--- fork() copies checkpoints from wherever the original's are.
+-- fork(): a new execution that replays the original's first p_from_step positions and runs
+-- the rest afresh (FAULTS O3). It copies every checkpoint below the position, recorded errors
+-- included (a caught failure is part of the history the copied branch depends on, as retry
+-- keeps it), and the patch markers asked before it. What the copy needs from outside comes
+-- with it: each child started below the position whose end no copied checkpoint consumed is
+-- told to the fork from the child's record; a child still running is refused (KS005, naming
+-- the step): its end reaches the original only. The original's signals not consumed below the
+-- position are copied as pending, in their order (the fork re-runs the waits that took
+-- them), and its events are rebuilt from the set_event checkpoints below the position (which
+-- record the value; older ones, without it, are skipped). The position may be at most one
+-- past the last recorded one (or the wait the original is parked at): beyond is refused
+-- (KS002). The new execution's source is recorded in forks.
 CREATE OR REPLACE FUNCTION __schema__.fork(p_execution uuid, p_from_step integer) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_new uuid := gen_random_uuid();
     v_src __schema__.executions%ROWTYPE;
+    v_last integer;
+    v_child record;
+    v_children uuid[];
 BEGIN
+    IF p_from_step IS NULL OR p_from_step < 0 THEN
+        RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
+    END IF;
     SELECT * INTO v_src FROM __schema__.executions WHERE id = p_execution;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'no execution %', p_execution USING ERRCODE = 'KS003';
     END IF;
-    IF p_from_step < 0 THEN
-        RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
+    SELECT greatest(max(s.step_id), (SELECT e.wait_step FROM __schema__.workflow_executions AS e
+                                      WHERE e.id = p_execution AND e.status = 'waiting'))
+      INTO v_last
+      FROM __schema__.workflow_steps AS s
+     WHERE s.execution_id = p_execution AND s.step_id >= 0;
+    IF p_from_step > coalesce(v_last, -1) + 1 THEN
+        RAISE EXCEPTION 'cannot fork execution % from step %: it has recorded positions up to %, so a fork may start at step % at most',
+            p_execution, p_from_step, coalesce(v_last, -1), coalesce(v_last, -1) + 1
+            USING ERRCODE = 'KS002';
     END IF;
+    -- Children started below the position whose end no copied checkpoint consumed.
+    FOR v_child IN
+        SELECT k.step_id, k.id, h.id IS NOT NULL AS ended
+          FROM (SELECT s.step_id,
+                       CASE WHEN s.output #>> '{}' ~ '^[0-9a-f]{8}-([0-9a-f]{4}-){3}[0-9a-f]{12}$'
+                            THEN (s.output #>> '{}')::uuid END AS id
+                  FROM __schema__.workflow_steps AS s
+                 WHERE s.execution_id = p_execution AND s.step_id >= 0
+                   AND s.step_id < p_from_step
+                   AND s.step_name LIKE 'kestrel.start_child:%' AND s.error IS NULL
+                   AND jsonb_typeof(s.output) = 'string') AS k
+          LEFT JOIN __schema__.workflow_history AS h ON h.id = k.id
+         WHERE k.id IS NOT NULL
+           AND NOT EXISTS (
+                SELECT 1 FROM __schema__.workflow_steps AS w
+                 WHERE w.execution_id = p_execution AND w.step_id >= 0
+                   AND w.step_id < p_from_step
+                   AND w.step_name = 'kestrel.signal:kestrel.child:' || k.id)
+         ORDER BY k.step_id
+    LOOP
+        IF NOT v_child.ended THEN
+            RAISE EXCEPTION 'cannot fork execution % from step %: step % started child %, which has not ended (or is no longer recorded); its end would reach % only. Fork once it has ended, or from step % or before',
+                p_execution, p_from_step, v_child.step_id, v_child.id, p_execution,
+                v_child.step_id USING ERRCODE = 'KS005';
+        END IF;
+        v_children := v_children || v_child.id;
+    END LOOP;
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
             finished_at)
     SELECT v_new, step_id, step_name, output, error, attempt, 0, started_at, finished_at
       FROM __schema__.workflow_steps
-     WHERE execution_id = p_execution AND step_id < p_from_step AND error IS NULL;
+     WHERE execution_id = p_execution
+       AND CASE WHEN step_id >= 0 THEN step_id < p_from_step
+                ELSE __schema__.marker_position(output) < p_from_step END;
     INSERT INTO __schema__.workflow_executions (id, workflow, queue, priority, args)
     VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args);
+    INSERT INTO __schema__.forks (id, forked_from, from_step)
+    VALUES (v_new, p_execution, p_from_step);
+    -- The original's inputs from the position on, as the fork's pending signals.
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key, created_at)
+    SELECT v_new, s.name, s.payload, s.idempotency_key, s.created_at
+      FROM (SELECT id, name, payload, idempotency_key, created_at, consumed_step
+              FROM __schema__.signals WHERE execution_id = p_execution
+            UNION ALL
+            SELECT id, name, payload, idempotency_key, created_at, consumed_step
+              FROM __schema__.signal_history WHERE execution_id = p_execution) AS s
+     WHERE s.name NOT LIKE 'kestrel.child:%'
+       AND (s.consumed_step IS NULL OR s.consumed_step >= p_from_step)
+     ORDER BY s.id;
+    IF v_children IS NOT NULL THEN
+        PERFORM __schema__.restore_child_outcomes(v_new, v_children);
+    END IF;
+    INSERT INTO __schema__.events (execution_id, key, value)
+    SELECT DISTINCT ON (s.step_name)
+           v_new, substr(s.step_name, length('kestrel.set_event:') + 1), s.output -> 'value'
+      FROM __schema__.workflow_steps AS s
+     WHERE s.execution_id = p_execution AND s.step_id >= 0 AND s.step_id < p_from_step
+       AND s.step_name LIKE 'kestrel.set_event:%' AND s.error IS NULL
+       AND jsonb_typeof(s.output) = 'object' AND s.output ? 'value'
+     ORDER BY s.step_name, s.step_id DESC;
     PERFORM pg_notify('kestrel.__schema_name__', v_src.queue);
     RETURN v_new;
 END
 $$;
 
 -- name: archive_steps
--- Everything finished executions had, moved by complete/cancel/quarantine/deadline.
+-- Everything finished executions had, moved by complete/cancel/quarantine/deadline in the
+-- statement that moves them to history: their checkpoints to step_history, their signals
+-- (consumed or not) to signal_history and their events to event_history (migration 0013),
+-- each stamped with the finish time that partitions it, so the hot tables hold live work only
+-- and retention drops all of it with the execution. retry() brings it back. Returns the
+-- number of checkpoints moved. Each DELETE finds its rows by an index that leads with the
+-- execution id; an execution that never signalled or published costs two index probes.
 CREATE OR REPLACE FUNCTION __schema__.archive_steps(p_ids uuid[]) RETURNS bigint
 LANGUAGE sql AS $$
     WITH moved AS (
@@ -528,6 +700,26 @@ LANGUAGE sql AS $$
                started_at, finished_at, __schema__.kestrel_now()
           FROM moved
         RETURNING 1
+    ), signals_moved AS (
+        DELETE FROM __schema__.signals AS s
+         WHERE s.execution_id = ANY(p_ids)
+     RETURNING s.*
+    ), signals_archived AS (
+        INSERT INTO __schema__.signal_history
+               (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+                consumed_at, execution_finished_at)
+        SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+               consumed_at, __schema__.kestrel_now()
+          FROM signals_moved
+    ), events_moved AS (
+        DELETE FROM __schema__.events AS v
+         WHERE v.execution_id = ANY(p_ids)
+     RETURNING v.*
+    ), events_archived AS (
+        INSERT INTO __schema__.event_history
+               (execution_id, key, value, updated_at, execution_finished_at)
+        SELECT execution_id, key, value, updated_at, __schema__.kestrel_now()
+          FROM events_moved
     )
     SELECT count(*) FROM archived
 $$;
@@ -538,6 +730,15 @@ $$;
 -- consumed exactly when the checkpoint is written. Returns ownership, the cancel flag, the
 -- recorded output (NULL when no signal is pending) and signal_seq for a following park: any
 -- signal() that bumped signal_seq before the lock was granted is visible to the scan.
+--
+-- Idempotent per position (FAULTS R2): when the wait's position already has a checkpoint (an
+-- earlier call committed and its reply was lost), that recorded output is returned and no
+-- other signal is taken. Under the epoch's row lock only this attempt writes checkpoints of
+-- this execution, and nothing but this wait records at its position, so what is there is
+-- this wait's: the signal it consumed, or its timeout. The row lock is exclusive (NO KEY
+-- UPDATE, which heartbeats and signal() conflict with anyway), so a retry that reaches the
+-- server while the lost call still runs there waits for it and then finds its checkpoint;
+-- the INSERT has no ON CONFLICT: a conflict would undo the signal's consumption with it.
 CREATE OR REPLACE FUNCTION __schema__.consume_signal(
     p_id uuid, p_epoch integer, p_step_id integer, p_name text, p_step_name text,
     OUT owned boolean, OUT cancelled boolean, OUT output jsonb, OUT signal_seq bigint
@@ -549,10 +750,16 @@ BEGIN
     SELECT e.signal_seq, e.cancel_requested INTO signal_seq, cancelled
       FROM __schema__.workflow_executions AS e
      WHERE e.id = p_id AND e.lease_epoch = p_epoch AND e.status = 'running'
-       FOR SHARE;
+       FOR NO KEY UPDATE;
     owned := FOUND;
     cancelled := coalesce(cancelled, false);
     IF NOT owned OR cancelled THEN
+        RETURN;
+    END IF;
+    SELECT o.output INTO output
+      FROM __schema__.operation_outputs AS o
+     WHERE o.execution_id = p_id AND o.step_id = p_step_id;
+    IF FOUND THEN
         RETURN;
     END IF;
     -- A new statement, a new snapshot: it sees every signal committed before the lock.
@@ -571,7 +778,6 @@ BEGIN
         VALUES (p_id, p_step_id, p_step_name,
                 jsonb_build_object('received', true, 'payload', v_payload), 1, p_epoch,
                 __schema__.kestrel_now())
-            ON CONFLICT (execution_id, step_id) DO NOTHING
         RETURNING operation_outputs.output INTO output;
     END IF;
 END
@@ -584,6 +790,9 @@ $$;
 --   cancelled  a cancel was requested: the worker finishes the execution as cancelled
 --   signalled  a signal arrived since p_seen_seq was read: look for it again
 --   lost       a newer claim owns it, or it has left the hot table
+--   recorded   the wait's position already has a checkpoint (FAULTS R2): nothing is parked;
+--              the worker replays that checkpoint (a parked position must have none, or the
+--              wake-up would replay it and the wait would never be looked at again)
 -- A re-park of the same wait keeps the original deadline; attempts restart at 0 (a clean
 -- park is progress, not a lost worker).
 CREATE OR REPLACE FUNCTION __schema__.park_execution(
@@ -614,7 +823,9 @@ BEGIN
        AND e.lease_epoch = p_epoch
        AND e.status = 'running'
        AND NOT e.cancel_requested
-       AND (p_seen_seq IS NULL OR e.signal_seq = p_seen_seq);
+       AND (p_seen_seq IS NULL OR e.signal_seq = p_seen_seq)
+       AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                        WHERE o.execution_id = p_id AND o.step_id = p_step_id);
     IF FOUND THEN
         RETURN 'parked';
     END IF;
@@ -633,6 +844,10 @@ BEGIN
     END IF;
     IF v.cancel_requested THEN
         RETURN 'cancelled';
+    END IF;
+    IF EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                WHERE o.execution_id = p_id AND o.step_id = p_step_id) THEN
+        RETURN 'recorded';
     END IF;
     RETURN 'signalled';
 END

@@ -1,7 +1,8 @@
--- Partition upkeep for workflow_history and step_history (installed by `migrate`, replaced
--- on every run: the _v1 names change if the signatures ever do).
+-- Partition upkeep for workflow_history and what leaves the hot tables with an execution:
+-- step_history, signal_history and event_history (installed by `migrate`, replaced on every
+-- run: the _v1 names change if the signatures ever do).
 --
--- Both tables are range-partitioned by finish time with identical bounds. Upkeep creates
+-- All four tables are range-partitioned by finish time with identical bounds. Upkeep creates
 -- partitions ahead of time and drops (or detaches) those wholly older than the retention:
 -- history is never trimmed with DELETE. Partition names and bounds derive from a validated
 -- interval ('day', 'week' or 'month') and timestamps, never from caller text, and every
@@ -45,7 +46,8 @@ BEGIN
                AT TIME ZONE 'UTC';
     FOR i IN 0 .. p_ahead LOOP
         v_end := ((v_start AT TIME ZONE 'UTC') + v_step) AT TIME ZONE 'UTC';
-        FOREACH v_table IN ARRAY ARRAY['workflow_history', 'step_history'] LOOP
+        FOREACH v_table IN ARRAY ARRAY['workflow_history', 'step_history', 'signal_history',
+                                       'event_history'] LOOP
             CONTINUE WHEN i = 0 AND NOT p_include_current;
             v_column := CASE v_table WHEN 'workflow_history' THEN 'finished_at'
                                      ELSE 'execution_finished_at' END;
@@ -100,7 +102,8 @@ BEGIN
           JOIN pg_class AS parent ON parent.oid = i.inhparent
           JOIN pg_namespace AS n ON n.oid = parent.relnamespace
          WHERE n.nspname = '__schema_name__'
-           AND parent.relname IN ('workflow_history', 'step_history')
+           AND parent.relname IN ('workflow_history', 'step_history', 'signal_history',
+                                  'event_history')
            AND NOT child.relispartition IS DISTINCT FROM true
          ORDER BY 3
     LOOP

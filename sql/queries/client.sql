@@ -16,7 +16,11 @@ SELECT __schema__.retry(%(id)s);
 SELECT __schema__.fork(%(id)s, %(from_step)s);
 
 -- name: get_event
-SELECT value FROM __schema__.events WHERE execution_id = %(id)s AND key = %(key)s;
+-- A live execution's events are in events; a finished one's moved to event_history with it
+-- (archive_steps). It is in exactly one of them in any snapshot.
+SELECT value FROM __schema__.events WHERE execution_id = %(id)s AND key = %(key)s
+UNION ALL
+SELECT value FROM __schema__.event_history WHERE execution_id = %(id)s AND key = %(key)s;
 
 -- name: listen_done
 LISTEN "kestrel.__schema_name__.done";

@@ -69,15 +69,23 @@ SELECT status, NULL, NULL, NULL, deadline, parent_id, false, app_version
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_events
+-- Live or finished (a finished execution's events are in event_history).
 SELECT key, value, updated_at
   FROM __schema__.events WHERE execution_id = %(id)s
+UNION ALL
+SELECT key, value, updated_at
+  FROM __schema__.event_history WHERE execution_id = %(id)s
  ORDER BY key;
 
 -- name: pending_signals
--- Signals sent and not consumed yet, oldest first (a child's completion is one too).
+-- Signals sent and not consumed yet, oldest first (a child's completion is one too); for a
+-- finished execution, those it never consumed (in signal_history).
 SELECT id, name, payload, created_at
-  FROM __schema__.signals
- WHERE execution_id = %(id)s AND consumed_step IS NULL
+  FROM (SELECT id, name, payload, created_at FROM __schema__.signals
+         WHERE execution_id = %(id)s AND consumed_step IS NULL
+        UNION ALL
+        SELECT id, name, payload, created_at FROM __schema__.signal_history
+         WHERE execution_id = %(id)s AND consumed_step IS NULL) AS s
  ORDER BY id
  LIMIT 1000;
 
@@ -104,4 +112,6 @@ SELECT name, cron, workflow, last_tick, updated_at
 -- Whether a signal with this idempotency key reached the execution: a replay of a request
 -- that signalled an execution which has finished since is answered "already delivered".
 SELECT EXISTS (SELECT 1 FROM __schema__.signals
+                WHERE execution_id = %(id)s AND idempotency_key = %(key)s)
+    OR EXISTS (SELECT 1 FROM __schema__.signal_history
                 WHERE execution_id = %(id)s AND idempotency_key = %(key)s);

@@ -47,10 +47,11 @@ def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
 
 # Where the fault suite can inject a fault. ``raise`` at an ``after_*`` point is Temporal's
 # ExecuteAndTimeout: the statement committed, the worker hears an error instead of the reply.
-# ``step_body`` fires just before a step's body runs, with the step's StepInfo as subject.
+# ``step_body`` fires just before a step's body runs, with the step's StepInfo as subject;
+# ``after_consume_signal_commit`` with what consume_signal returned.
 FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
               "after_checkpoint_commit_before_ack", "before_complete", "after_complete_commit",
-              "after_park_commit", "sweeper_round", "step_body")
+              "after_park_commit", "sweeper_round", "step_body", "after_consume_signal_commit")
 _FAILPOINTS = _parse_failpoints(os.environ.get("KESTREL_FAILPOINTS", ""))
 
 

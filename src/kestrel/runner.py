@@ -37,7 +37,15 @@ from kestrel.errors import (
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Lease, Leases
 from kestrel.sql import Queries
-from kestrel.types import Claimed, Finish, SignalTaken, Status, StepSaved, StepWrite
+from kestrel.types import (
+    Claimed,
+    Finish,
+    RecordedStep,
+    SignalTaken,
+    Status,
+    StepSaved,
+    StepWrite,
+)
 from kestrel.workflow import Context, Park, WorkflowFn, describe_error
 from kestrel.writer import Backoff, GroupCommit
 
@@ -150,11 +158,23 @@ class Runner:
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
-        """Consume a pending signal into the wait's checkpoint; retried as :meth:`park` is."""
+        """Consume a pending signal into the wait's checkpoint; retried as :meth:`park` is
+        (the statement is idempotent per position: a retry after a lost reply returns the
+        checkpoint the first call recorded, never a second signal)."""
         c = lease.claimed
-        return await self._with_retries(lease, lambda conn: db.consume_signal(
-            conn, self._q, id=c.id, epoch=c.epoch, step_id=step_id, name=name,
-            step_name=step_name))
+
+        async def consume(conn: AnyConn) -> SignalTaken:
+            taken = await db.consume_signal(conn, self._q, id=c.id, epoch=c.epoch,
+                                            step_id=step_id, name=name, step_name=step_name)
+            failpoint("after_consume_signal_commit", taken)
+            return taken
+
+        return await self._with_retries(lease, consume)
+
+    async def load_step(self, lease: Lease, *, step_id: int) -> RecordedStep | None:
+        """Read the checkpoint recorded at *step_id*; retried as :meth:`park` is."""
+        return await self._with_retries(lease, lambda conn: db.load_step(
+            conn, self._q, execution_id=lease.claimed.id, step_id=step_id))
 
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch; False if the lease is gone.

@@ -23,6 +23,8 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
 from uuid import UUID
 
+import orjson
+
 from kestrel import codec, db, metrics
 
 # Re-exported (``X as X``): the declarations live in kestrel.definitions.
@@ -102,7 +104,11 @@ class Writer(Protocol):
 
     async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> str:
-        """Park the execution at a wait: parked, cancelled, signalled or lost (db.park)."""
+        """Park the execution at a wait: parked, cancelled, signalled, recorded or lost
+        (db.park)."""
+
+    async def load_step(self, lease: Lease, *, step_id: int) -> RecordedStep | None:
+        """Read the checkpoint recorded at *step_id* (a wait park refused as recorded)."""
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
@@ -467,8 +473,10 @@ class Context:
             await self._record(step_id, _SLEEP, codec.encode({"slept": True}, what="sleep"),
                                None, 1, 0.0)
             return
-        await self._park(step_id, _SLEEP, seconds, None)
-        self._decide(LeaseLost(f"execution {c.id} could not be parked: no longer owned"))
+        recorded = await self._park(step_id, _SLEEP, seconds, None)
+        if recorded is None:
+            self._decide(LeaseLost(f"execution {c.id} could not be parked: no longer owned"))
+        self._replay(step_id, _SLEEP, recorded)
 
     def _wait_is_over(self, step_id: int) -> bool:
         c = self.claimed
@@ -476,17 +484,24 @@ class Context:
                 and c.db_now is not None and c.db_now >= c.wait_deadline)
 
     async def _park(self, step_id: int, waiting_for: str, seconds: float | None,
-                    seen_seq: int | None) -> None:
-        """Park at a wait and unwind (Park); return only when a signal arrived meanwhile."""
+                    seen_seq: int | None) -> RecordedStep | None:
+        """Park at a wait and unwind (Park). Returns None when a signal arrived meanwhile
+        (look again), or the checkpoint the wait's position already has: the database
+        refuses to park there (FAULTS R2) and the caller replays it instead."""
         outcome = await self.writer.park(self.lease, step_id=step_id, waiting_for=waiting_for,
                                          seconds=seconds, seen_seq=seen_seq)
         if outcome == "parked":
             raise Park(waiting_for)
         if outcome == "cancelled":
             self._cancel()  # finished as cancelled now, not left to the sweeper (FAULTS X2)
+        if outcome == "recorded":
+            recorded = await self.writer.load_step(self.lease, step_id=step_id)
+            if recorded is not None:
+                return recorded
         if outcome != "signalled" or seen_seq is None:
             self._decide(LeaseLost(f"execution {self.execution_id} could not be parked: "
                                    "no longer owned"))
+        return None
 
     async def wait_for_signal(self, name: str, timeout: float | None = None) -> Signal:
         """Wait durably for the signal *name*; return it, or a result with ``timed_out``.
@@ -517,8 +532,10 @@ class Context:
                     await self._record(step_id, step_name, output, None, 1, 0.0)
                     return Signal(name, None, timed_out=True)
                 # No signal yet: park. If one arrived since we looked, park refuses and we
-                # look again.
-                await self._park(step_id, name, timeout, taken.signal_seq)
+                # look again; if the position is recorded, that checkpoint is the answer.
+                recorded = await self._park(step_id, name, timeout, taken.signal_seq)
+                if recorded is not None:
+                    break
         out = self._replay(step_id, step_name, recorded)
         return Signal(name, out.get("payload"), timed_out=not out.get("received"))
 
@@ -539,13 +556,17 @@ class Context:
     # -- events -------------------------------------------------------------------------------
 
     async def set_event(self, key: str, value: Any) -> None:
-        """Publish *value* under *key* for callers (``Client.get_event``)."""
+        """Publish *value* under *key* for callers (``Client.get_event``).
+
+        The step's checkpoint records ``{"value": value}``, so a fork rebuilds the events
+        its copied history had published (``Client.fork``)."""
         codec.check_text(key, what="event key")
         encoded = codec.encode(value, what=f"event {key!r}", max_bytes=self.max_payload_bytes)
 
-        async def put() -> None:
+        async def put() -> dict[str, orjson.Fragment]:
             if not await self.writer.set_event(self.lease, key, encoded):
                 raise LeaseLost(f"execution {self.execution_id} is no longer ours")
+            return {"value": orjson.Fragment(encoded)}
 
         await self._internal(f"kestrel.set_event:{key}", put)
 

@@ -133,7 +133,9 @@ def incident(client: SyncClient, workload: str) -> str:
 
 def signals(server: UiServer, eid: str) -> int:
     return int(q1(server.dsn, server.schema,
-                  "SELECT count(*) FROM {s}.signals WHERE execution_id = %s", [eid]))
+                  "SELECT count(*) FROM (SELECT execution_id FROM {s}.signals UNION ALL "
+                  "SELECT execution_id FROM {s}.signal_history) AS s WHERE execution_id = %s",
+                  [eid]))  # sent, whether the execution is live or finished
 
 
 def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(

@@ -149,7 +149,8 @@ def test_dropping_an_old_partition_under_traffic_blocks_nothing(
         code = main(["partitions", "--dsn", pg_dsn, "--schema", schema, "--json",
                      "--log-level", "error"])
         assert code == 0
-        assert '"dropped": 2' in capsys.readouterr().out  # workflow_history + step_history
+        # workflow_history, step_history, signal_history, event_history
+        assert '"dropped": 4' in capsys.readouterr().out
         while finished_count(pg_dsn, schema) < 10_000:
             time.sleep(0.2)
     assert q1(pg_dsn, schema, "SELECT to_regclass(%s)", [f"{schema}.{old}"]) is None
@@ -169,7 +170,7 @@ def test_partitions_are_created_ahead_and_named_from_the_interval(
     code = main(["partitions", "--dsn", pg_dsn, "--schema", schema, "--history-ahead", "5",
                  "--log-level", "error"])
     out = capsys.readouterr().out
-    assert code == 0 and "created 4 partitions" in out  # 2 more days, 2 tables each
+    assert code == 0 and "created 8 partitions" in out  # 2 more days, 4 tables each
     names = [r[0] for r in q(pg_dsn, schema, "SELECT c.relname FROM pg_inherits i JOIN "
                              "pg_class c ON c.oid = i.inhrelid WHERE i.inhparent = %s::regclass "
                              "ORDER BY 1", [f'"{schema}".workflow_history'])]

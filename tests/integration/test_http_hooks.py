@@ -218,8 +218,8 @@ def test_slack_approve_and_reject_buttons_signal_once(server: dict[str, Any]) ->
     body = _press(reject, "reject", "bo", "1700000000.000200")
     assert api.post("/hooks/slack", body, headers=slack(body), token=None).status == 200
     assert result(server, reject) == {"outcome": "rejected", "by": "bo"}
-    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signals WHERE "
-              "execution_id IN (%s, %s)", [approve, reject]) == 2
+    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signal_history "
+              "WHERE execution_id IN (%s, %s)", [approve, reject]) == 2  # left with them
 
 
 def test_slack_malformed_actions_are_refused(server: dict[str, Any]) -> None:
@@ -302,8 +302,8 @@ def test_two_servers_on_one_schema_start_a_delivery_once_and_signal_a_press_once
     assert len(set(ids)) == 1
     assert sum(p["delivered"] for p in presses) == 1
     assert result(server, target) == {"outcome": "approved", "by": "ana"}
-    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signals WHERE "
-              "execution_id = %s", [target]) == 1
+    assert q1(server["dsn"], server["schema"], "SELECT count(*) FROM {s}.signal_history "
+              "WHERE execution_id = %s", [target]) == 1  # left with the execution
 
 
 def test_serve_without_an_app_says_so_in_one_line(pg_dsn: str) -> None:

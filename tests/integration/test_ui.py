@@ -48,7 +48,9 @@ def waiting_incident(server: UiServer, client: SyncClient) -> str:
 
 def signals_sent(server: UiServer, eid: str) -> int:
     return int(q1(server.dsn, server.schema,
-                  "SELECT count(*) FROM {s}.signals WHERE execution_id = %s", [eid]))
+                  "SELECT count(*) FROM (SELECT execution_id FROM {s}.signals UNION ALL "
+                  "SELECT execution_id FROM {s}.signal_history) AS s WHERE execution_id = %s",
+                  [eid]))  # sent, whether the execution is live or finished
 
 
 def one_line_refusal(reply: Any, status: int) -> str:

@@ -64,8 +64,10 @@ def test_each_signal_is_consumed_once_and_keys_count_once(pg_dsn: str, schema: s
     assert client.signal(first.id, "go", 3) is True  # a second distinct signal stays pending
     run_worker_until(pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) >= 1)
     assert first.result(timeout=1) == 1
-    assert q(pg_dsn, schema, "SELECT payload, consumed_step FROM {s}.signals ORDER BY id") == [
-        (1, 0), (3, None)]
+    # They left the hot table with the finished execution (migration 0013).
+    assert q(pg_dsn, schema, "SELECT count(*) FROM {s}.signals") == [(0,)]
+    assert q(pg_dsn, schema, "SELECT payload, consumed_step FROM {s}.signal_history "
+             "ORDER BY id") == [(1, 0), (3, None)]
     assert status_of(client, second.id) == "waiting"
 
 
