@@ -159,13 +159,30 @@ class Client(ClientBase):
     async def retry(self, execution_id: uuid.UUID | str, *,
                     conn: psycopg.AsyncConnection[Any] | None = None) -> Handle:
         """Re-run a failed, cancelled or quarantined execution from its last good
-        checkpoint (the checkpoints before its first failed step)."""
+        checkpoint (the checkpoints before its first failed step), as a fresh run from
+        there: signals consumed and child results taken after that point are given back.
+
+        Raises:
+            ExecutionNotFound: no execution has that id.
+            InvalidState: it is not failed, cancelled or quarantined.
+            ParentCancelled: its parent was cancelled (retry the parent).
+        """
         eid = ident(execution_id)
         await self._run(db.value(self._q.retry, {"id": eid}), conn)
         return Handle(self, eid)
 
     async def fork(self, execution_id: uuid.UUID | str, from_step: int) -> Handle:
-        """Start a new execution that reuses the first *from_step* checkpoints."""
+        """Start a new execution that replays the first *from_step* positions of this one
+        (their checkpoints, caught failures included, patch markers and events) and runs
+        the rest afresh, with this one's signals not consumed below *from_step* pending.
+
+        Raises:
+            ExecutionNotFound: no execution has that id.
+            ConfigError: *from_step* is negative or past the end (more than one past the
+                last recorded position).
+            InvalidState: a child started below *from_step* has not ended yet (its end
+                would reach this execution only); the message names the step.
+        """
         new = await self._run(db.value(self._q.fork, {"id": ident(execution_id),
                                                       "from_step": from_step}))
         return Handle(self, new)

@@ -246,7 +246,7 @@ class InterleavingMachine(RuleBasedStateMachine):
         self.observer = self.run(self.connect("observer", autocommit=True, track=False))
         self.sql("TRUNCATE {s}.workflow_executions, {s}.workflow_history,"
                  " {s}.operation_outputs, {s}.step_history, {s}.idempotency_keys,"
-                 " {s}.signals, {s}.events")
+                 " {s}.signals, {s}.events, {s}.signal_history, {s}.event_history")
         self.sql("UPDATE {s}.clock_offset SET offset_by = '0'")
         self.workers = [self.run(self.connect(f"w{i}")) for i in range(3)]
         self.sweeper = self.run(self.connect("sweeper"))
@@ -1154,7 +1154,8 @@ class InterleavingMachine(RuleBasedStateMachine):
         told: set[tuple[uuid.UUID, str]] = set()
         for eid, name, payload, key, consumed in self.sql(
                 "SELECT execution_id, name, payload, idempotency_key, consumed_step"
-                " FROM {s}.signals"):
+                " FROM {s}.signals UNION ALL SELECT execution_id, name, payload,"
+                " idempotency_key, consumed_step FROM {s}.signal_history"):
             if name.startswith("kestrel.child:"):
                 told.add((eid, name))
                 continue
@@ -1231,6 +1232,8 @@ class InterleavingMachine(RuleBasedStateMachine):
             # Only P4's execution may wait on, for a worker that knows its workflow.
             assert row[1:3] == (UNREGISTERED, "queued"), f"left behind: {row}"
         consumed = dict(self.sql("SELECT execution_id, payload FROM {s}.signals"
+                                 " WHERE consumed_step IS NOT NULL UNION ALL"
+                                 " SELECT execution_id, payload FROM {s}.signal_history"
                                  " WHERE consumed_step IS NOT NULL"))
         for eid, status, result, error, attempts in self.sql(
                 "SELECT id, status, result, error->>'type', attempts"
