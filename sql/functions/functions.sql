@@ -585,18 +585,31 @@ $$;
 -- them), and its events are rebuilt from the set_event checkpoints below the position (which
 -- record the value; older ones, without it, are skipped). The position may be at most one
 -- past the last recorded one (or the wait the original is parked at): beyond is refused
--- (KS002). The new execution's source is recorded in forks.
-CREATE OR REPLACE FUNCTION __schema__.fork(p_execution uuid, p_from_step integer) RETURNS uuid
+-- (KS002). The new execution's source is recorded in forks. p_id, the fork's id when the
+-- caller chooses it, makes the call idempotent: sent again after a lost reply, it returns
+-- the fork it made (KS001 if that id forked something else).
+CREATE OR REPLACE FUNCTION __schema__.fork(
+    p_execution uuid, p_from_step integer, p_id uuid DEFAULT NULL
+) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_new uuid := gen_random_uuid();
+    v_new uuid := coalesce(p_id, gen_random_uuid());
     v_src __schema__.executions%ROWTYPE;
     v_last integer;
     v_child record;
     v_children uuid[];
+    v_made __schema__.forks%ROWTYPE;
 BEGIN
     IF p_from_step IS NULL OR p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
+    END IF;
+    SELECT * INTO v_made FROM __schema__.forks WHERE id = v_new;
+    IF FOUND THEN
+        IF (v_made.forked_from, v_made.from_step) = (p_execution, p_from_step) THEN
+            RETURN v_new;
+        END IF;
+        RAISE EXCEPTION 'fork id % is already used by the fork of % from step %', v_new,
+            v_made.forked_from, v_made.from_step USING ERRCODE = 'KS001';
     END IF;
     SELECT * INTO v_src FROM __schema__.executions WHERE id = p_execution;
     IF NOT FOUND THEN

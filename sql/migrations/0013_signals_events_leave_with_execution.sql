@@ -96,3 +96,7 @@ CREATE TABLE __schema__.forks (
     created_at  timestamptz NOT NULL DEFAULT __schema__.kestrel_now()
 );
 CREATE INDEX forks_forked_from_idx ON __schema__.forks (forked_from);
+
+-- fork() takes the fork's id from its caller (a retry after a lost reply returns the fork
+-- already made): a new signature, defined in sql/functions.
+DROP FUNCTION __schema__.fork(uuid, integer);

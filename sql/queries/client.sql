@@ -13,7 +13,9 @@ SELECT __schema__.cancel(%(id)s);
 SELECT __schema__.retry(%(id)s);
 
 -- name: fork
-SELECT __schema__.fork(%(id)s, %(from_step)s);
+-- %(new_id)s is the fork's id, chosen by the caller: sent again after a lost reply, the same
+-- call returns the fork it made instead of making another.
+SELECT __schema__.fork(%(id)s, %(from_step)s, %(new_id)s);
 
 -- name: get_event
 -- A live execution's events are in events; a finished one's moved to event_history with it

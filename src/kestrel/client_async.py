@@ -184,7 +184,8 @@ class Client(ClientBase):
                 would reach this execution only); the message names the step.
         """
         new = await self._run(db.value(self._q.fork, {"id": ident(execution_id),
-                                                      "from_step": from_step}))
+                                                      "from_step": from_step,
+                                                      "new_id": uuid.uuid4()}))
         return Handle(self, new)
 
     async def get(self, execution_id: uuid.UUID | str) -> Execution:

@@ -183,7 +183,8 @@ class SyncClient(ClientBase):
                 would reach this execution only); the message names the step.
         """
         new = self._run(db.value(self._q.fork, {"id": ident(execution_id),
-                                                      "from_step": from_step}))
+                                                      "from_step": from_step,
+                                                      "new_id": uuid.uuid4()}))
         return SyncHandle(self, new)
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:

@@ -18,7 +18,13 @@ import pytest
 
 import kestrel
 from kestrel import db, failpoints
-from kestrel.errors import ChildFailed, ConfigError, InvalidState, StepFailed
+from kestrel.errors import (
+    ChildFailed,
+    ConfigError,
+    IdempotencyConflict,
+    InvalidState,
+    StepFailed,
+)
 from kestrel.testing import KestrelTestEnv
 from kestrel.workflow import Context
 from tests.helpers import config, q, q1, run_worker_until
@@ -386,6 +392,21 @@ def test_fork_past_the_end_is_refused(kestrel_env: KestrelTestEnv) -> None:
     client.fork(waiting.id, 1)  # the parked wait counts as a position it reached
     with pytest.raises(ConfigError):
         client.fork(waiting.id, 2)
+
+
+def test_fork_sent_again_after_a_lost_reply_returns_the_fork_it_made(
+        kestrel_env: KestrelTestEnv) -> None:
+    dsn, schema = kestrel_env.dsn, kestrel_env.schema
+    h = kestrel_env.client.submit(publishes)
+    kestrel_env.run_until_finished(h.id, timeout=20).assert_completed()
+    new = uuid.uuid4()
+    for _ in range(2):  # the second call is the retry of a call whose reply was lost
+        assert q1(dsn, schema, "SELECT {s}.fork(%s, 2, %s)", [h.id, new]) == new
+    assert q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 1
+    assert q1(dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 2
+    with pytest.raises(IdempotencyConflict, match="already used by the fork of"):
+        kestrel_env.client._run(db.value(kestrel_env.client._q.fork, {
+            "id": h.id, "from_step": 1, "new_id": new}))
 
 
 def test_fork_copies_the_patch_markers_asked_before_its_position(
