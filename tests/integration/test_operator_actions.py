@@ -453,6 +453,14 @@ def test_signals_and_events_leave_with_the_execution_and_come_back_with_retry(
     client.cancel(waiting.id)
     assert hot_rows(kestrel_env, waiting.id) == (0, 0)
     assert signals_of(kestrel_env, waiting.id) == [("x", None)]
+    # So do those of one whose deadline passed while it waited (the sweeper fails it).
+    late = client.submit(one_approval, timeout=60)
+    client.signal(late.id, "other", "y")
+    run_until(kestrel_env, lambda: status(kestrel_env, late.id) == "waiting")
+    kestrel_env.advance_clock(61)
+    assert kestrel_env.run_until_finished(late.id, timeout=20).status.value == "failed"
+    assert hot_rows(kestrel_env, late.id) == (0, 0)
+    assert signals_of(kestrel_env, late.id) == [("y", None)]
 
 
 def test_retention_drops_signals_and_events_with_their_execution(
