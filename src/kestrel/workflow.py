@@ -343,13 +343,13 @@ class Context:
                              recorded.error.get("message", ""))
         return recorded.output
 
-    def _unknown_patches(self, position: int, *, before: bool = False) -> list[str]:
-        """Patch ids recorded at or before *position* (before it, with *before*) that this
-        run never asked about and the workflow has not declared retired: the history was
-        written by code that knows a patch this code does not."""
+    def _unknown_patches(self, position: int) -> list[str]:
+        """Patch ids recorded at or before *position* that this run never asked about and
+        the workflow has not declared retired: the history was written by code that knows
+        a patch this code does not."""
         return sorted({patch for patch, at in self._markers
-                       if (at < position if before else at <= position)
-                       and patch not in self._patches and patch not in self.retired_patches})
+                       if at <= position and patch not in self._patches
+                       and patch not in self.retired_patches})
 
     def _too_old(self, unknown: list[str], what: str) -> NoReturn:
         self._decide(CodeTooOld(
@@ -456,10 +456,10 @@ class Context:
             self._patches[patch_id] = False
             return False
         self._check_can_start()
-        # A marker another patch recorded at this same position may still be asked about
-        # by this code after this one (a patch added before it): only earlier ones decide
-        # here; the next step, wait or end checks this position whole.
-        unknown = self._unknown_patches(position, before=True)
+        # No new marker beside one this code does not know (also at this same position,
+        # though this code might ask about it next): a marker written here would be one the
+        # newer code does not know either, and neither version could go on.
+        unknown = self._unknown_patches(position)
         if unknown:
             self._too_old(unknown, f"asked about patch {patch_id!r} at position {position}")
         marker = self._next_marker

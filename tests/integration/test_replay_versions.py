@@ -7,13 +7,18 @@ workflow column renamed), as a deploy of other code under the same name would do
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import psycopg
 import pytest
 
 import kestrel
+from kestrel import db
 from kestrel.client import SyncClient
 from kestrel.errors import SerializationError
+from kestrel.sql import queries
+from kestrel.types import Claimed
 from kestrel.workflow import registry
 from tests.helpers import config, q, q1, run_worker_until
 
@@ -176,6 +181,32 @@ def test_a_mismatched_wait_under_an_unknown_marker_is_given_back_not_failed(
     assert h.result(timeout=1) == [2, "yes", 4]
 
 
+@kestrel.workflow(name="replayv.knows_other_patch")
+async def knows_other_patch(ctx: kestrel.Context, n: int) -> Any:
+    a = await ctx.step(step_a, n)
+    other = await ctx.step(step_other, a) if await ctx.patched("other-change") else None
+    return [other, await ctx.step(step_b, a)]
+
+
+def test_no_marker_is_written_beside_one_this_code_does_not_know(pg_dsn: str, schema: str
+                                                                  ) -> None:
+    """Newer code recorded its marker at position 1 and died before its step. Code that
+    knows another patch there gives the execution back before writing its own marker: one
+    the newer code would not know either, so that no version could go on."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit("replayv.knows_other_patch", 1)
+    q(pg_dsn, schema, "INSERT INTO {s}.operation_outputs (execution_id, step_id, step_name, "
+      "output, attempt, lease_epoch, started_at) VALUES "
+      "(%s, -1, 'kestrel.patch:newer-change', jsonb_build_object('at', 1), 1, 1, now()), "
+      "(%s, 0, 'replayv.a', '2', 1, 1, now())", [h.id, h.id])
+    run_worker_until(pg_dsn, config(schema, app_version="old"), lambda: status_of(
+        pg_dsn, schema, h.id) in ("completed", "failed", "waiting"), timeout=15)
+    assert status_of(pg_dsn, schema, h.id) == "waiting"  # given back
+    assert [r[0] for r in q(pg_dsn, schema, "SELECT step_name FROM {s}.workflow_steps WHERE "
+                            "execution_id = %s ORDER BY step_id", [h.id])] \
+        == ["kestrel.patch:newer-change", "replayv.a"]
+
+
 # -- retired patches ---------------------------------------------------------------------------
 
 @kestrel.workflow(name="replayv.retire_v2")
@@ -251,3 +282,68 @@ def test_a_bad_retired_patches_declaration_is_refused_at_decoration(
     with pytest.raises(error):
         kestrel.workflow(name="replayv.never", retired_patches=retired)
     assert "replayv.never" not in registry()
+
+
+# -- the give-back statement -------------------------------------------------------------------
+
+@pytest.mark.parametrize("limited", [False, True], ids=["claim_batch", "claim_limited"])
+def test_a_give_back_backs_off_counts_learns_its_outcome_and_binds_its_version(
+    pg_dsn: str, schema: str, limited: bool
+) -> None:
+    """give_back parks the row for min(cap, base * 2^n), counts and names the version; a
+    retry after a lost reply gets the same answer; a stale epoch gets none; the version that
+    gave it back never claims it again, another does (both claim statements)."""
+    queue = "lim" if limited else "default"
+    if limited:
+        q(pg_dsn, schema, "INSERT INTO {s}.queue_limits (queue, concurrency) VALUES ('lim', 5)")
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit("replayv.steps_instead", 1, queue=queue)
+    qs = queries(schema)
+
+    async def claim(conn: Any, version: str) -> list[Claimed]:
+        if limited:
+            got = await db.claim_limited(conn, qs, queue=queue, owner="w", limit=5, lease_s=30,
+                                         app_version=version)
+            assert got is not None
+            return got
+        return await db.claim_batch(conn, qs, owner="w", queues=[queue], limit=5, lease_s=30,
+                                    app_version=version)
+
+    async def give(conn: Any, c: Claimed, version: str, epoch: int | None = None) -> Any:
+        return await db.give_back(conn, qs, id=c.id, epoch=c.epoch if epoch is None else epoch,
+                                  app_version=version, base_s=1.0, cap_s=60.0)
+
+    def due_now() -> None:
+        q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET wake_at = {s}.kestrel_now() "
+          "WHERE id = %s", [h.id])
+
+    def row() -> tuple[Any, ...]:
+        [r] = q(pg_dsn, schema, "SELECT status, attempts, give_backs, given_back_by, "
+                "extract(epoch FROM wake_at - given_back_at) FROM {s}.workflow_executions "
+                "WHERE id = %s", [h.id])
+        return (r[0], r[1], r[2], r[3], float(r[4]) if r[4] is not None else None)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            [c] = await claim(conn, "old")
+            assert c.waiting_for is None
+            first = await give(conn, c, "old")
+            assert first is not None and first[0] == 1
+            assert await give(conn, c, "old") == first  # the retry of a lost reply
+            assert await give(conn, c, "old", epoch=c.epoch - 1) is None  # not ours
+            assert row() == ("waiting", 0, 1, ["old"], 1.0)
+            due_now()
+            assert await claim(conn, "old") == []  # never again by the version that gave it
+            [c2] = await claim(conn, "new")
+            assert (c2.id, c2.epoch) == (h.id, c.epoch + 1)
+            assert q1(pg_dsn, schema, "SELECT given_back_at FROM {s}.workflow_executions "
+                      "WHERE id = %s", [h.id]) is None  # claimed since
+            second = await give(conn, c2, "new")
+            assert second is not None and second[0] == 2
+            assert row() == ("waiting", 0, 2, ["old", "new"], 2.0)  # the backoff doubles
+            due_now()
+            assert await claim(conn, "old") == []
+            assert await claim(conn, "new") == []
+            assert [x.id for x in await claim(conn, "newest")] == [h.id]
+
+    asyncio.run(main())
