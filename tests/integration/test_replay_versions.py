@@ -324,7 +324,8 @@ def test_a_give_back_backs_off_counts_learns_its_outcome_and_binds_its_version(
         return (r[0], r[1], r[2], r[3], float(r[4]) if r[4] is not None else None)
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                     prepare_threshold=None) as conn:
             [c] = await claim(conn, "old")
             assert c.waiting_for is None
             first = await give(conn, c, "old")
