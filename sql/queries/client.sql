@@ -33,18 +33,20 @@ LISTEN "kestrel.__schema_name__.events";
 -- name: get_execution
 -- One execution wherever it lives: the hot queue while live, history once finished. A live
 -- one also says what it waits for (waiting_for, wake_at, wait_deadline) and the limits of
--- its queue, if it has any (what a queued execution may wait for: a slot).
+-- its queue, if it has any (what a queued execution may wait for: a slot), and its
+-- give-backs (migration 0014).
 SELECT id, workflow, queue, priority, status, args, NULL::jsonb AS result, NULL::jsonb AS error,
        attempts, lease_epoch, created_at, started_at, NULL::timestamptz AS finished_at,
        deadline, waiting_for, wake_at, wait_deadline,
        (SELECT concat_ws(', ', 'concurrency ' || l.concurrency,
                          'rate ' || l.rate || ' per ' || l.period)
-          FROM __schema__.queue_limits l WHERE l.queue = e.queue) AS queue_limit
+          FROM __schema__.queue_limits l WHERE l.queue = e.queue) AS queue_limit,
+       give_backs, given_back_by, given_back_at
   FROM __schema__.workflow_executions e WHERE id = %(id)s
 UNION ALL
 SELECT id, workflow, queue, priority, status, args, result, error,
        attempts, lease_epoch, created_at, started_at, finished_at,
-       deadline, NULL, NULL, NULL, NULL
+       deadline, NULL, NULL, NULL, NULL, NULL, NULL, NULL
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_steps

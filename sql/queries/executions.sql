@@ -12,6 +12,10 @@
 -- %(any_workflow)s, for tests and tools that run no workflow code): a name no live worker
 -- knows (a typo, a rolling deploy) waits, visibly, for a worker that does (FAULTS P4).
 -- The first claim stamps the claiming worker's %(app_version)s on the row (migration 0010).
+-- No claim takes a row its own %(app_version)s gave back (a worker whose code was older than
+-- the row's history: migration 0014); the filter is on rows the index scans return, which
+-- are almost never given back. A claim clears given_back_at, and returns waiting_for, the
+-- kind of wait a woken row was parked at (the replay checks the call at that position).
 -- Arguments and checkpoints come back as JSON text, decoded per execution by the worker, so
 -- one value it cannot decode fails only its own execution (FAULTS P2); the checkpoints come
 -- from history_of(), which never loads more than %(max_history_bytes)s (FAULTS P3).
@@ -38,6 +42,8 @@ WITH suspect AS (
                AND e.queue = q.queue
                AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
                AND %(take_suspect)s
+               AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+                    OR %(app_version)s::text <> ALL (e.given_back_by))
              ORDER BY e.priority DESC, e.created_at
              LIMIT 1
                FOR UPDATE SKIP LOCKED) AS s
@@ -49,6 +55,8 @@ WITH suspect AS (
        AND wake_at <= __schema__.kestrel_now()
        AND queue = ANY(%(queues)s::text[])
        AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
+       AND (given_back_by IS NULL OR %(app_version)s::text IS NULL
+            OR %(app_version)s::text <> ALL (given_back_by))
      ORDER BY wake_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
@@ -62,6 +70,8 @@ WITH suspect AS (
                AND e.queue = q.queue
                AND e.attempts < 2
                AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+               AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+                    OR %(app_version)s::text <> ALL (e.given_back_by))
              ORDER BY e.priority DESC, e.created_at
              LIMIT %(limit)s
                FOR UPDATE SKIP LOCKED) AS h
@@ -82,16 +92,17 @@ WITH suspect AS (
            wake_at = NULL,
            started_at = coalesce(e.started_at, __schema__.kestrel_now()),
            app_version = coalesce(e.app_version, %(app_version)s),
+           given_back_at = NULL,
            updated_at = __schema__.kestrel_now()
       FROM candidate
      WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for
 )
 SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
        __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at
+       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for
   FROM claimed AS c;
 
 -- name: heartbeat
@@ -199,6 +210,47 @@ UPDATE __schema__.workflow_executions AS e
   FROM locked
  WHERE e.id = locked.id
 RETURNING e.id;
+
+-- name: give_back
+-- Give back an execution whose history newer code wrote (CodeTooOld: a patch marker this
+-- worker's code does not know) without running it: parked as 'waiting' until
+-- wake_at = now + least(%(cap_s)s, %(base_s)s * 2^give_backs) (claims read waiting rows in
+-- wake_at order: until then it costs no claim anything), the give-back counted, the giving
+-- %(app_version)s recorded (that version's claims skip the row from now on: migration 0014),
+-- and the claim not counted as an attempt. wait_step, waiting_for and wait_deadline stay as
+-- they were: a newer worker replays it from where it is, and a signal for the wait it was
+-- parked at still wakes it early. Fenced by the epoch. A retry after a lost reply learns the
+-- committed outcome: the row is then waiting under the same epoch (no claim since) with
+-- given_back_at set, and the same count and wake_at are read back. No row: not ours.
+WITH given AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'waiting',
+           lease_owner = NULL,
+           lease_expires_at = NULL,
+           attempts = greatest(e.attempts - 1, 0),
+           give_backs = e.give_backs + 1,
+           given_back_by = CASE
+               WHEN %(app_version)s::text IS NULL
+                    OR %(app_version)s::text = ANY (coalesce(e.given_back_by, '{}'))
+               THEN e.given_back_by
+               ELSE coalesce(e.given_back_by, '{}') || %(app_version)s::text END,
+           given_back_at = __schema__.kestrel_now(),
+           wake_at = __schema__.kestrel_now() + make_interval(secs => least(
+               %(cap_s)s::float8, %(base_s)s::float8 * 2 ^ least(e.give_backs, 30))),
+           updated_at = __schema__.kestrel_now()
+     WHERE e.id = %(id)s
+       AND e.lease_epoch = %(epoch)s
+       AND e.status = 'running'
+ RETURNING e.give_backs, e.wake_at
+)
+SELECT give_backs, wake_at FROM given
+UNION ALL
+SELECT e.give_backs, e.wake_at
+  FROM __schema__.workflow_executions AS e
+ WHERE e.id = %(id)s
+   AND e.lease_epoch = %(epoch)s
+   AND e.status = 'waiting'
+   AND e.given_back_at IS NOT NULL;
 
 -- name: park
 -- Park a running execution at a wait and say what happened: parked, cancelled, signalled or

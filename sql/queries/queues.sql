@@ -16,7 +16,7 @@ SELECT queue FROM __schema__.queue_limits WHERE queue = %(queue)s FOR UPDATE SKI
 -- name: claim_limited
 -- Second statement, under the queue's row lock and with a fresh snapshot: claim at most
 -- what the concurrency limit (running now) and the rate limit (starts in the last period)
--- leave, and record the starts. Same row changes as claim_batch.
+-- leave, and record the starts. Same row changes and version filter as claim_batch.
 WITH lim AS (
     SELECT concurrency, rate, period, recent_starts
       FROM __schema__.queue_limits WHERE queue = %(queue)s
@@ -37,6 +37,8 @@ WITH lim AS (
       FROM __schema__.workflow_executions AS e
      WHERE e.status = 'queued' AND e.queue = %(queue)s
        AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+            OR %(app_version)s::text <> ALL (e.given_back_by))
      ORDER BY e.priority DESC, e.created_at
      LIMIT greatest((SELECT n FROM budget), 0)
        FOR UPDATE SKIP LOCKED
@@ -46,6 +48,8 @@ WITH lim AS (
      WHERE e.status = 'waiting' AND e.wake_at <= __schema__.kestrel_now()
        AND e.queue = %(queue)s
        AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+            OR %(app_version)s::text <> ALL (e.given_back_by))
      ORDER BY e.wake_at
      LIMIT greatest((SELECT n FROM budget), 0)
        FOR UPDATE SKIP LOCKED
@@ -64,11 +68,12 @@ WITH lim AS (
            wake_at = NULL,
            started_at = coalesce(e.started_at, __schema__.kestrel_now()),
            app_version = coalesce(e.app_version, %(app_version)s),
+           given_back_at = NULL,
            updated_at = __schema__.kestrel_now()
       FROM candidate
      WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for
 ), started AS (
     UPDATE __schema__.queue_limits AS l
        SET recent_starts = (
@@ -85,7 +90,7 @@ WITH lim AS (
 SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
        __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at
+       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for
   FROM claimed AS c
  WHERE (SELECT count(*) FROM started) >= 0;
 

@@ -29,30 +29,41 @@ SELECT worker_id, app_version, workflows, queues, started_at, seen_at
  ORDER BY started_at DESC, worker_id;
 
 -- name: unclaimable_total
--- For the gauges: how many live executions no live worker can claim, and under how many
--- distinct workflow names (the names themselves never become labels: FAULTS P4, S2).
--- Counted per (workflow, queue) first, then the groups no live worker serves: one pass over
--- the live rows whatever the backlog's shape (0.35 s with 1M queued on the 2-core machine).
+-- For the gauges: how many live executions no live worker can claim, under how many
+-- distinct workflow names (the names themselves never become labels: FAULTS P4, S2), and
+-- how many live executions were given back and not claimed since (migration 0014).
+-- Counted per (workflow, queue, versions that gave them back) first, then the groups no
+-- live worker of another version serves: one pass over the live rows whatever the
+-- backlog's shape (0.35 s with 1M queued on the 2-core machine).
 WITH grouped AS (
-    SELECT workflow, queue, count(*) AS n
+    SELECT workflow, queue, given_back_by, count(*) AS n,
+           count(*) FILTER (WHERE given_back_at IS NOT NULL) AS given_back
       FROM __schema__.workflow_executions
      WHERE status IN ('queued', 'waiting')
-     GROUP BY workflow, queue
+     GROUP BY workflow, queue, given_back_by
+), judged AS (
+    SELECT g.workflow, g.n, g.given_back, NOT EXISTS (
+            SELECT 1 FROM __schema__.workers AS w, unnest(w.workflows) AS wf,
+                          unnest(w.queues) AS wq
+             WHERE w.seen_at + w.stale_after > __schema__.kestrel_now()
+               AND wf = g.workflow
+               AND wq = g.queue
+               AND (g.given_back_by IS NULL OR w.app_version <> ALL (g.given_back_by))
+           ) AS stuck
+      FROM grouped AS g
 )
-SELECT coalesce(sum(g.n), 0)::bigint, count(DISTINCT g.workflow)
-  FROM grouped AS g
- WHERE NOT EXISTS (
-        SELECT 1 FROM __schema__.workers AS w, unnest(w.workflows) AS wf, unnest(w.queues) AS wq
-         WHERE w.seen_at + w.stale_after > __schema__.kestrel_now()
-           AND wf = g.workflow
-           AND wq = g.queue);
+SELECT coalesce(sum(n) FILTER (WHERE stuck), 0)::bigint,
+       count(DISTINCT workflow) FILTER (WHERE stuck),
+       coalesce(sum(given_back), 0)::bigint
+  FROM judged;
 
 -- name: unclaimable_by_workflow
--- For `kestrel-runtime unclaimable`: by workflow and queue, the most first, bounded (a
--- hostile stream of made-up names cannot make the answer unbounded).
-SELECT workflow, queue, count(*), min(created_at)
+-- For `kestrel-runtime unclaimable`: by workflow, queue and the versions that gave them back
+-- (NULL: no live worker registers them at all), the most first, bounded (a hostile stream of
+-- made-up names cannot make the answer unbounded).
+SELECT workflow, queue, count(*), min(created_at), given_back_by
   FROM __schema__.unclaimable
- GROUP BY workflow, queue
+ GROUP BY workflow, queue, given_back_by
  ORDER BY count(*) DESC, workflow, queue
  LIMIT %(limit)s;
 

@@ -705,6 +705,8 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         "claims": ex.attempts, "args": ex.args, "result": ex.result, "error": ex.error,
         "created_at": ex.created_at, "started_at": ex.started_at,
         "finished_at": ex.finished_at, "deadline": ex.deadline, "waits_for": waits,
+        "give_backs": ex.give_backs, "given_back_by": ex.given_back_by,
+        "given_back_at": ex.given_back_at,
         "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
                    "duration_ms": _ms(s.finished_at - s.started_at), "output": s.output,
                    "error": s.error} for s in steps],
@@ -717,6 +719,10 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         if waits is not None:
             print(f"  waits for {waits['what']}"
                   + (f"   until {_when(waits['until'])}" if waits.get("until") else ""))
+        if ex.give_backs:
+            print(f"  given back {ex.give_backs} time(s) by app version(s) "
+                  f"{', '.join(ex.given_back_by or [])} (their code is older than its history;"
+                  " they never claim it again)")
         if ex.deadline is not None:
             print(f"  deadline  {_when(ex.deadline)}"
                   + ("   (fails then unless finished)" if not ex.status.terminal else ""))
@@ -741,11 +747,12 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
 def waits_for(ex: Execution) -> dict[str, Any] | None:
     """What a live execution waits for: ``{"kind", "what", "until"}``, or None.
 
-    *kind* is ``signal``, ``child``, ``sleep``, ``start`` (a delayed start), ``worker`` (queued)
-    or ``slot`` (queued in a limited queue); a wait's ``waiting_for`` is the signal's name, or
-    ``kestrel.sleep`` / ``kestrel.child:<id>`` (see :mod:`kestrel.workflow`). *until* is when
-    the wait ends by itself (a sleep's end, a delayed start) or times out (a signal wait's
-    timeout), if ever.
+    *kind* is ``signal``, ``child``, ``sleep``, ``start`` (a delayed start), ``worker`` (queued),
+    ``slot`` (queued in a limited queue) or ``version`` (given back by workers whose code is
+    older than its history, it waits for a worker of another app version); a wait's
+    ``waiting_for`` is the signal's name, or ``kestrel.sleep`` / ``kestrel.child:<id>`` (see
+    :mod:`kestrel.workflow`). *until* is when the wait ends by itself (a sleep's end, a
+    delayed start, a give-back's backoff) or times out (a signal wait's timeout), if ever.
     """
     status = ex.status.value
     if status == "queued":
@@ -756,6 +763,11 @@ def waits_for(ex: Execution) -> dict[str, Any] | None:
                 "until": None}
     if status != "waiting":
         return None
+    if ex.given_back_at is not None:
+        versions = ", ".join(ex.given_back_by or [])
+        return {"kind": "version", "what": f"a worker of an app version other than {versions} "
+                                           f"(given back {ex.give_backs} time(s))",
+                "until": ex.wake_at}
     on = ex.waiting_for
     if on is None:
         return {"kind": "start", "what": "its delayed start", "until": ex.wake_at}
@@ -882,7 +894,8 @@ def _short(value: Any, width: int = 90) -> str:
 
 def _add_version_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     uc = add("unclaimable", "Live executions no live worker can claim (no worker registers "
-                            "their workflow and queue): they wait, unfailed; and the live "
+                            "their workflow and queue, or every one that does runs an app "
+                            "version that gave them back): they wait, unfailed; and the live "
                             "workers with their app versions.")
     uc.add_argument("--limit", type=int, default=100, help="Most lines (default: 100).")
     _json_flag(uc)
@@ -900,16 +913,18 @@ def cmd_unclaimable(cfg: Config, ns: argparse.Namespace) -> int:
     groups = client.unclaimable(limit=ns.limit)
     workers = client.workers()
     data = {"unclaimable": [{"workflow": g.workflow, "queue": g.queue, "count": g.count,
-                             "oldest_created_at": g.oldest_created_at} for g in groups],
+                             "oldest_created_at": g.oldest_created_at,
+                             "given_back_by": g.given_back_by} for g in groups],
             "workers": [{"worker_id": w.worker_id, "app_version": w.app_version,
                          "workflows": w.workflows, "queues": w.queues,
                          "seen_at": w.seen_at} for w in workers]}
 
     def table() -> None:
-        print(f"{'workflow':<32} {'queue':<16} {'count':>8}  oldest")
+        print(f"{'workflow':<32} {'queue':<16} {'count':>8}  {'oldest':<19}  given back by")
         for g in groups:
             print(f"{g.workflow[:32]!s:<32} {g.queue[:16]:<16} {g.count:>8}  "
-                  f"{g.oldest_created_at:%Y-%m-%d %H:%M:%S}")
+                  f"{g.oldest_created_at:%Y-%m-%d %H:%M:%S}  "
+                  f"{', '.join(g.given_back_by) if g.given_back_by else '-'}")
         if not groups:
             print("(nothing unclaimable)")
         print(f"\n{'worker':<30} {'app version':<20} workflows")

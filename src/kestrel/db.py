@@ -199,7 +199,7 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         else:
             steps = _recorded(history)
     return Claimed(row[0], row[1], args, row[3], row[4], steps, row[6], row[7], row[8],
-                   row[9], row[10], row[11], row[12], broken)
+                   row[9], row[10], row[11], row[12], broken, waiting_for=row[13])
 
 
 async def claim_batch(
@@ -375,6 +375,21 @@ async def release_batch(
         q.release_batch, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held]}
     )
     return {row[0] for row in await cur.fetchall()}
+
+
+async def give_back(
+    conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, app_version: str | None,
+    base_s: float, cap_s: float,
+) -> tuple[int, datetime] | None:
+    """Give back an execution this worker's code is too old for (CodeTooOld), unrun: it
+    waits until now + ``min(cap_s, base_s * 2**give_backs)``, its give-back counted and
+    *app_version* recorded, whose claims skip it from then on. Returns the execution's
+    give-back count and when it can be claimed again (also on a retry after a lost reply),
+    or None if it is no longer ours."""
+    cur = await conn.execute(q.give_back, {"id": id, "epoch": epoch, "app_version": app_version,
+                                           "base_s": base_s, "cap_s": cap_s})
+    row = await cur.fetchone()
+    return (int(row[0]), row[1]) if row else None
 
 
 async def reenqueue_expired(

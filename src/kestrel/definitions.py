@@ -10,7 +10,7 @@ import functools
 import inspect
 import random
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar, overload
 from uuid import UUID
@@ -31,12 +31,28 @@ W = TypeVar("W", bound=WorkflowFn)
 @overload
 def workflow(fn: W, /) -> W: ...
 @overload
-def workflow(*, name: str | None = None) -> Callable[[W], W]: ...
-def workflow(fn: W | None = None, *, name: str | None = None) -> W | Callable[[W], W]:
+def workflow(*, name: str | None = None,
+             retired_patches: Iterable[str] = ()) -> Callable[[W], W]: ...
+def workflow(fn: W | None = None, *, name: str | None = None,
+             retired_patches: Iterable[str] = ()) -> W | Callable[[W], W]:
     """Register an ``async def f(ctx, *args)`` as a workflow, under *name* or its own name.
 
     Usable bare (``@workflow``) or with arguments (``@workflow(name="incident")``).
+
+    *retired_patches*: ids of patches whose ``ctx.patched``/``ctx.deprecate_patch`` call was
+    removed from this code (the last step of a change). Their markers in an execution's
+    history are then this code's own: without the declaration, a marker the code never asks
+    about means the history was written by newer code, and the worker gives the execution
+    back (``CodeTooOld``) instead of running it; with it, the execution runs, and a real
+    divergence fails with ``NonDeterminismError``.
+
+    Raises:
+        TypeError: *retired_patches* is a single string, not a collection of ids.
+        SerializationError: a retired id is not a valid patch id (1-1024 characters, no NUL).
     """
+    if isinstance(retired_patches, str):
+        raise TypeError("retired_patches must be a collection of patch ids, not one string")
+    retired = frozenset(codec.check_text(p, what="retired patch id") for p in retired_patches)
 
     def register(f: W) -> W:
         is_async: bool = inspect.iscoroutinefunction(f)
@@ -48,6 +64,7 @@ def workflow(fn: W | None = None, *, name: str | None = None) -> W | Callable[[W
             raise ValueError(f"workflow name {wf_name!r} is already registered")
         _registry[wf_name] = f
         f.__kestrel_workflow__ = wf_name  # type: ignore[attr-defined]
+        f.__kestrel_retired_patches__ = retired  # type: ignore[attr-defined]
         return f
 
     return register(fn) if fn is not None else register
@@ -56,6 +73,12 @@ def workflow(fn: W | None = None, *, name: str | None = None) -> W | Callable[[W
 def registry() -> dict[str, WorkflowFn]:
     """Return the registered workflows by name (a copy)."""
     return dict(_registry)
+
+
+def retired_patches(wf: WorkflowFn) -> frozenset[str]:
+    """The patch ids *wf* declared retired (``@workflow(retired_patches=…)``)."""
+    retired = getattr(wf, "__kestrel_retired_patches__", None)
+    return retired if isinstance(retired, frozenset) else frozenset()
 
 
 def workflow_name(wf: WorkflowFn | str) -> str:

@@ -123,6 +123,15 @@ class Metrics:
         self.unclaimable_workflows = Gauge("kestrel_unclaimable_workflows",
                                            "Distinct workflow names among the unclaimable "
                                            "executions", multiprocess_mode="livemax")
+        # Give-backs (CodeTooOld): a worker whose code is older than an execution's history
+        # left it, unrun, for a worker of another version (FAULTS O5).
+        self.give_backs = Counter("kestrel_give_backs_total",
+                                  "Executions a worker gave back unrun because newer code "
+                                  "recorded a patch it does not know", ["workflow"])
+        self.given_back = Gauge("kestrel_given_back_executions",
+                                "Live executions given back and not claimed since: they wait "
+                                "for a worker of another app version",
+                                multiprocess_mode="livemax")
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, created once and then reused: the hot path labels a

@@ -12,6 +12,7 @@ lease, a passed deadline, a refused write — into one action: a Finish to commi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.db import AnyConn
+from kestrel.definitions import retired_patches
 from kestrel.errors import (
     Cancelled,
     CodeTooOld,
@@ -52,6 +54,13 @@ from kestrel.writer import Backoff, GroupCommit
 log = logging.getLogger("kestrel.worker")
 
 Out = TypeVar("Out")
+
+GIVE_BACK_BASE_S = 1.0
+GIVE_BACK_CAP_S = 60.0
+"""A give-back (CodeTooOld) makes the execution wait ``min(cap, base * 2**n)`` seconds after
+its n-th earlier give-back before a worker of another version may claim it (the version that
+gave it back never does again): a fleet of several old versions cannot pass it around in a
+loop, and a newer worker deployed later waits at most the cap."""
 
 FLUSHES_IN_FLIGHT = 1
 """Group commits each writer keeps on their way at once (:class:`GroupCommit`'s in_flight).
@@ -229,8 +238,10 @@ class Runner:
 
     async def _execute(self, lease: Lease) -> None:
         c = lease.claimed
+        fn = self._workflows.get(c.workflow)
         ctx = Context(c, c.workflow, self, lease, self._executor, self.cfg.max_payload_bytes,
-                      claimed_mono=lease.claimed_at)
+                      claimed_mono=lease.claimed_at,
+                      retired_patches=retired_patches(fn) if fn is not None else frozenset())
         try:
             finish = await self._outcome(ctx, lease)
             if finish is not None:
@@ -253,6 +264,7 @@ class Runner:
         c = ctx.claimed
         outcome: BaseException | None = None
         value: Any = None
+        ran = False
         try:
             if c.broken is not None:
                 raise c.broken
@@ -263,7 +275,9 @@ class Runner:
             if fn is None:
                 raise UnknownWorkflow(f"workflow {c.workflow!r} is not registered in worker "
                                       f"{self.id}")
+            ran = True
             value = await fn(ctx, *c.args)
+            ctx.check_end()
         except Park:
             self.stats.parked += 1
             m = metrics.get()
@@ -276,6 +290,11 @@ class Runner:
                                        f"{c.deadline}")
         except Exception as exc:
             outcome = exc
+            if ran:
+                # The workflow's own end, also an error it raised, is recorded only if this
+                # code knows every patch its history holds (FAULTS O5).
+                with contextlib.suppress(CodeTooOld):
+                    ctx.check_end()
         outcome = ctx.decision or outcome
         if isinstance(outcome, CodeTooOld):
             await self._give_back(lease, outcome)
@@ -298,19 +317,31 @@ class Runner:
         return self._failure(c, outcome)
 
     async def _give_back(self, lease: Lease, why: CodeTooOld) -> None:
-        """Put an execution that newer code ran back in the queue, unfailed and without
-        counting the attempt, for a worker of that version (a rolling deploy). If the
-        release fails, the lease expires and the sweeper re-queues it."""
+        """Give back an execution that newer code ran, unfailed and without counting the
+        attempt, for a worker of another version (a rolling deploy, a rollback): it waits
+        out a backoff that grows with its give-backs, and the claims of this app version
+        skip it from now on (db.give_back). Retried while the database is unreachable and
+        the lease trusted; if that fails, the lease expires and the sweeper re-queues it."""
         c = lease.claimed
         lease.finish()
         self.stats.extra["given_back"] = self.stats.extra.get("given_back", 0) + 1
-        log.warning("giving %s (%s) back to the queue: %s", c.id, c.workflow, why)
+        m = metrics.get()
+        m.child(m.give_backs, c.workflow).inc()
         try:
-            async with self._pool.connection() as conn:
-                await db.release_batch(conn, self._q, held=[lease.key])
+            given = await self._with_retries(lease, lambda conn: db.give_back(
+                conn, self._q, id=c.id, epoch=c.epoch, app_version=self.cfg.app_version,
+                base_s=GIVE_BACK_BASE_S, cap_s=GIVE_BACK_CAP_S))
         except Exception as exc:
             log.warning("could not give %s back (%s); its lease will expire", c.id,
                         type(exc).__name__)
+            return
+        if given is None:
+            log.info("giving %s back: no longer ours", c.id)
+            return
+        count, wake_at = given
+        log.warning("giving %s (%s) back (give-back %d; app version %s skips it; others from "
+                    "%s): %s", c.id, c.workflow, count, self.cfg.app_version,
+                    wake_at.isoformat(timespec="seconds"), why)
 
     async def _finish(self, lease: Lease, finish: Finish) -> None:
         c = lease.claimed

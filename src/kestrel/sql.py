@@ -34,6 +34,7 @@ class Queries:
     heartbeat: str
     complete_batch: str
     release_batch: str
+    give_back: str
     park: str
     finished_readback: str
     save_steps_batch: str

@@ -83,6 +83,8 @@ def _execution(row: Sequence[Any]) -> Execution:
         args=row[5], result=row[6], error=row[7], attempts=row[8], lease_epoch=row[9],
         created_at=row[10], started_at=row[11], finished_at=row[12], deadline=row[13],
         waiting_for=row[14], wake_at=row[15], wait_deadline=row[16], queue_limit=row[17],
+        give_backs=row[18] or 0, given_back_by=list(row[19]) if row[19] is not None else None,
+        given_back_at=row[20],
     )
 
 
@@ -235,16 +237,20 @@ def live_workers(q: Queries) -> Stmt[list[LiveWorker]]:
                    started_at=r[4], seen_at=r[5]) for r in rows])
 
 
-def unclaimable_total(q: Queries) -> Stmt[tuple[int, int]]:
-    """Live executions no live worker can claim, and their distinct workflow names."""
+def unclaimable_total(q: Queries) -> Stmt[tuple[int, int, int]]:
+    """Live executions no live worker can claim, their distinct workflow names, and the live
+    executions given back and not claimed since."""
     return Stmt(q.unclaimable_total, None,
-                lambda rows: (int(rows[0][0]), int(rows[0][1])) if rows else (0, 0))
+                lambda rows: (int(rows[0][0]), int(rows[0][1]), int(rows[0][2])) if rows
+                else (0, 0, 0))
 
 
 def unclaimable_by_workflow(q: Queries, *, limit: int) -> Stmt[list[Unclaimable]]:
-    """Unclaimable executions by workflow and queue, the most first, at most *limit* lines."""
+    """Unclaimable executions by workflow, queue and the app versions that gave them back,
+    the most first, at most *limit* lines."""
     return Stmt(q.unclaimable_by_workflow, {"limit": limit}, lambda rows: [
-        Unclaimable(workflow=r[0], queue=r[1], count=int(r[2]), oldest_created_at=r[3])
+        Unclaimable(workflow=r[0], queue=r[1], count=int(r[2]), oldest_created_at=r[3],
+                    given_back_by=list(r[4]) if r[4] is not None else None)
         for r in rows])
 
 

@@ -60,6 +60,9 @@ class Claimed:
     # Why the claimed row cannot run at all (arguments or history it cannot decode, a history
     # over the bound): the worker fails the execution with this instead of running it.
     broken: Exception | None = None
+    # What the wait at wait_step was parked for (kestrel.sleep, a signal's name, or
+    # kestrel.child:<id>): the replay checks that the call at that position is that wait.
+    waiting_for: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,14 @@ class Execution:
     """While waiting: when the current wait times out."""
     queue_limit: str | None = None
     """While live, in a limited queue: its limits (a queued one may wait for a slot)."""
+    give_backs: int = 0
+    """While live: how many times a worker whose code was older than its history gave it
+    back unrun (CodeTooOld)."""
+    given_back_by: list[str] | None = None
+    """While live: the app versions that gave it back; their workers never claim it again."""
+    given_back_at: datetime | None = None
+    """While live: when it was last given back, if no worker has claimed it since (it waits
+    for a worker of another version until ``wake_at``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,6 +223,9 @@ class Unclaimable:
     queue: str
     count: int
     oldest_created_at: datetime
+    given_back_by: list[str] | None = None
+    """The app versions that gave these back (every live worker serving them runs one), or
+    None: no live worker registers the workflow and queue."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -10,8 +10,10 @@ stops cleanly. The union of the live rows is what the fleet can run: a live exec
 workflow and queue no live worker registers is *unclaimable*. It waits, queued, and is never
 failed by a worker that cannot run it (the claim only takes registered names, FAULTS P4);
 ``kestrel-runtime unclaimable`` lists it and the ``kestrel_unclaimable_executions`` gauge
-counts it. Rows rather than session state, so this works behind PgBouncer in transaction
-mode and with workers of several versions side by side.
+counts it. So is one that every live worker serving it gave back (their code is older than
+its history, CodeTooOld: a rollback); ``kestrel_given_back_executions`` counts the live
+executions given back and not claimed since. Rows rather than session state, so this works
+behind PgBouncer in transaction mode and with workers of several versions side by side.
 """
 
 from __future__ import annotations
@@ -117,10 +119,12 @@ class Registration:
                 workflows=self._workflows, queues=list(self._cfg.queues),
                 stale_after_s=self._stale_after))
             if self._collect:
-                executions, names = await db.run(conn, db.unclaimable_total(self._q))
+                executions, names, given_back = await db.run(
+                    conn, db.unclaimable_total(self._q))
                 m = metrics.get()
                 m.unclaimable.set(executions)
                 m.unclaimable_workflows.set(names)
+                m.given_back.set(given_back)
 
     async def unregister(self) -> None:
         """Delete this worker's row (a clean stop); best effort: a row left behind goes

@@ -177,6 +177,9 @@ class Context:
     # This process's monotonic clock when the claim statement (whose db_now it carries) was
     # sent: ctx.now() is db_now plus the monotonic time since.
     claimed_mono: float = field(default_factory=time.monotonic)
+    # Patch ids the workflow declared retired (@workflow(retired_patches=…)): their markers
+    # are this code's own, though it no longer asks about them.
+    retired_patches: frozenset[str] = frozenset()
     _next_step: int = field(default=0, init=False)
     # What the runtime decided about this attempt (lease lost, cancelled, non-determinism, a
     # refused write). Sticky: every later ctx call raises it again, so workflow code that
@@ -188,10 +191,16 @@ class Context:
     _patches: dict[str, bool] = field(default_factory=dict, init=False)
     _next_marker: int = field(default=-1, init=False)
     _recorded_upto: int = field(default=-1, init=False)
+    # The patch markers of the history: (patch id, the position it was recorded at).
+    _markers: list[tuple[str, int]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         steps = self.claimed.steps
         self._next_marker = min((k for k in steps if k < 0), default=0) - 1
+        for k, rec in steps.items():
+            if k < 0 and rec.name.startswith(_PATCH):
+                at = rec.output.get("at", 0) if isinstance(rec.output, dict) else 0
+                self._markers.append((rec.name[len(_PATCH):], at if isinstance(at, int) else 0))
         # How far this execution got before this claim: its last checkpoint, or the wait it
         # was parked at (a parked wait has passed its position though nothing is recorded).
         upto = max((k for k in steps if k >= 0), default=-1)
@@ -233,6 +242,7 @@ class Context:
         if recorded is not None:
             return self._replay(step_id, spec.name, recorded)
         self._check_can_start()
+        self._check_unrecorded(step_id, None, spec.name)
         clock = time.perf_counter()
         output: str | None = None
         error: str | None = None
@@ -327,11 +337,8 @@ class Context:
         if recorded.name != name:
             unknown = self._unknown_patches(step_id)
             if unknown:
-                self._decide(CodeTooOld(
-                    f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
-                    f"but newer code recorded {recorded.name!r} there after patch "
-                    f"{unknown[0]!r}, which this code does not know; leaving the execution "
-                    "to a worker that runs the newer version"))
+                self._too_old(unknown, f"called step {name!r} at position {step_id} where "
+                                       f"{recorded.name!r} is recorded")
             self._decide(NonDeterminismError(
                 f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
                 f"but the recorded history has {recorded.name!r} there; the workflow code "
@@ -343,16 +350,43 @@ class Context:
         return recorded.output
 
     def _unknown_patches(self, position: int) -> list[str]:
-        """Patch ids recorded at or before *position* that this run never asked about: the
-        history was written by code that knows a patch this code does not."""
-        found = []
-        for step_id, rec in self.claimed.steps.items():
-            if step_id < 0 and rec.name.startswith(_PATCH):
-                patch = rec.name[len(_PATCH):]
-                at = rec.output.get("at", 0) if isinstance(rec.output, dict) else 0
-                if patch not in self._patches and isinstance(at, int) and at <= position:
-                    found.append(patch)
-        return sorted(found)
+        """Patch ids recorded at or before *position* that this run never asked about and
+        the workflow has not declared retired: the history was written by code that knows
+        a patch this code does not."""
+        return sorted({patch for patch, at in self._markers
+                       if at <= position and patch not in self._patches
+                       and patch not in self.retired_patches})
+
+    def _too_old(self, unknown: list[str], what: str) -> NoReturn:
+        self._decide(CodeTooOld(
+            f"workflow {self.workflow!r} {what}, but newer code recorded patch {unknown[0]!r} "
+            "before it, which this code does not know; leaving the execution to a worker "
+            "that runs the newer version"))
+
+    def _check_unrecorded(self, step_id: int, wait: str | None, what: str) -> None:
+        """Before this run records or parks anything at *step_id*, a position its history
+        has no checkpoint for (FAULTS O5): the code must know every patch recorded up to
+        here (else the newer code that recorded it must go on: CodeTooOld), and at the
+        position the execution was parked at, the call must be the wait it was parked for
+        (*wait*: ``kestrel.sleep`` or a signal's name; None for a step)."""
+        unknown = self._unknown_patches(step_id)
+        if unknown:
+            self._too_old(unknown, f"reached position {step_id} ({what})")
+        c = self.claimed
+        if c.wait_step == step_id and c.waiting_for is not None and wait != c.waiting_for:
+            self._decide(NonDeterminismError(
+                f"workflow {self.workflow!r} called {what} at position {step_id}, but the "
+                f"execution was parked there waiting for {c.waiting_for!r}; the workflow "
+                "code changed under a running execution"))
+
+    def check_end(self) -> None:
+        """Before the workflow's own end (its result, or the error it raised) is recorded:
+        the end is an unrecorded position too, so every patch recorded must be known
+        (CodeTooOld otherwise, which :meth:`_decide` records)."""
+        if self.decision is None:
+            unknown = self._unknown_patches(self._next_step)
+            if unknown:
+                self._too_old(unknown, f"ended after position {self._next_step - 1}")
 
     async def _run_body(
         self, info: StepInfo, fn: Callable[..., Any], args: tuple[Any, ...],
@@ -428,6 +462,12 @@ class Context:
             self._patches[patch_id] = False
             return False
         self._check_can_start()
+        # No new marker beside one this code does not know (also at this same position,
+        # though this code might ask about it next): a marker written here would be one the
+        # newer code does not know either, and neither version could go on.
+        unknown = self._unknown_patches(position)
+        if unknown:
+            self._too_old(unknown, f"asked about patch {patch_id!r} at position {position}")
         marker = self._next_marker
         self._next_marker -= 1
         await self._record(marker, name, codec.encode({"at": position}, what="patch marker"),
@@ -468,6 +508,7 @@ class Context:
             self._replay(step_id, _SLEEP, recorded)
             return
         self._check_can_start()
+        self._check_unrecorded(step_id, _SLEEP, "a durable sleep")
         c = self.claimed
         if self._wait_is_over(step_id):
             await self._record(step_id, _SLEEP, codec.encode({"slept": True}, what="sleep"),
@@ -517,6 +558,7 @@ class Context:
         recorded = self.claimed.steps.get(step_id)
         if recorded is None:
             self._check_can_start()
+            self._check_unrecorded(step_id, name, f"a wait for signal {name!r}")
             while True:
                 taken = await self.writer.consume_signal(self.lease, step_id=step_id,
                                                          name=name, step_name=step_name)

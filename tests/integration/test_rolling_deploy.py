@@ -32,8 +32,9 @@ PATCH = "audit-before-wait"
 
 def cli(dsn: str, schema: str, *args: str) -> Any:
     """Run ``kestrel-runtime ARGS --json`` as a process; return its JSON."""
+    path = os.pathsep.join((str(ROOT / "src"), str(ROOT)))  # this checkout's kestrel
     out = subprocess.run([sys.executable, "-m", "kestrel", *args, "--json", "--dsn", dsn,
-                          "--schema", schema], env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          "--schema", schema], env=dict(os.environ, PYTHONPATH=path),
                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -71,7 +72,8 @@ def test_a_rolling_deploy_of_v2_next_to_v1_fails_and_loses_nothing(
         unclaimable = wait_until(lambda: cli(pg_dsn, schema, "unclaimable")["unclaimable"],
                                  timeout=30, what="unclaimable listed")
         assert unclaimable == [{"workflow": V2_ONLY, "queue": "default", "count": 3,
-                                "oldest_created_at": unclaimable[0]["oldest_created_at"]}]
+                                "oldest_created_at": unclaimable[0]["oldest_created_at"],
+                                "given_back_by": None}]
         assert {w["app_version"] for w in cli(pg_dsn, schema, "unclaimable")["workers"]} \
             == {"v1"}
         wait_until(lambda: metric(port, "kestrel_unclaimable_executions") == 3, timeout=30,
@@ -145,7 +147,8 @@ def test_an_old_worker_gives_back_what_newer_code_ran_instead_of_failing_it(
 ) -> None:
     """An execution v2 parked past its patch, woken while only v1 runs: v1 cannot replay it
     (the history has an audit step where v1 has none), so it gives it back, unfailed and
-    without spending an attempt, until a v2 worker finishes it."""
+    without spending an attempt, until a v2 worker finishes it. The give-back is counted,
+    names v1, and parks the row (waiting) for a worker of another version."""
     client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     log = open(tmp_path / "rt.log", "ab")  # noqa: SIM115
     try:
@@ -163,12 +166,12 @@ def test_an_old_worker_gives_back_what_newer_code_ran_instead_of_failing_it(
             client.signal(eid, "go", "ok")
             wait_until(lambda: "giving" in (tmp_path / "rt.log").read_text(), timeout=60,
                        what="v1 gives it back")
-            assert statuses(pg_dsn, schema, [eid])[str(eid)] in {"queued", "running"}
+            assert statuses(pg_dsn, schema, [eid])[str(eid)] in {"waiting", "running"}
         finally:
             stop_runtime(v1)
-        assert statuses(pg_dsn, schema, [eid]) == {str(eid): "queued"}
-        assert q1(pg_dsn, schema, "SELECT attempts FROM {s}.workflow_executions WHERE id = %s",
-                  [eid]) == 0
+        assert statuses(pg_dsn, schema, [eid]) == {str(eid): "waiting"}
+        assert q(pg_dsn, schema, "SELECT attempts, give_backs, given_back_by FROM "
+                 "{s}.workflow_executions WHERE id = %s", [eid]) == [(0, 1, ["v1"])]
         v2 = start_runtime(pg_dsn, schema, procs=1, app="tests.apps.versions_v2", out=log,
                            args=["--app-version", "v2"])
         try:
