@@ -105,12 +105,29 @@ SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
        __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for
   FROM claimed AS c;
 
+-- name: set_lock_timeout
+-- Every worker statement carries a lock_timeout (--lock-timeout), so a lock held by a client's
+-- open transaction or an operator's LOCK makes it fail with 55P03 and retry, instead of
+-- waiting with a pooled connection for as long as the lock is held (FAULTS O4, O6). On a
+-- direct connection the setting comes with the session (the `options` startup parameter);
+-- behind a transaction-mode pooler, which passes no startup options and shares server
+-- sessions, this statement goes first in the same pipeline as the statement it guards: one
+-- round trip, one Sync, so both run in one implicit transaction and the setting ends with
+-- it (db.LockTimeoutConnection).
+SELECT set_config('lock_timeout', %(lock_timeout)s, true);
+
 -- name: heartbeat
 -- Extend every lease this process holds in one statement. Ids missing from the result were
 -- lost (expired and swept, or re-claimed under a newer epoch): the worker drops them.
 -- Every statement that locks several execution rows locks them in id order (here, in the
 -- checkpoint batch, in completions with their parents and in release), so no two of them
 -- can deadlock however their batches overlap (FAULTS X3).
+--
+-- A row another transaction holds (a client's signal() or cancel() in its own transaction,
+-- left open) is skipped, not waited for: one such row must not freeze every lease of the
+-- process behind it (FAULTS O4). It comes back with extended = false when it is still ours
+-- in this statement's snapshot (running under our epoch): busy, not lost. Its lease is not
+-- extended this time; the worker neither abandons it nor trusts it longer.
 WITH held(id, epoch) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
 ), locked AS (
@@ -119,13 +136,22 @@ WITH held(id, epoch) AS (
       JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
      WHERE e.status = 'running'
      ORDER BY e.id
-       FOR NO KEY UPDATE OF e
+       FOR NO KEY UPDATE OF e SKIP LOCKED
+), extended AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
+      FROM locked
+     WHERE e.id = locked.id
+    RETURNING e.id, e.cancel_requested
 )
-UPDATE __schema__.workflow_executions AS e
-   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-  FROM locked
- WHERE e.id = locked.id
-RETURNING e.id, e.cancel_requested;
+SELECT id, cancel_requested, true AS extended
+  FROM extended
+ UNION ALL
+SELECT e.id, false, false
+  FROM __schema__.workflow_executions AS e
+  JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
+ WHERE e.status = 'running'
+   AND e.id NOT IN (SELECT id FROM extended);
 
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and

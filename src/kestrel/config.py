@@ -72,6 +72,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("lease", float, "Lease length in seconds: a silent worker's executions are "
          "recovered this long after its last heartbeat.", "SECONDS"),
     Knob("heartbeat", float, "Seconds between heartbeats; must be under --lease.", "SECONDS"),
+    Knob("lock_timeout", float, "Seconds any statement of a worker waits for a lock (a "
+         "client's open transaction, an operator's LOCK) before it gives up and retries with "
+         "backoff; 0: min(2, lease/4). At most half the lease.", "SECONDS"),
     Knob("poll_interval", float, "Seconds between claim polls when idle (jittered ±20%%); "
          "LISTEN/NOTIFY usually wakes workers sooner.", "SECONDS"),
     Knob("sweep_interval", float, "Seconds between sweeps for expired leases.", "SECONDS"),
@@ -142,6 +145,7 @@ class Config:
     batch_size: int = 32
     lease: float = 30.0
     heartbeat: float = 10.0
+    lock_timeout: float = 0.0
     poll_interval: float = 1.0
     sweep_interval: float = 5.0
     queues: tuple[str, ...] = ("default",)
@@ -187,6 +191,10 @@ class Config:
             _bad("heartbeat", self.heartbeat,
                  f"must be shorter than --lease ({self.lease}), or leases expire between "
                  "heartbeats")
+        if not 0 <= self.lock_timeout <= self.lease / 2:
+            _bad("lock_timeout", self.lock_timeout,
+                 f"must be 0 (automatic) or at most half of --lease ({self.lease}): a "
+                 "statement waiting on a lock must give up well before its lease runs out")
         if self.drain_timeout < 0:
             _bad("drain_timeout", self.drain_timeout, "must not be negative")
         if not self.queues:
@@ -232,6 +240,12 @@ class Config:
         if self.app_version and not APP_VERSION.fullmatch(self.app_version):
             _bad("app_version", self.app_version[:200],
                  "must be 1-128 of A-Z a-z 0-9 _ . : + / @ -")
+
+    @property
+    def statement_lock_timeout(self) -> float:
+        """Seconds every worker statement waits for a lock: --lock-timeout, or min(2 s,
+        lease/4) when it is 0."""
+        return self.lock_timeout or min(2.0, self.lease / 4)
 
     @property
     def prepared_statements(self) -> bool:

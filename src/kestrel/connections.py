@@ -10,10 +10,21 @@ from typing import Any
 import orjson
 import psycopg
 from psycopg.types.json import set_json_loads
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 # SQLSTATEs that mean the server or the link went away, not that the statement is wrong.
 _GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
+
+# SQLSTATEs of a statement that lost a race or waited too long, not of a wrong statement: the
+# same statement succeeds once the other transaction (a client's, an operator's) is gone.
+_CONTENDED = {
+    "55P03",  # lock_not_available: lock_timeout
+    "57014",  # query_canceled: statement_timeout (or a cancel request)
+    "40P01",  # deadlock_detected
+    "40001",  # serialization_failure
+    "53300",  # too_many_connections
+    "53100",  # disk_full: writes resume once space is freed (FAULTS D13)
+}
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -22,9 +33,8 @@ def is_transient(exc: BaseException) -> bool:
     Only connection-level failures are: class 08, a server shutting down, a connection
     psycopg lost (an OperationalError with no SQLSTATE, a closed connection, a pool that gave
     no connection in time) and OS-level socket errors. Every other error came back from a
-    statement that the server ran and refused; sending it again unchanged would most likely
-    fail the same way (a program limit, out of memory, a full disk, a statement timeout), so
-    callers retry those a bounded number of times and then isolate what caused them.
+    statement that the server ran and refused: see :func:`is_contended` for the ones worth
+    sending again, and :func:`is_data_error` for the ones that never are.
     """
     if isinstance(exc, OSError | psycopg.InterfaceError):
         return True
@@ -34,6 +44,21 @@ def is_transient(exc: BaseException) -> bool:
     return state is None or state.startswith("08") or state in _GONE
 
 
+def is_pool_timeout(exc: BaseException) -> bool:
+    """Whether *exc* is this process's pool giving no connection in time: every connection
+    is busy (held by statements waiting on a lock, say), or no new one could be opened. The
+    database may well be answering others, this process's heartbeat among them (FAULTS R3)."""
+    return isinstance(exc, PoolTimeout)
+
+
+def is_contended(exc: BaseException) -> bool:
+    """Whether *exc* is a statement refused because of other transactions, not because of
+    what it says: a lock or statement timeout, a deadlock, a serialization failure, too many
+    connections, a full disk. Sent again unchanged, after a while, it succeeds; splitting its
+    batch would not help (FAULTS D10, O4, O6)."""
+    return isinstance(exc, psycopg.Error) and exc.sqlstate in _CONTENDED
+
+
 def is_data_error(exc: BaseException) -> bool:
     """Whether *exc* refuses a value as such (class 22 data exceptions, values psycopg
     cannot send such as a NUL in text, or text it cannot encode): the same value fails
@@ -41,6 +66,12 @@ def is_data_error(exc: BaseException) -> bool:
     if isinstance(exc, psycopg.DataError | UnicodeError):
         return True
     return isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("22")
+
+
+def sqlstate(exc: BaseException) -> str:
+    """*exc*'s SQLSTATE and class, for a log line that quotes no data: ``55P03
+    LockNotAvailable`` (``-`` for an error with no SQLSTATE)."""
+    return f"{getattr(exc, 'sqlstate', None) or '-'} {type(exc).__name__}"
 
 
 def configure_connection(conn: psycopg.AsyncConnection[Any] | psycopg.Connection[Any]) -> None:
@@ -76,22 +107,38 @@ def link_params(dsn: str) -> dict[str, Any]:
     return {k: v for k, v in LINK_DEFAULTS.items() if k not in given}
 
 
-def make_pool(dsn: str, *, max_size: int, name: str,
-              prepared: bool = True) -> AsyncConnectionPool[Any]:
+def lock_timeout_options(dsn: str, lock_timeout_ms: int) -> str:
+    """The ``options`` startup parameter that gives a direct connection's session
+    *lock_timeout_ms*: ``-c lock_timeout=…`` first, then whatever *dsn*'s own ``options``
+    say (a later ``-c`` wins, so an operator's explicit setting in the DSN stands)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        given = str(conninfo_to_dict(dsn).get("options") or "")
+    except psycopg.ProgrammingError:
+        given = ""
+    return f"-c lock_timeout={lock_timeout_ms} {given}".strip()
+
+
+def make_pool(dsn: str, *, max_size: int, name: str, prepared: bool = True,
+              connection_class: type[psycopg.AsyncConnection[Any]] = psycopg.AsyncConnection,
+              extra: dict[str, Any] | None = None) -> AsyncConnectionPool[Any]:
     """Create (not open) this process's pool. Call only after fork: pools don't survive it.
 
     *prepared*: hot statements are prepared server-side from their first use (one parse per
     connection). Off behind a transaction-mode pooler that cannot route named prepared
     statements (PgBouncer before 1.21), where a later statement may land on a server
-    connection that never saw the PREPARE.
+    connection that never saw the PREPARE. *connection_class* and *extra* (connection
+    parameters) carry the lock_timeout (:func:`kestrel.db.make_pool`).
     """
     return AsyncConnectionPool(
         dsn,
+        connection_class=connection_class,
         min_size=1,
         max_size=max_size,
         kwargs={"autocommit": True, "prepare_threshold": 0 if prepared else None,
                 # Operators can tell kestrel's backends apart in pg_stat_activity.
-                "application_name": "kestrel-worker", **link_params(dsn)},
+                "application_name": "kestrel-worker", **link_params(dsn), **(extra or {})},
         configure=configure_connection_async,
         name=name,
         open=False,

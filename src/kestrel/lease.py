@@ -15,7 +15,14 @@ The heartbeat runs on a thread of its own with a connection of its own, so that 
 blocking the event loop for a while (CPU-bound code in an ``async def``) does not let its
 lease lapse (FAULTS F8). It certifies progress, not just a live process: a watchdog stops
 extending the leases once the event loop or a writer has made no progress for a whole lease,
-so work stuck in a hung process is recovered by the sweeper (FAULTS L2).
+so work stuck in a hung process is recovered by the sweeper (FAULTS L2); a writer or a
+workflow call that gets no connection from the process's pool counts as such a stall
+(FAULTS R3).
+
+The heartbeat never waits on a row another transaction holds (a client's ``signal()`` in its
+own transaction, left open): it skips it, counts it (``kestrel_busy_leases_total``) and
+neither abandons that lease nor trusts it longer, so the other leases of the process keep
+being extended (FAULTS O4). Its statements carry the worker's lock_timeout like every other.
 """
 
 from __future__ import annotations
@@ -135,6 +142,11 @@ class Leases:
         """Whether *lease* is still the current claim of its execution."""
         return self._by_id.get(lease.claimed.id) is lease
 
+    def trusted(self, id: uuid.UUID, epoch: int) -> bool:
+        """Whether this process holds claim ``(id, epoch)`` and still trusts it."""
+        lease = self._by_id.get(id)
+        return lease is not None and lease.claimed.epoch == epoch and lease.trusted()
+
     def clear(self) -> None:
         """Forget every claim (at the end of a drain)."""
         self._by_id.clear()
@@ -150,7 +162,8 @@ class Heartbeat:
 
     def __init__(self, leases: Leases, *, dsn: str, q: Queries, lease_s: float,
                  interval: float, prepared: bool, loop: asyncio.AbstractEventLoop,
-                 progressing: Callable[[], str | None]) -> None:
+                 progressing: Callable[[], str | None], lock_timeout: float | None = None,
+                 session: bool = True) -> None:
         self._leases = leases
         self._dsn = dsn
         self._q = q
@@ -159,6 +172,8 @@ class Heartbeat:
         self._prepared = prepared
         self._loop = loop
         self._progressing = progressing
+        self._lock_timeout = lock_timeout
+        self._session = session
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kestrel-heartbeat",
                                         daemon=True)
@@ -197,14 +212,23 @@ class Heartbeat:
         sent = time.monotonic()
         owned = db.run_sync(conn, db.heartbeat(self._q, held=[h.key for h in snapshot],
                                                lease_s=self._lease_s))
-        gone = []
+        gone, busy = [], []
         for h in snapshot:
-            if h.claimed.id in owned:
-                h.trusted_until = sent + self._lease_s
-                if owned[h.claimed.id]:
-                    h.cancel_requested = True
-            else:
+            if h.claimed.id not in owned:
                 gone.append(h)
+                continue
+            cancel = owned[h.claimed.id]
+            if cancel is None:
+                busy.append(h)  # another transaction holds the row: still ours, not extended
+                continue
+            h.trusted_until = sent + self._lease_s
+            if cancel:
+                h.cancel_requested = True
+        if busy:
+            metrics.get().busy_leases.inc(len(busy))
+            log.info("%d lease(s) not extended: another transaction holds the row (%s%s); "
+                     "trusted until they run out", len(busy), busy[0].claimed.id,
+                     ", ..." if len(busy) > 1 else "")
         if gone:
             self._loop.call_soon_threadsafe(self._abandon, gone)
 
@@ -224,13 +248,14 @@ class Heartbeat:
                                   else backoff.next_delay()):
             try:
                 if conn is None:
-                    conn = psycopg.connect(self._dsn, **{
-                        **db.link_params(self._dsn), "autocommit": True,
-                        "application_name": "kestrel-heartbeat",
-                        "prepare_threshold": 0 if self._prepared else None,
-                        "connect_timeout": max(1, int(self._interval))})
+                    conn = db.connect_sync(
+                        self._dsn, lock_timeout=self._lock_timeout, session=self._session,
+                        **{**db.link_params(self._dsn), "autocommit": True,
+                           "application_name": "kestrel-heartbeat",
+                           "prepare_threshold": 0 if self._prepared else None,
+                           "connect_timeout": max(1, int(self._interval))})
                 self.beat(conn)
-                OUTAGE.succeeded()
+                OUTAGE.succeeded(pooled=False)
                 backoff.reset()
             except psycopg.Error as exc:
                 if db.is_transient(exc):

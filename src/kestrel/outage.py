@@ -10,6 +10,13 @@ to the process's :data:`OUTAGE`:
 * while failures go on, a reminder every ``reminder_s`` (30 s) with the latest reason;
 * the first success after that logs ``database reconnected after 12.3 s``.
 
+A pool that gives no connection in time while no outage is under way is not an outage: the
+connections are all busy (statements waiting on a lock a client holds, say) or a new one was
+refused, while the database answers others, this process's heartbeat among them. That says
+``no connection from the pool (<where>)`` instead, once and then every ``reminder_s``, and
+``got connections from the pool again after 4.5 s`` when it ends (FAULTS R3); the lease
+watchdog decides whether the process still makes progress.
+
 After a restart of PostgreSQL the connections opened before it fail once each as they are
 used (a pooled one, the heartbeat's own): such a failure within ``grace_s`` of a
 reconnection is kept quiet unless failures go on for ``escalate_s``, so one restart is one
@@ -22,6 +29,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+from kestrel.connections import is_pool_timeout
 
 log = logging.getLogger("kestrel.outage")
 
@@ -52,6 +61,8 @@ class OutageLog:
         self._said = 0.0  # when the last line about this outage was logged
         self._failures = 0
         self._back_at = float("-inf")  # when the last outage ended
+        self._starved: float | None = None  # since when the pool gave no connection
+        self._starved_said = 0.0
 
     @property
     def down(self) -> bool:
@@ -62,6 +73,9 @@ class OutageLog:
         """Report that *where* (``claim``, ``heartbeat``…) could not reach the database."""
         now = self._clock()
         with self._lock:
+            if self._since is None and is_pool_timeout(exc):
+                self._no_connection(exc, where, now)
+                return
             self._failures += 1
             if self._since is None:
                 self._since, self._failures = now, 1
@@ -80,14 +94,28 @@ class OutageLog:
                                   "attempts; latest in %s: %s)", now - self._since,
                                   self._failures, where, reason(exc))
 
+    def _no_connection(self, exc: BaseException, where: str, now: float) -> None:
+        if self._starved is None:
+            self._starved = self._starved_said = now
+            self._log.warning("no connection from the pool (in %s, %s): its connections are "
+                              "busy or a new one was refused", where, reason(exc))
+        elif now - self._starved_said >= self.reminder_s:
+            self._starved_said = now
+            self._log.warning("still no connection from the pool after %.1f s (latest in %s)",
+                              now - self._starved, where)
+
     def _begin(self, exc: BaseException, where: str, now: float) -> None:
         self._said = now
         self._log.warning("database unreachable (%s, in %s); work pauses and every service "
                           "retries with backoff", reason(exc), where)
 
-    def succeeded(self) -> None:
-        """Report a statement that reached the database; ends the outage if there is one."""
+    def succeeded(self, *, pooled: bool = True) -> None:
+        """Report a statement that reached the database; ends the outage if there is one.
+        *pooled*: it ran on a connection from the pool (the heartbeat's is its own), so the
+        pool gives connections again."""
         if self._since is None:
+            if self._starved is not None and pooled:
+                self._fed()
             return
         now = self._clock()
         with self._lock:
@@ -100,6 +128,14 @@ class OutageLog:
                             "replaced after %.1f s", took)
         else:
             self._log.warning("database reconnected after %.1f s", took)
+
+    def _fed(self) -> None:
+        now = self._clock()
+        with self._lock:
+            if self._starved is None:
+                return
+            took, self._starved = now - self._starved, None
+        self._log.warning("got connections from the pool again after %.1f s", took)
 
 
 OUTAGE = OutageLog()

@@ -38,6 +38,7 @@ from kestrel.errors import (
 )
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Lease, Leases
+from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
 from kestrel.types import (
     Claimed,
@@ -111,10 +112,15 @@ class Runner:
         self._slot_freed = slot_freed
         self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
             "checkpoint", self._flush_checkpoints, size=_write_size,
+            trusted=lambda w: leases.trusted(w.execution_id, w.epoch),
             in_flight=FLUSHES_IN_FLIGHT)
         self.completions: GroupCommit[Finish, bool] = GroupCommit(
             "completion", self._flush_completions, size=_finish_size,
+            trusted=lambda f: leases.trusted(f.execution_id, f.epoch),
             in_flight=FLUSHES_IN_FLIGHT)
+        # Workflow calls (_with_retries) waiting for a pool connection, and since when: the
+        # lease watchdog reads them (no_connection_for), FAULTS R3.
+        self._no_connection: dict[object, float] = {}
 
     # -- what a Context asks of its worker (kestrel.workflow.Writer) --------------------------
 
@@ -123,21 +129,46 @@ class Runner:
         return await self.checkpoints.submit(write)
 
     async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
-        """Run a workflow's own database call, retrying while the database is unreachable
-        and the lease is still trusted (the calls are fenced or idempotent, so a retry after
-        a lost reply changes nothing twice). A statement the database refuses raises."""
+        """Run a workflow's own database call, retrying while the lease is still trusted: while
+        the database is unreachable, the pool gives no connection, or the statement meets
+        contention (a lock a client holds, a lock or statement timeout, a deadlock). The calls
+        are fenced or idempotent, so a retry after a lost reply changes nothing twice. A
+        statement the database refuses for what it says raises at once.
+
+        Waiting for a pool connection counts for the lease watchdog (no_connection_for): the
+        process's own connections are the trouble, and the work may move elsewhere."""
         backoff = Backoff()
-        while True:
-            try:
-                async with self._pool.connection() as conn:
-                    return await op(conn)
-            except Exception as exc:
-                if not db.is_transient(exc):
-                    raise
-                if not lease.trusted():
-                    raise LeaseLost(f"database unreachable past the lease of "
-                                    f"{lease.claimed.id}") from exc
-                await asyncio.sleep(backoff.next_delay())
+        token = object()
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    async with self._pool.connection() as conn:
+                        self._no_connection.pop(token, None)
+                        return await op(conn)
+                except Exception as exc:
+                    pool = db.is_pool_timeout(exc) and not OUTAGE.down
+                    if pool:
+                        self._no_connection.setdefault(token, started)
+                    if not (db.is_transient(exc) or db.is_contended(exc)):
+                        raise
+                    if db.is_transient(exc) or pool:
+                        OUTAGE.failed(exc, "workflow call")
+                    elif not backoff.failures:
+                        log.warning("a database call of %s met contention (%s); retrying "
+                                    "with backoff while its lease holds", lease.claimed.id,
+                                    db.sqlstate(exc))
+                    if not lease.trusted():
+                        raise LeaseLost(f"{db.sqlstate(exc)} past the lease of "
+                                        f"{lease.claimed.id}") from exc
+                    await asyncio.sleep(backoff.next_delay())
+        finally:
+            self._no_connection.pop(token, None)
+
+    def no_connection_for(self, now: float) -> float:
+        """Seconds the longest-waiting workflow call has had no pool connection (0: none
+        waits); *now* is ``time.monotonic()`` (safe to call from the heartbeat thread)."""
+        return max([0.0, *(now - t for t in tuple(self._no_connection.values()))])
 
     async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> str:
@@ -349,6 +380,13 @@ class Runner:
         m = metrics.get()
         try:
             done = await self.completions.submit(finish)
+        except LeaseLost as exc:
+            # Retried for contention until the lease was no longer trusted: not refused,
+            # not counted; whoever claims it next finishes it.
+            self.stats.lost += 1
+            m.leases_lost.inc()
+            log.info("dropping the completion of %s: %s", c.id, exc)
+            return
         except Exception as exc:
             if not db.is_data_error(exc) or finish.status is Status.FAILED:
                 # Refused for a reason of the database's (a limit, its disk): this attempt

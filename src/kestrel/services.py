@@ -310,7 +310,7 @@ class Listener:
                     **db.link_params(self._dsn))
                 async with conn:
                     await db.listen(conn, self._q)
-                    OUTAGE.succeeded()
+                    OUTAGE.succeeded(pooled=False)
                     backoff.reset()
                     self._on_work()  # anything submitted while we were not listening
                     async for _ in conn.notifies():

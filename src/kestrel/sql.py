@@ -32,6 +32,7 @@ class Queries:
 
     claim_batch: str
     heartbeat: str
+    set_lock_timeout: str
     complete_batch: str
     release_batch: str
     give_back: str

@@ -96,11 +96,12 @@ def _step_row(row: Sequence[Any]) -> StepRow:
 
 
 def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
-              lease_s: float) -> Stmt[dict[uuid.UUID, bool]]:
-    """Extend the leases in *held*: the ids still owned, each with its cancel flag."""
+              lease_s: float) -> Stmt[dict[uuid.UUID, bool | None]]:
+    """Extend the leases in *held*: the ids still owned, each with its cancel flag, or None
+    when another transaction holds the row (busy: still ours, not extended this time)."""
     return Stmt(q.heartbeat, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held],
                               "lease_s": lease_s},
-                lambda rows: {r[0]: bool(r[1]) for r in rows})
+                lambda rows: {r[0]: bool(r[1]) if r[2] else None for r in rows})
 
 
 def get_event(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[tuple[bool, Any]]:

@@ -64,7 +64,9 @@ class Worker:
         self._drain_timeout = cfg.drain_timeout
         self._loop_tick = time.monotonic()
         self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
-                                  prepared=cfg.prepared_statements)
+                                  prepared=cfg.prepared_statements,
+                                  lock_timeout=cfg.statement_lock_timeout,
+                                  session=cfg.connection_mode == "direct")
         self._listen_dsn = cfg.notify_dsn(dsn)
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
         self._schedules = [s for s in schedules().values() if s.workflow in workflows]
@@ -139,7 +141,9 @@ class Worker:
         self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q, lease_s=self.cfg.lease,
                                    interval=self.cfg.heartbeat,
                                    prepared=self.cfg.prepared_statements, loop=loop,
-                                   progressing=self._progressing)
+                                   progressing=self._progressing,
+                                   lock_timeout=self.cfg.statement_lock_timeout,
+                                   session=self.cfg.connection_mode == "direct")
         self.heartbeat.start()
         services = self.services()
         log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
@@ -191,9 +195,14 @@ class Worker:
         if now - self._loop_tick > limit:
             return f"the event loop has not run for {now - self._loop_tick:.1f}s"
         for writer in (self.checkpoints, self.completions):
-            stalled = writer.stalled_for(now)
+            stalled, why = writer.stall(now)
             if stalled > limit:
-                return f"the {writer.name} writer has made no progress for {stalled:.1f}s"
+                return (f"the {writer.name} writer has made no progress for {stalled:.1f}s"
+                        + (f" ({why} from the pool)" if why else ""))
+        waited = self.runner.no_connection_for(now)
+        if waited > limit:
+            return f"a workflow's database call has had no connection from the pool for " \
+                   f"{waited:.1f}s"
         return None
 
     async def _drain(self) -> None:

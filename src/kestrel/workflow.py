@@ -289,6 +289,9 @@ class Context:
                           attempt, ran_s)
         try:
             saved = await self.writer.save_step(write)
+        except LeaseLost as exc:
+            # Retried for contention until the lease was no longer trusted: not refused.
+            self._decide(exc)
         except Exception as exc:
             # The database refused this checkpoint alone (the rest of its group commit went
             # through). A value it cannot store fails the execution; a refusal of the

@@ -22,10 +22,23 @@ What a failed flush means depends on the error, never on who else shared the bat
   backoff, for as long as it takes; the statements are idempotent (``ON CONFLICT``,
   epoch-guarded), so a retry after a lost reply changes nothing twice. Callers keep waiting;
   their leases decide when waiting is pointless.
-* A statement-level error is isolated: the batch is split in halves and each half sent on
-  its own, down to the single item that causes it. That item is retried a bounded number of
-  times (a lock or statement timeout may pass) and then its caller, and only its caller,
-  gets the error. The writer keeps running.
+* Contention (:func:`kestrel.db.is_contended`: a lock or statement timeout, a deadlock, a
+  serialization failure, too many connections, a full disk) and a pool that gave no
+  connection in time retry the whole batch with backoff, bounded by the items' leases: an
+  item whose lease is no longer trusted leaves the batch and its caller gets
+  :class:`~kestrel.errors.LeaseLost` (its execution is dropped, neither failed nor counted
+  as a refused write). Nothing about the items is wrong, so none of them fails for it. A
+  batch that keeps meeting a lock or statement timeout is split in halves that go on
+  retrying on their own, so one row a client holds (or one slow item) delays only the half
+  it is in. While contended, a flush counts as backing off for the lease watchdog (moving
+  the work elsewhere would meet the same lock); waiting for a pool connection does not
+  (FAULTS R3: the connections are this process's, the work may move).
+* A refusal of what the batch says (a data exception, a program limit, anything else the
+  server raised) is isolated: the batch is split in halves, sent concurrently, down to the
+  single item that causes it, and that item's caller, and only its caller, gets the error
+  at once, never retried (it would fail identically). A poison item costs O(log n)
+  statements, and its batch-mates do not wait for its isolation to end. The log says it in
+  one line with the SQLSTATE, and quotes no data. The writer keeps running.
 """
 
 from __future__ import annotations
@@ -37,7 +50,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, NoReturn, TypeVar
 
-from kestrel import db
+from kestrel import db, metrics
+from kestrel.errors import LeaseLost
 from kestrel.outage import OUTAGE
 
 log = logging.getLogger("kestrel.writer")
@@ -48,8 +62,18 @@ Out = TypeVar("Out")
 MAX_BATCH_BYTES = 64 * 1024 * 1024
 """Largest batch a flush sends, by the items' encoded size (one item may exceed it alone)."""
 
-STATEMENT_RETRIES = 2
-"""Extra tries of a single item whose statement failed, before its caller gets the error."""
+ISOLATE_CONCURRENCY = 2
+"""Statements one flight's halves may have on their way at once: both halves of a split go
+together, and many poison items or a split contended batch cannot take the whole pool."""
+
+SPLIT_AFTER = 2
+"""Failed tries of one batch on a lock or statement timeout before it is split in halves
+that retry on their own (:data:`_SPLIT_ON`)."""
+
+_SPLIT_ON = {"55P03", "57014"}  # a row someone holds, a statement too slow for its batch
+
+CONTENTION_LOG_S = 10.0
+"""At most one warning about contention per writer this often (each names its SQLSTATE)."""
 
 
 class Backoff:
@@ -71,28 +95,34 @@ class Backoff:
 _Waiter = tuple[In, "asyncio.Future[Out]"]
 
 
-class _Flight:
-    """One flush on its way: since when its current attempt has been waiting, and whether it
-    is backing off (the database unreachable: the heartbeats notice that by themselves)."""
+class _Leg:
+    """One batch (a flight's, or a half of it) on its way: since when it has been waiting,
+    and whether it is backing off on purpose (the database unreachable, which the heartbeats
+    notice by themselves; or contended, which another worker would meet as well). A leg
+    waiting for a pool connection is not backing off: its clock keeps running."""
 
-    __slots__ = ("backing_off", "since")
+    __slots__ = ("backing_off", "no_connection", "since")
 
     def __init__(self, since: float) -> None:
         self.since = since
         self.backing_off = False
+        self.no_connection = False
 
 
 class GroupCommit(Generic[In, Out]):
     """One writer: ``submit`` an item and wait; ``run`` flushes until cancelled.
 
     *flush* sends a list of items in one statement and returns one result per item, in
-    order. *size* gives an item's encoded size in bytes for the byte bound.
+    order. *size* gives an item's encoded size in bytes for the byte bound. *trusted* says
+    whether an item's lease is still trusted: contention is retried only for those.
+    *retry_delay* is the base of the backoff between tries.
     """
 
     def __init__(
         self, name: str, flush: Callable[[list[In]], Awaitable[list[Out]]], *,
         max_items: int = 1000, max_bytes: int = MAX_BATCH_BYTES,
-        size: Callable[[In], int] = lambda _: 0, statement_retries: int = STATEMENT_RETRIES,
+        size: Callable[[In], int] = lambda _: 0,
+        trusted: Callable[[In], bool] = lambda _: True,
         retry_delay: float = 0.1, in_flight: int = 1,
     ) -> None:
         self.name = name
@@ -100,17 +130,20 @@ class GroupCommit(Generic[In, Out]):
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._size = size
-        self._statement_retries = statement_retries
+        self._trusted = trusted
         self._retry_delay = retry_delay
         self._in_flight = max(1, in_flight)
-        self._flights: dict[asyncio.Task[None], _Flight] = {}
+        self._flights: set[asyncio.Task[None]] = set()
+        self._legs: set[_Leg] = set()
         self._pending: list[tuple[In, asyncio.Future[Out]]] = []
         self._wake = asyncio.Event()
+        self._said_contention = float("-inf")
         self.flushes = 0
         self.items = 0
         self.rejected = 0
+        self.retries = 0
         # Since when items have waited with no flush on its way (None otherwise); with the
-        # flights' own clocks, the lease watchdog reads it (stalled_for) to tell a stuck
+        # legs' own clocks, the lease watchdog reads it (stalled_for) to tell a stuck
         # writer (a statement that never returns) from an idle one.
         self.busy_since: float | None = None
 
@@ -132,19 +165,17 @@ class GroupCommit(Generic[In, Out]):
                 await self._wake.wait()
                 self._wake.clear()
                 for task in [t for t in self._flights if t.done()]:
-                    del self._flights[task]
+                    self._flights.discard(task)
                     task.result()  # a flight that crashed ends the writer (crash-only)
                 while self._pending and len(self._flights) < self._in_flight:
                     batch = [w for w in self._take() if not w[1].done()]
                     if not batch:
                         continue
-                    flight = _Flight(time.monotonic())
-                    task = asyncio.create_task(self._fly(batch, flight),
-                                               name=f"{self.name}-flush")
-                    self._flights[task] = flight
+                    task = asyncio.create_task(self._fly(batch), name=f"{self.name}-flush")
+                    self._flights.add(task)
                     task.add_done_callback(lambda _: self._wake.set())
                 # Whatever still waits is behind a flight on its way (stalled_for reads
-                # the flights' clocks).
+                # the legs' clocks).
                 self.busy_since = None
         finally:
             for task in self._flights:
@@ -154,9 +185,9 @@ class GroupCommit(Generic[In, Out]):
                 fut.cancel()
             self._pending.clear()
 
-    async def _fly(self, batch: list[tuple[In, asyncio.Future[Out]]], flight: _Flight) -> None:
+    async def _fly(self, batch: list[tuple[In, asyncio.Future[Out]]]) -> None:
         try:
-            await self._send(batch, Backoff(), flight)
+            await self._send(batch, asyncio.Semaphore(ISOLATE_CONCURRENCY))
         finally:
             # A waiter whose flight ended without a result (cancelled with the writer) is
             # cancelled too, never left waiting.
@@ -175,44 +206,70 @@ class GroupCommit(Generic[In, Out]):
         del self._pending[:count]
         return batch
 
-    async def _send(self, live: list[tuple[In, asyncio.Future[Out]]], backoff: Backoff,
-                    flight: _Flight) -> None:
-        tries = 0
-        while live:
+    async def _split(self, live: list[tuple[In, asyncio.Future[Out]]],
+                     gate: asyncio.Semaphore) -> None:
+        """Send both halves of *live* at once: whichever holds the trouble, the other goes
+        on without waiting for it."""
+        half = len(live) // 2
+        await asyncio.gather(self._send(live[:half], gate), self._send(live[half:], gate))
+
+    async def _send(self, live: list[tuple[In, asyncio.Future[Out]]],
+                    gate: asyncio.Semaphore) -> None:
+        backoff = Backoff(base=self._retry_delay)
+        leg = _Leg(time.monotonic())
+        self._legs.add(leg)
+        try:
+            await self._send_leg(live, gate, backoff, leg)
+        finally:
+            self._legs.discard(leg)
+
+    async def _send_leg(self, live: list[tuple[In, asyncio.Future[Out]]],
+                        gate: asyncio.Semaphore, backoff: Backoff, leg: _Leg) -> None:
+        contended = 0
+        while True:
+            live = [w for w in live if not w[1].done()]
+            if not live:
+                return
             try:
-                results = await self._flush([item for item, _ in live])
+                async with gate:
+                    results = await self._flush([item for item, _ in live])
             except Exception as exc:
-                if db.is_transient(exc):
-                    delay = backoff.next_delay()
+                pool = db.is_pool_timeout(exc) and not OUTAGE.down
+                if db.is_transient(exc) and not pool:
                     OUTAGE.failed(exc, f"{self.name} flush")
-                    flight.backing_off = True
-                    try:
-                        await asyncio.sleep(delay)
-                    finally:
-                        flight.backing_off = False
-                        flight.since = time.monotonic()
-                    live = [w for w in live if not w[1].done()]
+                    await self._back_off(leg, backoff)
+                    continue
+                if pool or db.is_contended(exc):
+                    if pool:
+                        OUTAGE.failed(exc, f"{self.name} flush")  # says "no connection"
+                    else:
+                        self._contention(exc, len(live))
+                    live = self._only_trusted(live, exc)
+                    contended += 1
+                    if (contended >= SPLIT_AFTER and len(live) > 1
+                            and getattr(exc, "sqlstate", None) in _SPLIT_ON):
+                        await self._split(live, gate)
+                        return
+                    if pool:
+                        # Not backing off: this process's own connections are the trouble,
+                        # and the watchdog must see it (FAULTS R3).
+                        leg.no_connection = True
+                        await asyncio.sleep(backoff.next_delay())
+                    else:
+                        await self._back_off(leg, backoff)
                     continue
                 if len(live) > 1:
-                    # Isolate: whichever half holds the item that fails, the other goes on.
-                    half = len(live) // 2
-                    await self._send(live[:half], backoff, flight)
-                    await self._send([w for w in live[half:] if not w[1].done()], backoff,
-                                     flight)
+                    await self._split(live, gate)
                     return
-                tries += 1
-                if tries <= self._statement_retries:
-                    await asyncio.sleep(self._retry_delay * tries * random.uniform(0.5, 1.0))
-                    continue
                 self.rejected += 1
-                log.warning("%s: the database refused one item after %d tries (%s: %s); "
-                            "only its execution is affected", self.name, tries,
-                            type(exc).__name__, str(exc).strip()[:200])
-                if not live[0][1].done():
-                    live[0][1].set_exception(exc)
+                log.warning("%s: the database refused one item (%s); only its caller is "
+                            "affected", self.name, db.sqlstate(exc))
+                live[0][1].set_exception(exc)
                 return
             OUTAGE.succeeded()
-            backoff.reset()
+            if contended:
+                log.info("%s: a contended batch of %d went through after %d tries",
+                         self.name, len(live), contended + 1)
             self.flushes += 1
             self.items += len(live)
             for (_, fut), result in zip(live, results, strict=True):
@@ -220,13 +277,55 @@ class GroupCommit(Generic[In, Out]):
                     fut.set_result(result)
             return
 
-    def stalled_for(self, now: float) -> float:
-        """Seconds the oldest flush on its way has waited, or items have waited with no
-        flush on its way (0 when idle or backing off); *now* is ``time.monotonic()`` (safe
-        to call from the heartbeat thread). One stuck flight counts even while others
+    async def _back_off(self, leg: _Leg, backoff: Backoff) -> None:
+        leg.backing_off = True
+        try:
+            await asyncio.sleep(backoff.next_delay())
+        finally:
+            leg.backing_off = False
+            leg.no_connection = False
+            leg.since = time.monotonic()
+
+    def _contention(self, exc: BaseException, count: int) -> None:
+        self.retries += 1
+        metrics.get().write_retries.labels(self.name, getattr(exc, "sqlstate", None) or "-").inc()
+        now = time.monotonic()
+        if now - self._said_contention >= CONTENTION_LOG_S:
+            self._said_contention = now
+            log.warning("%s: a batch of %d was refused for contention (%s: a lock or "
+                        "statement timeout, a deadlock, a serialization failure, too many "
+                        "connections or a full disk); retrying it with backoff while its "
+                        "leases hold", self.name, count, db.sqlstate(exc))
+
+    def _only_trusted(self, live: list[tuple[In, asyncio.Future[Out]]],
+                      exc: BaseException) -> list[tuple[In, asyncio.Future[Out]]]:
+        """The waiters of *live* whose leases are still trusted; the others learn LeaseLost
+        (their executions are dropped: whoever claims them next runs them)."""
+        kept = []
+        for item, fut in live:
+            if self._trusted(item):
+                kept.append((item, fut))
+            elif not fut.done():
+                fut.set_exception(LeaseLost(
+                    f"{self.name}: the lease ran out while the write was retried "
+                    f"({db.sqlstate(exc)})"))
+        return kept
+
+    def stall(self, now: float) -> tuple[float, str]:
+        """Seconds the oldest batch on its way has waited, or items have waited with no
+        flush on its way (0 when idle or backing off), and why ("no connection" when that
+        batch is waiting for a pool connection, else ""); *now* is ``time.monotonic()``
+        (safe to call from the heartbeat thread). One stuck batch counts even while others
         complete: its executions make no progress."""
-        waits = [now - f.since for f in tuple(self._flights.values()) if not f.backing_off]
+        worst, why = 0.0, ""
+        for leg in tuple(self._legs):
+            if not leg.backing_off and now - leg.since > worst:
+                worst, why = now - leg.since, "no connection" if leg.no_connection else ""
         busy = self.busy_since
-        if busy is not None:
-            waits.append(now - busy)
-        return max([0.0, *waits])
+        if busy is not None and now - busy > worst:
+            worst, why = now - busy, ""
+        return worst, why
+
+    def stalled_for(self, now: float) -> float:
+        """:meth:`stall`'s seconds."""
+        return self.stall(now)[0]

@@ -98,6 +98,20 @@ async def slow_middle(ctx: kestrel.Context, n: int, seconds: float) -> int:
     return a + b + c
 
 
+@kestrel.step(name="slow_sync")
+def slow_sync(n: int, seconds: float) -> int:
+    """A long ``def`` step (it runs on a thread): start and end in the ledger."""
+    ledger("start")
+    time.sleep(seconds)
+    ledger()
+    return n
+
+
+@kestrel.workflow(name="long_def")
+async def long_def(ctx: kestrel.Context, n: int, seconds: float) -> int:
+    return int(await ctx.step(slow_sync, n, seconds))
+
+
 @kestrel.step(name="die")
 def die() -> None:
     ledger()

@@ -361,3 +361,85 @@ def test_database_unreachable_past_the_lease_then_back_resumes_within_seconds(
     text = (tmp_path / "rt.log").read_text()
     assert "worker crashed" not in text and "restarting in" not in text
     assert audit(direct_dsn, schema, n, ledger_path) <= 2 * 64
+
+
+# -- issue 22: locks are not poison, clients cannot stall workers ---------------------------
+
+LEASE = 2.0  # tests.helpers.FAST
+
+
+def _lost_leases(log: Path) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "was lost" in line]
+
+
+def test_o4_a_client_transaction_holding_one_running_row_costs_no_other_lease(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """FAULTS O4 (issue 22, row 5): a client's ``signal()`` inside its own transaction,
+    left open for three leases, holds the row of one running execution while six run a
+    ``def`` step two leases long. The heartbeat skips that row instead of waiting on it,
+    so no other execution loses its lease or runs its step twice; no execution ever runs
+    its step twice at the same time (ledger intervals never overlap). Before the fix the
+    heartbeat waited on the row with every lease of the process behind it: the others lapsed
+    and were re-claimed while their bodies still ran."""
+    n, seconds = 6, 2 * LEASE
+    submit_many(pg_dsn, schema, "long_def", f"jsonb_build_array(i, {seconds})", n)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    log = tmp_path / "rt.log"
+    with runtime(pg_dsn, schema, procs=1, log=log):
+        wait_until(lambda: len(app.read_ledger(ledger_path, kind="start")) == n, timeout=60,
+                   what="every execution in its long step")
+        # The lowest id: the old heartbeat locked in id order, every other row behind it.
+        held = q(pg_dsn, schema, "SELECT id FROM {s}.workflow_executions ORDER BY id")[0][0]
+        with psycopg.connect(pg_dsn, prepare_threshold=None) as txn:
+            assert client.signal(held, "poke", conn=txn)
+            time.sleep(3 * LEASE)  # the transaction stays open past the others' steps
+            txn.rollback()
+        wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=90,
+                   what="every execution after the client's transaction")
+    others = {str(r[0]) for r in q(pg_dsn, schema, "SELECT id FROM {s}.workflow_history "
+                                   "WHERE id <> %s", [held])}
+    assert len(others) == n - 1
+    assert [line for line in _lost_leases(log) if str(held) not in line] == []
+    for eid in others:
+        runs = app.read_ledger(ledger_path, execution_id=eid)
+        assert [e["kind"] for e in runs] == ["start", "body"], (eid, runs)  # B(s) = 1
+    for eid in others | {str(held)}:
+        runs = app.read_ledger(ledger_path, execution_id=eid)
+        starts = sorted(e["t"] for e in runs if e["kind"] == "start")
+        ends = sorted(e["t"] for e in runs if e["kind"] == "body")
+        # Never two runs of the step at once: each run ends before the next one starts.
+        assert all(end <= nxt for end, nxt in zip(ends, starts[1:], strict=False)), (eid, runs)
+    assert q(pg_dsn, schema, "SELECT DISTINCT status FROM {s}.workflow_history") == [
+        ("completed",)]
+
+
+def test_o6_an_operator_lock_on_the_checkpoint_table_charges_nothing_and_reruns_nothing(
+    pg_dsn: str, direct_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
+) -> None:
+    """FAULTS O6 (issue 22, row 7): an operator holds ``LOCK operation_outputs IN SHARE
+    MODE`` (what a non-concurrent CREATE INDEX takes) for 5 s, two and a half leases, twice,
+    while workflows checkpoint. Checkpoints and completions time out (lock_timeout,
+    55P03) and are retried whole with backoff; the heartbeat (another table) keeps the leases,
+    so no attempt is charged, nothing is quarantined, no body runs again, and every workflow
+    completes once the lock is gone. Before the fix a statement waited on the lock (past the
+    lease: the watchdog gave the leases up) or, with a lock_timeout, was isolated as poison
+    and failed after two tries."""
+    n = 40
+    log = tmp_path / "rt.log"
+    with runtime(pg_dsn, schema, procs=2, log=log):
+        with psycopg.connect(direct_dsn) as operator:
+            for round_ in range(2):
+                operator.execute(f'LOCK TABLE "{schema}".operation_outputs IN SHARE MODE')
+                if round_ == 0:  # submitted under the lock: their first checkpoint meets it
+                    submit_many(pg_dsn, schema, "slow_middle", "jsonb_build_array(i, 1.0)", n)
+                time.sleep(2.5 * LEASE)
+                operator.rollback()
+                time.sleep(0.3)
+        wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=90,
+                   what="every workflow after the locks")
+    assert _lost_leases(log) == []
+    assert q(pg_dsn, schema, "SELECT status, attempts, count(*) FROM {s}.workflow_history "
+             "GROUP BY 1, 2") == [("completed", 1, n)]
+    assert audit(pg_dsn, schema, n, ledger_path) == 0  # no body ran twice
+    assert "55P03" in log.read_text()  # the lock timeout was met, and retried

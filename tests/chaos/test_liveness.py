@@ -23,7 +23,7 @@ import re
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -468,3 +468,76 @@ def test_f8_a_loop_blocked_for_three_heartbeats_under_the_lease_keeps_its_lease(
     assert kinds == ["start", "body"]  # B(s) = 1, no overlap
     assert client.get(h.id).attempts == 1  # never requeued
     assert "not extending leases" not in log.read_text()  # the watchdog let it be
+
+
+# -- R3: no connection from the pool while the heartbeat's own connection works --------------
+
+def test_r3_a_worker_whose_pool_gives_no_connection_stops_extending_and_says_so(
+    pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    """FAULTS R3 (issue 22, row 8): worker A runs in this process; once its executions are
+    in their slow step the test takes every connection of A's pool (what six ctx.signal()
+    calls blocked by a client's lock did). A's heartbeat has a connection of its own and
+    works, but A's checkpoint writer cannot get one: the watchdog counts that as a stall,
+    A stops extending its leases and runtime B takes the work over; the log says "no
+    connection", never "database unreachable". Before the fix a pool timeout counted as an
+    outage and the writer as backing off: A kept every lease fresh, and nothing moved."""
+    import asyncio
+    import logging
+
+    from kestrel.worker import Worker
+    from kestrel.workflow import registry
+    from tests.helpers import config
+
+    n = 4
+    submit_many(pg_dsn, schema, "slow_middle", "jsonb_build_array(i, 2.0)", n)
+    caplog.set_level(logging.INFO, logger="kestrel")
+
+    def said(needle: str) -> bool:
+        return any(needle in r.getMessage() for r in caplog.records)
+
+    async def until(predicate: Callable[[], object], what: str, timeout: float = 60) -> None:
+        await asyncio.to_thread(wait_until, predicate, timeout=timeout, interval=0.1, what=what)
+
+    async def main() -> set[tuple[uuid.UUID, int]]:
+        worker = Worker(config(schema, pool_size=2), registry(), dsn=pg_dsn)
+        task = asyncio.create_task(worker.run())
+        try:
+            await until(lambda: len(app.read_ledger(ledger_path, kind="start")) == n,
+                        "every execution in its slow step")
+            mine = {h.key for h in worker.leases}
+            assert len(mine) == n
+            pool = worker._pool
+            held = [await pool.getconn(timeout=30) for _ in range(2)]
+            try:
+                await until(lambda: said("not extending leases"), "the stall to be noticed")
+                with (tmp_path / "rescuer.log").open("ab") as out:
+                    rescuer = start_runtime(pg_dsn, schema, procs=1, out=out)
+                    try:
+                        await until(lambda: finished_count(pg_dsn, schema) == n,
+                                    "runtime B to finish the work")
+                    finally:
+                        stop_runtime(rescuer)
+            finally:
+                for conn in held:
+                    await pool.putconn(conn)
+        finally:
+            worker.stop(drain_timeout=0)
+            await task
+        return mine
+
+    mine = asyncio.run(main())
+    stall = [r.getMessage() for r in caplog.records if "not extending leases" in r.getMessage()]
+    assert "the checkpoint writer has made no progress" in stall[0]
+    assert "no connection" in stall[0]
+    assert said("no connection from the pool")
+    assert not said("database unreachable")
+    done = dict(q(pg_dsn, schema, "SELECT id, lease_epoch FROM {s}.workflow_history "
+                  "WHERE status = 'completed'"))
+    assert all(done[eid] > epoch for eid, epoch in mine)  # finished by B's later claims
+    # A wrote nothing past its first step under its claims: its slow step's checkpoint
+    # never got a connection, and was dropped once its lease was no longer trusted.
+    recorded = q(pg_dsn, schema, "SELECT execution_id, lease_epoch, step_id FROM "
+                 "{s}.step_history")
+    assert {s for eid, epoch, s in recorded if (eid, epoch) in mine} == {0}

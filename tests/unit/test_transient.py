@@ -1,9 +1,11 @@
 """P3: which database errors are retried until the database answers (FAULTS P3).
 
-Only connection-level failures are transient. An error the server raised for a statement it
-ran would most likely repeat identically, so retrying it for ever stalls the queue behind it
-(the code before this fix treated every OperationalError subclass as transient, and
-ProgramLimitExceeded, OutOfMemory, DiskFull and QueryCanceled are all OperationalErrors).
+Only connection-level failures are transient (the database is unreachable: wait as long as
+it takes). An error the server raised for a statement it ran is not: ProgramLimitExceeded,
+OutOfMemory and QueryCanceled are OperationalErrors, and treating them all as transient
+retried a value that can never be stored for ever. Contention (issue 22) is its own class,
+retried while the leases hold: a lock or statement timeout, a deadlock, a serialization
+failure, too many connections, a full disk.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ TRANSIENT = [
 NOT_TRANSIENT = [
     errors.ProgramLimitExceeded(),  # 54000: e.g. a history over jsonb's 256 MB
     errors.OutOfMemory(),  # 53200
-    errors.DiskFull(),  # 53100
-    errors.QueryCanceled(),  # 57014: statement_timeout
+    errors.DiskFull(),  # 53100 (contended: retried, see below)
+    errors.QueryCanceled(),  # 57014: statement_timeout (contended: retried, see below)
     errors.StringDataRightTruncation(),  # 22001
     errors.UntranslatableCharacter(),  # 22P05
     psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes"),
@@ -47,3 +49,30 @@ def test_only_connection_level_errors_are_transient() -> None:
              f"{'transient' if expected else 'not transient'}"
              for exc, expected in table if is_transient(exc) is not expected]
     assert wrong == []
+
+
+CONTENDED = [
+    errors.LockNotAvailable(),  # 55P03: lock_timeout (FAULTS D10, O4, O6)
+    errors.QueryCanceled(),  # 57014: statement_timeout
+    errors.DeadlockDetected(),  # 40P01
+    errors.SerializationFailure(),  # 40001
+    errors.TooManyConnections(),  # 53300
+    errors.DiskFull(),  # 53100: writes resume once space is freed (D13)
+]
+
+
+def test_contention_is_retried_and_a_refused_value_never_is() -> None:
+    """Issue 22: contention is sent again unchanged (the group commit retries the whole
+    batch); data errors and program limits are isolated and never retried; a pool timeout
+    is told apart from the database being unreachable (FAULTS R3)."""
+    from kestrel.db import is_contended, is_data_error, is_pool_timeout
+
+    assert [type(e).__name__ for e in CONTENDED if not is_contended(e)] == []
+    assert [type(e).__name__ for e in CONTENDED if is_transient(e) or is_data_error(e)] == []
+    never = [errors.ProgramLimitExceeded(), errors.StringDataRightTruncation(),
+             errors.UntranslatableCharacter(), errors.UniqueViolation(), ValueError("a bug"),
+             psycopg.OperationalError("server closed the connection unexpectedly"),
+             PoolTimeout("couldn't get a connection after 2.00 sec")]
+    assert [type(e).__name__ for e in never if is_contended(e)] == []
+    assert is_pool_timeout(PoolTimeout("couldn't get a connection after 2.00 sec"))
+    assert not is_pool_timeout(psycopg.OperationalError("connection refused"))

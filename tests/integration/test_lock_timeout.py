@@ -1,0 +1,99 @@
+"""Every worker statement carries a lock_timeout (issue 22, FAULTS O4/O6/D10), directly and
+through PgBouncer in transaction mode (the suite's second pass), without session state.
+
+Direct, the setting comes with the session (the ``options`` startup parameter). Behind a
+transaction-mode pooler, which passes no startup options and shares server sessions, each
+statement is pipelined after a transaction-local set_config: the statement sees it, and the
+next transaction on the same server session does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import psycopg
+import pytest
+
+from kestrel import db
+from kestrel.config import Config
+from kestrel.sql import queries
+from kestrel.types import StepWrite
+from tests.conftest import VIA_PGBOUNCER
+from tests.helpers import q1, submit_many
+
+SHOW = "SELECT current_setting('lock_timeout')"
+
+
+def test_pooled_statements_and_transactions_carry_the_lock_timeout(pg_dsn: str) -> None:
+    async def main() -> None:
+        pool = db.make_pool(pg_dsn, max_size=2, name="lt", prepared=not VIA_PGBOUNCER,
+                            lock_timeout=0.25, session=not VIA_PGBOUNCER)
+        await pool.open(wait=True)
+        try:
+            async with pool.connection() as conn:
+                assert (await (await conn.execute(SHOW)).fetchone()) == ("250ms",)
+                async with conn.transaction():
+                    assert (await (await conn.execute(SHOW)).fetchone()) == ("250ms",)
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+    if VIA_PGBOUNCER:
+        # Transaction-local: nothing is left on the server sessions others get next.
+        for _ in range(4):
+            assert q1(pg_dsn, "public", SHOW) == "0"
+
+
+def test_the_heartbeat_connection_carries_it_too(pg_dsn: str) -> None:
+    with db.connect_sync(pg_dsn, lock_timeout=0.3, session=not VIA_PGBOUNCER,
+                         autocommit=True, prepare_threshold=None) as conn:
+        assert conn.execute(SHOW).fetchone() == ("300ms",)
+
+
+def test_a_worker_statement_on_a_row_a_client_holds_times_out_instead_of_waiting(
+    pg_dsn: str, direct_dsn: str, schema: str
+) -> None:
+    """The checkpoint statement locks the execution row (FOR SHARE, epoch check): with a
+    client's UPDATE of that row open, it fails with 55P03 after lock_timeout, where before it
+    waited for as long as the client kept its transaction."""
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 1)
+    eid = q1(pg_dsn, schema, "SELECT id FROM {s}.workflow_executions")
+    qs = queries(schema)
+    cfg = Config(schema=schema, lease=2.0, heartbeat=0.5,
+                 connection_mode="pgbouncer" if VIA_PGBOUNCER else "direct")
+    assert cfg.statement_lock_timeout == 0.5
+
+    async def main() -> None:
+        pool = db.make_pool(pg_dsn, max_size=2, name="lt", prepared=cfg.prepared_statements,
+                            lock_timeout=cfg.statement_lock_timeout,
+                            session=cfg.connection_mode == "direct")
+        await pool.open(wait=True)
+        try:
+            async with pool.connection() as conn:
+                (claimed,) = await db.claim_batch(conn, qs, owner="t", queues=["default"],
+                                                  limit=1, lease_s=30)
+                assert claimed.id == eid
+                with psycopg.connect(direct_dsn) as client:
+                    client.execute(f'UPDATE "{schema}".workflow_executions SET priority = 1 '
+                                   "WHERE id = %s", [eid])
+                    with pytest.raises(psycopg.errors.LockNotAvailable) as err:
+                        await db.save_steps(conn, qs, [StepWrite(
+                            eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)])
+                    assert db.is_contended(err.value)
+                    client.rollback()
+                (saved,) = await db.save_steps(conn, qs, [StepWrite(
+                    eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)])
+                assert saved.owned and saved.inserted
+        finally:
+            await pool.close()
+
+    asyncio.run(main())
+
+
+def test_the_lock_timeout_setting_is_bounded_by_the_lease() -> None:
+    from kestrel.errors import ConfigError
+
+    assert Config(lease=30.0).statement_lock_timeout == 2.0
+    assert Config(lease=30.0, lock_timeout=5).statement_lock_timeout == 5
+    with pytest.raises(ConfigError, match="--lock-timeout"):
+        Config(lease=4.0, heartbeat=1.0, lock_timeout=3)
