@@ -309,6 +309,15 @@ BEGIN
         SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
          WHERE h.id = p_execution;
         IF FOUND THEN
+            -- A keyed signal sent again after its reply was lost may find the execution
+            -- finished since, maybe on that very signal: already delivered, not an error
+            -- (FAULTS R1; a workflow's ctx.signal would otherwise fail its sender).
+            IF p_idempotency_key IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM __schema__.signals AS s
+                     WHERE s.execution_id = p_execution
+                       AND s.idempotency_key = p_idempotency_key) THEN
+                RETURN false;
+            END IF;
             RAISE EXCEPTION 'execution % has already finished (%)', p_execution, v_status
                 USING ERRCODE = 'KS004';
         END IF;
@@ -421,13 +430,43 @@ $$;
 -- failed with NonDeterminismError (FAULTS X7). Now only the checkpoints before the first
 -- failed one come back; the rest are dropped and run again. A child whose parent was
 -- cancelled is not brought back (KS009), as submit() would not start it.
-CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid) RETURNS void
+--
+-- With p_idempotency_key (migration 0017), a retry sent again after its reply was lost
+-- returns as the first did instead of finding the execution live (KS005): the key is stored
+-- with the retry, in the same transaction, and a second call with it changes nothing. A key
+-- already used for another operation (a submit, a fork, a retry of another execution)
+-- raises KS001.
+CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid,
+                                            p_idempotency_key text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_status text;
     v_parent uuid;
     v_cancelling boolean;
+    v_existing __schema__.idempotency_keys%ROWTYPE;
 BEGIN
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+        -- ON CONFLICT waits for a concurrent call with the same key, then sees its row.
+        INSERT INTO __schema__.idempotency_keys
+               (idempotency_key, execution_id, workflow, args_digest)
+        SELECT p_idempotency_key, p_execution, x.workflow, md5('retry:' || p_execution)
+          FROM __schema__.executions AS x WHERE x.id = p_execution
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            SELECT * INTO v_existing FROM __schema__.idempotency_keys
+             WHERE idempotency_key = p_idempotency_key;
+            IF FOUND THEN
+                IF v_existing.execution_id <> p_execution
+                        OR v_existing.args_digest <> md5('retry:' || p_execution) THEN
+                    RAISE EXCEPTION 'idempotency key % is already used by another operation (execution %)',
+                        p_idempotency_key, v_existing.execution_id USING ERRCODE = 'KS001';
+                END IF;
+                RETURN;  -- retried under this key already (its reply may have been lost)
+            END IF;
+            -- No such execution: KS003 below.
+        END IF;
+    END IF;
     SELECT parent_id INTO v_parent FROM __schema__.workflow_history
      WHERE id = p_execution AND status IN ('failed', 'cancelled', 'quarantined');
     IF v_parent IS NOT NULL THEN
@@ -485,12 +524,17 @@ END
 $$;
 
 -- name: fork
--- fork() copies checkpoints from wherever the original's are.
-CREATE OR REPLACE FUNCTION __schema__.fork(p_execution uuid, p_from_step integer) RETURNS uuid
+-- fork() copies checkpoints from wherever the original's are. With p_idempotency_key
+-- (migration 0017) a fork sent again after its reply was lost returns the fork the first
+-- call made instead of making a second one; the key is the new execution's, as submit's
+-- (KS001 when it names another operation).
+CREATE OR REPLACE FUNCTION __schema__.fork(p_execution uuid, p_from_step integer,
+                                           p_idempotency_key text DEFAULT NULL) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_new uuid := gen_random_uuid();
     v_src __schema__.executions%ROWTYPE;
+    v_existing __schema__.idempotency_keys%ROWTYPE;
 BEGIN
     SELECT * INTO v_src FROM __schema__.executions WHERE id = p_execution;
     IF NOT FOUND THEN
@@ -499,14 +543,32 @@ BEGIN
     IF p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
     END IF;
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+        INSERT INTO __schema__.idempotency_keys
+               (idempotency_key, execution_id, workflow, args_digest)
+        VALUES (p_idempotency_key, v_new, v_src.workflow,
+                md5('fork:' || p_execution || ':' || p_from_step))
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            SELECT * INTO v_existing FROM __schema__.idempotency_keys
+             WHERE idempotency_key = p_idempotency_key;
+            IF v_existing.args_digest <> md5('fork:' || p_execution || ':' || p_from_step) THEN
+                RAISE EXCEPTION 'idempotency key % is already used by another operation (execution %)',
+                    p_idempotency_key, v_existing.execution_id USING ERRCODE = 'KS001';
+            END IF;
+            RETURN v_existing.execution_id;  -- forked under this key already
+        END IF;
+    END IF;
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
             finished_at)
     SELECT v_new, step_id, step_name, output, error, attempt, 0, started_at, finished_at
       FROM __schema__.workflow_steps
      WHERE execution_id = p_execution AND step_id < p_from_step AND error IS NULL;
-    INSERT INTO __schema__.workflow_executions (id, workflow, queue, priority, args)
-    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args);
+    INSERT INTO __schema__.workflow_executions
+           (id, workflow, queue, priority, args, idempotency_key)
+    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args, p_idempotency_key);
     PERFORM pg_notify('kestrel.__schema_name__', v_src.queue);
     RETURN v_new;
 END

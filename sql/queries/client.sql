@@ -10,10 +10,10 @@ SELECT __schema__.signal(%(id)s, %(name)s, %(payload)s::jsonb, %(idempotency_key
 SELECT __schema__.cancel(%(id)s);
 
 -- name: retry
-SELECT __schema__.retry(%(id)s);
+SELECT __schema__.retry(%(id)s, %(idempotency_key)s);
 
 -- name: fork
-SELECT __schema__.fork(%(id)s, %(from_step)s);
+SELECT __schema__.fork(%(id)s, %(from_step)s, %(idempotency_key)s);
 
 -- name: get_event
 SELECT value FROM __schema__.events WHERE execution_id = %(id)s AND key = %(key)s;

@@ -156,17 +156,42 @@ class SyncClient(ClientBase):
                                    conn))
 
     def retry(self, execution_id: uuid.UUID | str, *,
+                    idempotency_key: str | None = None,
                     conn: psycopg.Connection[Any] | None = None) -> SyncHandle:
         """Re-run a failed, cancelled or quarantined execution from its last good
-        checkpoint (the checkpoints before its first failed step)."""
+        checkpoint (the checkpoints before its first failed step).
+
+        *idempotency_key*: the same call with the same key, sent again because the first
+        one's reply was lost (a connection error), returns as the first did instead of
+        raising InvalidState for the execution it already brought back.
+
+        Raises:
+            InvalidState: it is live or completed (and no retry used *idempotency_key*).
+            IdempotencyConflict: *idempotency_key* names another operation.
+        """
         eid = ident(execution_id)
-        self._run(db.value(self._q.retry, {"id": eid}), conn)
+        if idempotency_key is not None:
+            codec.check_text(idempotency_key, what="idempotency key")
+        self._run(db.value(self._q.retry, {"id": eid, "idempotency_key": idempotency_key},
+                                 key=idempotency_key), conn)
         return SyncHandle(self, eid)
 
-    def fork(self, execution_id: uuid.UUID | str, from_step: int) -> SyncHandle:
-        """Start a new execution that reuses the first *from_step* checkpoints."""
-        new = self._run(db.value(self._q.fork, {"id": ident(execution_id),
-                                                      "from_step": from_step}))
+    def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
+                   idempotency_key: str | None = None) -> SyncHandle:
+        """Start a new execution that reuses the first *from_step* checkpoints.
+
+        *idempotency_key*: the same call with the same key, sent again because the first
+        one's reply was lost, returns the fork the first made instead of making another
+        (a key names one operation, as submit's does).
+
+        Raises:
+            IdempotencyConflict: *idempotency_key* names another operation.
+        """
+        if idempotency_key is not None:
+            codec.check_text(idempotency_key, what="idempotency key")
+        new = self._run(db.value(self._q.fork, {
+            "id": ident(execution_id), "from_step": from_step,
+            "idempotency_key": idempotency_key}, key=idempotency_key))
         return SyncHandle(self, new)
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:
