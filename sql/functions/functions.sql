@@ -309,6 +309,20 @@ BEGIN
         SELECT h.status INTO v_status FROM __schema__.workflow_history AS h
          WHERE h.id = p_execution;
         IF FOUND THEN
+            -- A keyed signal sent again after its reply was lost may find the execution
+            -- finished since, maybe on that very signal: already delivered, not an error
+            -- (FAULTS R1; a workflow's ctx.signal would otherwise fail its sender).
+            -- Its signals left with it (archive_steps): look in history too.
+            IF p_idempotency_key IS NOT NULL AND EXISTS (
+                    SELECT 1 FROM __schema__.signals AS s
+                     WHERE s.execution_id = p_execution
+                       AND s.idempotency_key = p_idempotency_key
+                    UNION ALL
+                    SELECT 1 FROM __schema__.signal_history AS s
+                     WHERE s.execution_id = p_execution
+                       AND s.idempotency_key = p_idempotency_key) THEN
+                RETURN false;
+            END IF;
             RAISE EXCEPTION 'execution % has already finished (%)', p_execution, v_status
                 USING ERRCODE = 'KS004';
         END IF;
@@ -428,7 +442,14 @@ $$;
 -- and each child's end is delivered again from the child's own record (restore_child_outcomes:
 -- a child keeps its id, since its idempotency key is its parent's and the step's). Signals
 -- and events come back from history with the execution (archive_steps moved them there).
-CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid) RETURNS void
+--
+-- With p_idempotency_key (migration 0015), a retry sent again after its reply was lost
+-- returns as the first did instead of finding the execution live (KS005): the key is stored
+-- with the retry, in the same transaction, and a second call with it changes nothing. A key
+-- already used for another operation (a submit, a fork, a retry of another execution)
+-- raises KS001.
+CREATE OR REPLACE FUNCTION __schema__.retry(p_execution uuid,
+                                            p_idempotency_key text DEFAULT NULL) RETURNS void
 LANGUAGE plpgsql AS $$
 DECLARE
     v_status text;
@@ -436,7 +457,30 @@ DECLARE
     v_cancelling boolean;
     v_cut integer;
     v_children uuid[];
+    v_existing __schema__.idempotency_keys%ROWTYPE;
 BEGIN
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+        -- ON CONFLICT waits for a concurrent call with the same key, then sees its row.
+        INSERT INTO __schema__.idempotency_keys
+               (idempotency_key, execution_id, workflow, args_digest)
+        SELECT p_idempotency_key, p_execution, x.workflow, md5('retry:' || p_execution)
+          FROM __schema__.executions AS x WHERE x.id = p_execution
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            SELECT * INTO v_existing FROM __schema__.idempotency_keys
+             WHERE idempotency_key = p_idempotency_key;
+            IF FOUND THEN
+                IF v_existing.execution_id <> p_execution
+                        OR v_existing.args_digest <> md5('retry:' || p_execution) THEN
+                    RAISE EXCEPTION 'idempotency key % is already used by another operation (execution %)',
+                        p_idempotency_key, v_existing.execution_id USING ERRCODE = 'KS001';
+                END IF;
+                RETURN;  -- retried under this key already (its reply may have been lost)
+            END IF;
+            -- No such execution: KS003 below.
+        END IF;
+    END IF;
     SELECT parent_id INTO v_parent FROM __schema__.workflow_history
      WHERE id = p_execution AND status IN ('failed', 'cancelled', 'quarantined');
     IF v_parent IS NOT NULL THEN
@@ -588,8 +632,11 @@ $$;
 -- (KS002). The new execution's source is recorded in forks. p_id, the fork's id when the
 -- caller chooses it, makes the call idempotent: sent again after a lost reply, it returns
 -- the fork it made (KS001 if that id forked something else).
+-- p_idempotency_key (migration 0015) does the same for a key the caller names: the
+-- same key returns the fork the first call made (KS001 when it names another operation).
 CREATE OR REPLACE FUNCTION __schema__.fork(
-    p_execution uuid, p_from_step integer, p_id uuid DEFAULT NULL
+    p_execution uuid, p_from_step integer, p_id uuid DEFAULT NULL,
+    p_idempotency_key text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -599,6 +646,7 @@ DECLARE
     v_child record;
     v_children uuid[];
     v_made __schema__.forks%ROWTYPE;
+    v_existing __schema__.idempotency_keys%ROWTYPE;
 BEGIN
     IF p_from_step IS NULL OR p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
@@ -624,6 +672,23 @@ BEGIN
         RAISE EXCEPTION 'cannot fork execution % from step %: it has recorded positions up to %, so a fork may start at step % at most',
             p_execution, p_from_step, coalesce(v_last, -1), coalesce(v_last, -1) + 1
             USING ERRCODE = 'KS002';
+    END IF;
+    IF p_idempotency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
+        INSERT INTO __schema__.idempotency_keys
+               (idempotency_key, execution_id, workflow, args_digest)
+        VALUES (p_idempotency_key, v_new, v_src.workflow,
+                md5('fork:' || p_execution || ':' || p_from_step))
+        ON CONFLICT (idempotency_key) DO NOTHING;
+        IF NOT FOUND THEN
+            SELECT * INTO v_existing FROM __schema__.idempotency_keys
+             WHERE idempotency_key = p_idempotency_key;
+            IF v_existing.args_digest <> md5('fork:' || p_execution || ':' || p_from_step) THEN
+                RAISE EXCEPTION 'idempotency key % is already used by another operation (execution %)',
+                    p_idempotency_key, v_existing.execution_id USING ERRCODE = 'KS001';
+            END IF;
+            RETURN v_existing.execution_id;  -- forked under this key already
+        END IF;
     END IF;
     -- Children started below the position whose end no copied checkpoint consumed.
     FOR v_child IN
@@ -660,8 +725,9 @@ BEGIN
      WHERE execution_id = p_execution
        AND CASE WHEN step_id >= 0 THEN step_id < p_from_step
                 ELSE __schema__.marker_position(output) < p_from_step END;
-    INSERT INTO __schema__.workflow_executions (id, workflow, queue, priority, args)
-    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args);
+    INSERT INTO __schema__.workflow_executions
+           (id, workflow, queue, priority, args, idempotency_key)
+    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args, p_idempotency_key);
     INSERT INTO __schema__.forks (id, forked_from, from_step)
     VALUES (v_new, p_execution, p_from_step);
     -- The original's inputs from the position on, as the fork's pending signals.

@@ -10,12 +10,13 @@ SELECT __schema__.signal(%(id)s, %(name)s, %(payload)s::jsonb, %(idempotency_key
 SELECT __schema__.cancel(%(id)s);
 
 -- name: retry
-SELECT __schema__.retry(%(id)s);
+SELECT __schema__.retry(%(id)s, %(idempotency_key)s);
 
 -- name: fork
 -- %(new_id)s is the fork's id, chosen by the caller: sent again after a lost reply, the same
 -- call returns the fork it made instead of making another.
-SELECT __schema__.fork(%(id)s, %(from_step)s, %(new_id)s);
+-- %(idempotency_key)s (migration 0015) does the same for a key the caller names.
+SELECT __schema__.fork(%(id)s, %(from_step)s, %(new_id)s, %(idempotency_key)s);
 
 -- name: get_event
 -- A live execution's events are in events; a finished one's moved to event_history with it

@@ -3,8 +3,12 @@
 -- clients and the CLI call (submit, signal, cancel, retry, fork).
 
 -- name: create_token
+-- Sent again with the same id and hash after a lost reply (the CLI resends), it returns the
+-- stored row's time instead of failing: the no-op update only matches our own row.
 INSERT INTO __schema__.http_tokens (id, name, scopes, secret_hash)
 VALUES (%(id)s, %(name)s, %(scopes)s::text[], %(secret_hash)s)
+    ON CONFLICT (id) DO UPDATE SET id = excluded.id
+ WHERE http_tokens.secret_hash = excluded.secret_hash
 RETURNING created_at;
 
 -- name: list_tokens

@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     retry = add("retry", "Re-run a failed, cancelled or quarantined execution from its last "
                          "checkpoint (exit 1 otherwise).")
     _id_arg(retry)
+    retry.add_argument("--idempotency-key", default=None, metavar="KEY",
+                       help="Run again with the same key after a connection error: a retry "
+                            "that already happened is not an error.")
     _json_flag(retry)
 
     fork = add("fork", "Start a new execution of the same workflow and arguments that reuses "
@@ -189,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     fork.add_argument("--from-step", type=int, required=True, metavar="N",
                       help="How many of its checkpoints (steps 0..N-1) to reuse; the new "
                            "execution runs from step N.")
+    fork.add_argument("--idempotency-key", default=None, metavar="KEY",
+                      help="Same key → the same fork: run again after a connection error "
+                           "without making a second one.")
     _json_flag(fork)
 
     sig = add("signal", "Send a signal to an execution (e.g. an approval).",
@@ -823,7 +829,7 @@ def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
     """
     client, _server = _client(cfg)
     eid = _parse_id(ns.id)
-    client.retry(eid)
+    client.retry(eid, idempotency_key=ns.idempotency_key)
     return _emit(ns, {"id": eid, "status": "queued"},
                  lambda: print(f"{eid}: queued again; it resumes from its last checkpoint"))
 
@@ -835,7 +841,7 @@ def cmd_fork(cfg: Config, ns: argparse.Namespace) -> int:
     eid = _parse_id(ns.id)
     if ns.from_step < 0:
         raise ConfigError(f"--from-step must be 0 or more, got {ns.from_step}")
-    handle = client.fork(eid, ns.from_step)
+    handle = client.fork(eid, ns.from_step, idempotency_key=ns.idempotency_key)
     return _emit(ns, {"id": handle.id, "forked_from": eid, "from_step": ns.from_step},
                  lambda: print(handle.id))
 

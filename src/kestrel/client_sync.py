@@ -156,24 +156,39 @@ class SyncClient(ClientBase):
                                    conn))
 
     def retry(self, execution_id: uuid.UUID | str, *,
+                    idempotency_key: str | None = None,
                     conn: psycopg.Connection[Any] | None = None) -> SyncHandle:
         """Re-run a failed, cancelled or quarantined execution from its last good
         checkpoint (the checkpoints before its first failed step), as a fresh run from
         there: signals consumed and child results taken after that point are given back.
 
+        *idempotency_key*: the same call with the same key, sent again because the first
+        one's reply was lost (a connection error), returns as the first did instead of
+        raising InvalidState for the execution it already brought back.
+
         Raises:
             ExecutionNotFound: no execution has that id.
-            InvalidState: it is not failed, cancelled or quarantined.
+            InvalidState: it is not failed, cancelled or quarantined (and no retry used
+                *idempotency_key*).
             ParentCancelled: its parent was cancelled (retry the parent).
+            IdempotencyConflict: *idempotency_key* names another operation.
         """
         eid = ident(execution_id)
-        self._run(db.value(self._q.retry, {"id": eid}), conn)
+        if idempotency_key is not None:
+            codec.check_text(idempotency_key, what="idempotency key")
+        self._run(db.value(self._q.retry, {"id": eid, "idempotency_key": idempotency_key},
+                                 key=idempotency_key), conn)
         return SyncHandle(self, eid)
 
-    def fork(self, execution_id: uuid.UUID | str, from_step: int) -> SyncHandle:
+    def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
+                   idempotency_key: str | None = None) -> SyncHandle:
         """Start a new execution that replays the first *from_step* positions of this one
         (their checkpoints, caught failures included, patch markers and events) and runs
         the rest afresh, with this one's signals not consumed below *from_step* pending.
+
+        The fork's id is chosen here, so a resend after a lost reply returns the fork the
+        first call made. *idempotency_key*: the same for a key the caller names (a key
+        names one operation, as submit's does).
 
         Raises:
             ExecutionNotFound: no execution has that id.
@@ -181,10 +196,13 @@ class SyncClient(ClientBase):
                 last recorded position).
             InvalidState: a child started below *from_step* has not ended yet (its end
                 would reach this execution only); the message names the step.
+            IdempotencyConflict: *idempotency_key* names another operation.
         """
-        new = self._run(db.value(self._q.fork, {"id": ident(execution_id),
-                                                      "from_step": from_step,
-                                                      "new_id": uuid.uuid4()}))
+        if idempotency_key is not None:
+            codec.check_text(idempotency_key, what="idempotency key")
+        new = self._run(db.value(self._q.fork, {
+            "id": ident(execution_id), "from_step": from_step, "new_id": uuid.uuid4(),
+            "idempotency_key": idempotency_key}, key=idempotency_key))
         return SyncHandle(self, new)
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:

@@ -66,7 +66,8 @@ from kestrel.errors import (
     SerializationError,
     UndecodableInput,
 )
-from kestrel.sql import Queries, named_statements
+from kestrel.failpoints import LOST_REPLIES, lost_reply
+from kestrel.sql import Queries, named_statements, statement_name
 
 # Re-exported (``X as X``): callers build statements as db.get_execution(...) and run them
 # with db.run; the builders live in kestrel.statements, which executes nothing.
@@ -336,13 +337,11 @@ async def claim_batch(
     At most one of them is a suspect (claimed :data:`SUSPECT_AFTER` times before), and none
     when *take_suspect* is false. A first claim records *app_version* on the row.
     """
-    cur = await conn.execute(
-        q.claim_batch,
-        {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
-         "take_suspect": take_suspect,
-         "workflows": list(workflows or ()), "any_workflow": workflows is None,
-         "max_history_bytes": max_history_bytes, "app_version": app_version},
-    )
+    params = {"owner": owner, "queues": list(queues), "limit": limit, "lease_s": lease_s,
+              "take_suspect": take_suspect,
+              "workflows": list(workflows or ()), "any_workflow": workflows is None,
+              "max_history_bytes": max_history_bytes, "app_version": app_version}
+    cur = await _exec(conn, q.claim_batch, params)
     return [_claimed(row) for row in await cur.fetchall()]
 
 
@@ -357,9 +356,9 @@ async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> 
     """
     params = _steps_params(writes)
     try:
-        cur = await conn.execute(q.save_new_steps_batch, params)
+        cur = await _exec(conn, q.save_new_steps_batch, params)
     except psycopg.errors.UniqueViolation:
-        cur = await conn.execute(q.save_steps_batch, params)
+        cur = await _exec(conn, q.save_steps_batch, params)
     by_key = {(r[0], r[1]): r for r in await cur.fetchall()}
     saved = []
     for w in writes:
@@ -407,9 +406,9 @@ async def park(
     """Park the execution at a wait. Returns ``parked`` (now, or by an earlier try whose
     reply was lost), ``cancelled`` (a cancel was requested), ``signalled`` (a signal arrived
     since *seen_seq* was read: look again) or ``lost`` (no longer ours)."""
-    cur = await conn.execute(q.park, {"id": id, "epoch": epoch, "step_id": step_id,
-                                      "waiting_for": waiting_for, "seconds": seconds,
-                                      "seen_seq": seen_seq})
+    params = {"id": id, "epoch": epoch, "step_id": step_id, "waiting_for": waiting_for,
+              "seconds": seconds, "seen_seq": seen_seq}
+    cur = await _exec(conn, q.park, params)
     row = await cur.fetchone()
     assert row is not None
     return str(row[0])
@@ -424,8 +423,9 @@ async def consume_signal(
     Fenced by *epoch*. Returns ownership, the cancel flag, the recorded output (None when no
     signal is pending) and the ``signal_seq`` to park with.
     """
-    cur = await conn.execute(q.consume_signal, {"id": id, "epoch": epoch, "step_id": step_id,
-                                                "name": name, "step_name": step_name})
+    params = {"id": id, "epoch": epoch, "step_id": step_id, "name": name,
+              "step_name": step_name}
+    cur = await _exec(conn, q.consume_signal, params)
     row = await cur.fetchone()
     assert row is not None
     return SignalTaken(owned=bool(row[0]), cancelled=bool(row[1]), output=row[2],
@@ -439,8 +439,8 @@ async def set_event(
 
     Returns False if the execution is no longer running under *epoch*.
     """
-    cur = await conn.execute(q.set_event, {"id": id, "epoch": epoch, "key": key,
-                                           "value": value})
+    params = {"id": id, "epoch": epoch, "key": key, "value": value}
+    cur = await _exec(conn, q.set_event, params)
     row = await cur.fetchone()
     return bool(row and row[0])
 
@@ -450,7 +450,8 @@ async def expire_deadlines(conn: AnyConn, q: Queries, *, limit: int) -> int:
 
     At most *limit*; they move to history and their parents are told.
     """
-    cur = await conn.execute(q.expire_deadlines, {"limit": limit})
+    params = {"limit": limit}
+    cur = await _exec(conn, q.expire_deadlines, params)
     row = await cur.fetchone()
     return int(row[0]) if row else 0
 
@@ -459,7 +460,8 @@ async def load_step(
     conn: AnyConn, q: Queries, *, execution_id: uuid.UUID, step_id: int
 ) -> RecordedStep | None:
     """Read the checkpoint recorded at *step_id*, or None if there is none."""
-    cur = await conn.execute(q.load_step, {"execution_id": execution_id, "step_id": step_id})
+    params = {"execution_id": execution_id, "step_id": step_id}
+    cur = await _exec(conn, q.load_step, params)
     row = await cur.fetchone()
     return RecordedStep(row[0], row[1], row[2]) if row else None
 
@@ -468,11 +470,9 @@ async def complete_batch(
     conn: AnyConn, q: Queries, finishes: Sequence[Finish]
 ) -> set[uuid.UUID]:
     """Finish executions and move them to history; return the ids that were still owned."""
-    cur = await conn.execute(
-        q.complete_batch,
-        {"rows": _json_rows([f.execution_id, f.epoch, f.status.value, _wrapped(f.result),
-                             _wrapped(f.error)] for f in finishes)},
-    )
+    params = {"rows": _json_rows([f.execution_id, f.epoch, f.status.value,
+                                  _wrapped(f.result), _wrapped(f.error)] for f in finishes)}
+    cur = await _exec(conn, q.complete_batch, params)
     return {row[0] for row in await cur.fetchall()}
 
 
@@ -481,11 +481,9 @@ async def finished_readback(
 ) -> set[uuid.UUID]:
     """Of *finishes*, the ids that are in history under their epoch and status: our own
     completion committed, though its reply was lost."""
-    cur = await conn.execute(
-        q.finished_readback,
-        {"ids": [f.execution_id for f in finishes], "epochs": [f.epoch for f in finishes],
-         "statuses": [f.status.value for f in finishes]},
-    )
+    params = {"ids": [f.execution_id for f in finishes], "epochs": [f.epoch for f in finishes],
+              "statuses": [f.status.value for f in finishes]}
+    cur = await _exec(conn, q.finished_readback, params)
     return {row[0] for row in await cur.fetchall()}
 
 
@@ -493,9 +491,8 @@ async def release_batch(
     conn: AnyConn, q: Queries, *, held: Sequence[tuple[uuid.UUID, int]]
 ) -> set[uuid.UUID]:
     """Put still-owned executions back in the queue at once (drain)."""
-    cur = await conn.execute(
-        q.release_batch, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held]}
-    )
+    params = {"ids": [h[0] for h in held], "epochs": [h[1] for h in held]}
+    cur = await _exec(conn, q.release_batch, params)
     return {row[0] for row in await cur.fetchall()}
 
 
@@ -508,8 +505,9 @@ async def give_back(
     *app_version* recorded, whose claims skip it from then on. Returns the execution's
     give-back count and when it can be claimed again (also on a retry after a lost reply),
     or None if it is no longer ours."""
-    cur = await conn.execute(q.give_back, {"id": id, "epoch": epoch, "app_version": app_version,
-                                           "base_s": base_s, "cap_s": cap_s})
+    cur = await _exec(conn, q.give_back, {"id": id, "epoch": epoch,
+                                          "app_version": app_version, "base_s": base_s,
+                                          "cap_s": cap_s})
     row = await cur.fetchone()
     return (int(row[0]), row[1]) if row else None
 
@@ -522,9 +520,8 @@ async def reenqueue_expired(
     Those claimed *max_attempts* times move to history as quarantined instead. ``examined``
     counts the expired leases found: callers loop while it reaches *limit*.
     """
-    cur = await conn.execute(
-        q.reenqueue_expired, {"limit": limit, "max_attempts": max_attempts}
-    )
+    params = {"limit": limit, "max_attempts": max_attempts}
+    cur = await _exec(conn, q.reenqueue_expired, params)
     row = await cur.fetchone()
     assert row is not None
     return SweepResult(requeued=row[0], quarantined=row[1], examined=row[2])
@@ -533,6 +530,8 @@ async def reenqueue_expired(
 async def listen(conn: AnyConn, q: Queries) -> None:
     """LISTEN on *conn* for this schema's wake-ups (use a direct, non-pooled connection)."""
     await conn.execute(q.listen)
+    if LOST_REPLIES:
+        await _lose_reply(conn, q.listen, None)
 
 
 # -- running statements defined once (kestrel.statements) ----------------------------------
@@ -547,6 +546,8 @@ async def run(conn: AnyConn, stmt: Stmt[T]) -> T:
         if mapped is None:
             raise
         raise mapped from None
+    if LOST_REPLIES:
+        await _lose_reply(conn, stmt.query, stmt.params)
     return stmt.decode(await cur.fetchall() if cur.description else [])
 
 
@@ -559,29 +560,89 @@ def run_sync(conn: psycopg.Connection[Any], stmt: Stmt[T]) -> T:
         if mapped is None:
             raise
         raise mapped from None
+    if LOST_REPLIES:
+        _lose_reply_sync(conn, stmt.query, stmt.params)
     return stmt.decode(cur.fetchall() if cur.description else [])
 
 
 async def run_script(conn: AnyConn, script: Script[T]) -> T:
     """Run *script* in one transaction on an async connection."""
+    sent: list[Stmt[Any]] = []
     async with conn.transaction():
         try:
             stmt = next(script)
             while True:
+                sent.append(stmt)
                 stmt = script.send(await run(conn, stmt))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            result: T = done.value
+    if LOST_REPLIES:
+        for stmt in sent:
+            await _lose_reply(conn, stmt.query, stmt.params)
+    return result
 
 
 def run_script_sync(conn: psycopg.Connection[Any], script: Script[T]) -> T:
     """:func:`run_script` on a blocking connection."""
+    sent: list[Stmt[Any]] = []
     with conn.transaction():
         try:
             stmt = next(script)
             while True:
+                sent.append(stmt)
                 stmt = script.send(run_sync(conn, stmt))
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            result: T = done.value
+    committed_sync(conn, sent)
+    return result
+
+
+def committed_sync(conn: psycopg.Connection[Any], sent: Sequence[Stmt[Any]]) -> None:
+    """Tell the lost-reply failpoints that a transaction block which ran *sent* has just
+    committed (a statement inside a block is only committed with it): if one of them is
+    armed, the reply to the COMMIT is lost (see :func:`_lose_reply`)."""
+    if LOST_REPLIES:
+        for stmt in sent:
+            _lose_reply_sync(conn, stmt.query, stmt.params)
+
+
+# -- lost replies (FAULTS R1): a statement commits, then its reply never comes ---------------
+
+
+async def _exec(conn: AnyConn, query: str, params: Any = None) -> psycopg.AsyncCursor[Any]:
+    """Execute one named statement: every statement of this module goes through here, so a
+    lost reply can be injected after any of them (:func:`_lose_reply`)."""
+    cur = await conn.execute(query, params)
+    if LOST_REPLIES:
+        await _lose_reply(conn, query, params)
+    return cur
+
+
+async def _lose_reply(conn: AnyConn, query: str, params: Any) -> None:
+    """If ``lost_reply:<name>`` is armed for this statement, which has just run, and it has
+    committed (autocommit; inside a transaction block the commit comes later, and
+    :func:`run_script` or the function owning the block asks again after it), close the
+    connection and raise what a reply lost on its way would raise."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        return
+    name = statement_name(query)
+    if name is not None and lost_reply(name, params):
+        await conn.close()
+        raise psycopg.OperationalError(_LOST.format(name))
+
+
+def _lose_reply_sync(conn: psycopg.Connection[Any], query: str, params: Any) -> None:
+    """:func:`_lose_reply` on a blocking connection."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        return
+    name = statement_name(query)
+    if name is not None and lost_reply(name, params):
+        conn.close()
+        raise psycopg.OperationalError(_LOST.format(name))
+
+
+_LOST = ("failpoint lost_reply:{}: the connection was lost after the statement committed, "
+         "before its reply arrived")
 
 
 def _error(exc: psycopg.Error, key: str | None = None) -> KestrelError | None:
@@ -613,21 +674,26 @@ async def claim_limited(
 ) -> list[Claimed] | None:
     """Claim from a limited queue within its limits, in one transaction under the queue's row
     lock; None when another process holds that lock right now (try again later)."""
+    params = {"queue": queue, "owner": owner, "limit": limit, "lease_s": lease_s,
+              "workflows": list(workflows or ()), "any_workflow": workflows is None,
+              "max_history_bytes": max_history_bytes, "app_version": app_version}
     async with conn.transaction():
         locked = await (await conn.execute(q.lock_queue_limit, {"queue": queue})).fetchone()
         if locked is None:
             return None
-        cur = await conn.execute(q.claim_limited, {
-            "queue": queue, "owner": owner, "limit": limit, "lease_s": lease_s,
-            "workflows": list(workflows or ()), "any_workflow": workflows is None,
-            "max_history_bytes": max_history_bytes, "app_version": app_version})
+        cur = await conn.execute(q.claim_limited, params)
         rows = await cur.fetchall()
+    if LOST_REPLIES:
+        await _lose_reply(conn, q.lock_queue_limit, {"queue": queue})
+        await _lose_reply(conn, q.claim_limited, params)
     return [_claimed(r) for r in rows]
 
 
 async def get_schedule(conn: AnyConn, q: Queries, *, name: str) -> datetime | None:
     """Return the last tick of schedule *name*, or None if it is not registered."""
     row = await (await conn.execute(q.get_schedule, {"name": name})).fetchone()
+    if LOST_REPLIES:
+        await _lose_reply(conn, q.get_schedule, {"name": name})
     return row[0] if row else None
 
 
@@ -641,4 +707,7 @@ async def start_tick(conn: AnyConn, q: Queries, *, name: str, seen: datetime, ti
         if moved is None:
             return False
         await run(conn, value(q.submit, submit, key=submit["idempotency_key"]))
+    if LOST_REPLIES:
+        await _lose_reply(conn, q.advance_schedule, {"name": name, "seen": seen, "tick": tick})
+        await _lose_reply(conn, q.submit, submit)
     return True

@@ -10,12 +10,13 @@ keeps this safe behind PgBouncer in transaction mode.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 
 from kestrel import db
 from kestrel.errors import MigrationError
-from kestrel.sql import functions, migrations, queries
+from kestrel.sql import Migration, Queries, functions, migrations, queries
 
 log = logging.getLogger("kestrel.migrate")
 
@@ -35,35 +36,48 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     # No prepared statements: through a transaction-mode PgBouncer a statement psycopg
     # prepares here (it runs the same INSERT once per migration) would outlive this
     # transaction on the server connection and collide with the next migrate's.
-    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn, \
-            conn.transaction():
-        db.run_sync(conn, db.command(q.migrate_lock))
-        db.run_sync(conn, db.command(q.create_schema))
-        applied: set[int] = set()
-        if db.run_sync(conn, db.value(q.migrations_table_exists, {})):
-            applied = set(db.run_sync(conn, db.Stmt(q.applied_migrations, None,
-                                                    lambda rows: [r[0] for r in rows])))
-        newest = max((m.version for m in pending), default=0)
-        if applied and max(applied) > newest:
-            raise MigrationError(
-                f"schema {schema!r} is at migration {max(applied)}, newer than this kestrel "
-                f"knows ({newest}); upgrade kestrel"
-            )
-        done = []
-        for m in pending:
-            if m.version in applied:
-                continue
-            db.run_sync(conn, db.command(m.text))
-            db.run_sync(conn, db.command(q.record_migration,
-                                         {"version": m.version, "name": m.name}))
-            done.append(m.version)
-            log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
-        # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
-        # sql/partitions, the one place each is defined: a change to one needs no migration.
-        for statement in functions(schema):
-            db.run_sync(conn, db.command(statement))
-        db.run_sync(conn, db.command(q.ensure_current_partitions, {
-            "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
+    sent: list[db.Stmt[Any]] = []
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        with conn.transaction():
+            done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent)
+        db.committed_sync(conn, sent)
+    return done
+
+
+def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list[Migration],
+           history_interval: str, history_ahead: int, sent: list[db.Stmt[Any]]) -> list[int]:
+    """The body of :func:`migrate`'s transaction; *sent* collects the named statements."""
+
+    def run(stmt: db.Stmt[Any]) -> Any:
+        sent.append(stmt)
+        return db.run_sync(conn, stmt)
+
+    run(db.command(q.migrate_lock))
+    run(db.command(q.create_schema))
+    applied: set[int] = set()
+    if run(db.value(q.migrations_table_exists, {})):
+        applied = set(run(db.Stmt(q.applied_migrations, None,
+                                  lambda rows: [r[0] for r in rows])))
+    newest = max((m.version for m in pending), default=0)
+    if applied and max(applied) > newest:
+        raise MigrationError(
+            f"schema {schema!r} is at migration {max(applied)}, newer than this kestrel "
+            f"knows ({newest}); upgrade kestrel"
+        )
+    done = []
+    for m in pending:
+        if m.version in applied:
+            continue
+        run(db.command(m.text))
+        run(db.command(q.record_migration, {"version": m.version, "name": m.name}))
+        done.append(m.version)
+        log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+    # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
+    # sql/partitions, the one place each is defined: a change to one needs no migration.
+    for statement in functions(schema):
+        run(db.command(statement))
+    run(db.command(q.ensure_current_partitions, {
+        "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
     return done
 
 

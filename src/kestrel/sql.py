@@ -137,11 +137,22 @@ def named_statements() -> dict[str, str]:
     return found
 
 
+_NAMES: dict[str, str] = {}
+
+
+def statement_name(text: str) -> str | None:
+    """The ``-- name:`` of a statement of :func:`queries` (rendered for any schema loaded in
+    this process), or None for any other text (a migration, a DDL of the test kit)."""
+    return _NAMES.get(text)
+
+
 @functools.cache
 def queries(schema: str) -> Queries:
     """Return the statements for *schema*, loaded and rendered once per process."""
     statements = named_statements()
-    return Queries(**{f.name: render(statements[f.name], schema) for f in fields(Queries)})
+    rendered = {f.name: render(statements[f.name], schema) for f in fields(Queries)}
+    _NAMES.update((text, name) for name, text in rendered.items())
+    return Queries(**rendered)
 
 
 @dataclass(frozen=True, slots=True)

@@ -107,3 +107,31 @@ def test_arm_refuses_what_it_cannot_do(disarmed: object, name: str, mode: str,
     with pytest.raises(ValueError, match=message):
         worker.arm(name, mode, **kwargs)  # type: ignore[arg-type]
     assert worker._ARMED == {}
+
+
+# -- lost_reply:<statement>: a named statement commits, then its reply is lost ---------------
+
+
+def test_lost_reply_grammar_names_a_statement() -> None:
+    points = worker._parse_failpoints("lost_reply:submit, lost_reply:park:3")
+    assert points == {"lost_reply:submit": ["lost_reply", 0.0, 1],
+                      "lost_reply:park": ["lost_reply", 0.0, 3]}
+    with pytest.raises(ValueError, match="STATEMENT a name of sql/queries"):
+        worker._parse_failpoints("lost_reply:no_such_statement")
+
+
+def test_armed_lost_replies_fire_for_their_subject_then_never() -> None:
+    worker.disarm()
+    try:
+        worker.arm("lost_reply:signal", times=1, match=lambda p: p["name"] == "go")
+        assert not worker.lost_reply("signal", {"name": "stop"})
+        assert not worker.lost_reply("submit", {"name": "go"})
+        assert worker.lost_reply("signal", {"name": "go"})
+        assert not worker.lost_reply("signal", {"name": "go"})  # spent
+        with pytest.raises(ValueError, match="unknown statement"):
+            worker.arm("lost_reply:nowhere")
+        with pytest.raises(ValueError, match="mode raise"):
+            worker.arm("lost_reply:signal", "halt")
+    finally:
+        worker.disarm()
+    assert worker.LOST_REPLIES == {}

@@ -293,7 +293,7 @@ async def retry(request: Request) -> Response:
     """Re-run a failed, cancelled or quarantined execution from its last checkpoint."""
     await require(request, "operate")
     eid = execution_id(request)
-    await request.app.state.client.retry(eid)
+    await request.app.state.client.retry(eid, idempotency_key=_header_key(request))
     return ok({"id": str(eid), "status": "queued"})
 
 
@@ -305,7 +305,8 @@ async def fork(request: Request) -> Response:
     step = body.get("from_step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
         raise ApiError(400, "from_step must be an integer in [0, 2^31)")
-    handle = await request.app.state.client.fork(eid, step)
+    handle = await request.app.state.client.fork(eid, step,
+                                                 idempotency_key=_header_key(request))
     return ok({"id": str(handle.id), "forked_from": str(eid), "from_step": step})
 
 
@@ -569,11 +570,13 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", f"{API}/executions/{{id}}/cancel", cancel, "operate",
              "Cancel it and its live children."),
     Endpoint("POST", f"{API}/executions/{{id}}/retry", retry, "operate",
-             "Re-run a failed, cancelled or quarantined execution."),
+             "Re-run a failed, cancelled or quarantined execution.",
+             headers=("Idempotency-Key",)),
     Endpoint("POST", f"{API}/executions/{{id}}/fork", fork, "operate",
              "Start a new execution from its first from_step checkpoints.",
              body={"type": "object", "required": ["from_step"], "additionalProperties": False,
-                   "properties": {"from_step": {"type": "integer", "minimum": 0}}}),
+                   "properties": {"from_step": {"type": "integer", "minimum": 0}}},
+             headers=("Idempotency-Key",)),
     Endpoint("GET", f"{API}/queues", list_queues, "read", "Queues: depth and limits.",
              tags=("queues",)),
     Endpoint("GET", f"{API}/schedules", list_schedules, "read", "Cron schedules.",

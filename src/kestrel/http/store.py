@@ -23,10 +23,12 @@ def _iso(value: datetime | None) -> str | None:
 
 
 def create_token(q: Queries, *, id: str, name: str, scopes: Sequence[str],
-                 secret_hash: bytes) -> Stmt[datetime]:
-    """Store a new token (its secret only as a hash); its creation time."""
+                 secret_hash: bytes) -> Stmt[datetime | None]:
+    """Store a new token (its secret only as a hash); its creation time. Sent again after a
+    lost reply, it returns the stored token's time; None if *id* belongs to another token."""
     return Stmt(q.create_token, {"id": id, "name": name, "scopes": list(scopes),
-                                 "secret_hash": secret_hash}, lambda rows: rows[0][0])
+                                 "secret_hash": secret_hash},
+                lambda rows: rows[0][0] if rows else None)
 
 
 def list_tokens(q: Queries) -> Stmt[list[Row]]:
