@@ -71,7 +71,10 @@ def start_runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | No
     its output goes to *out* (a file opened for writing, or DEVNULL)."""
     cmd = [sys.executable, "-m", "kestrel", "--app", app, "--dsn", dsn, "--schema", schema,
            "--procs", str(procs), *FAST, *(args or [])]
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    # This checkout's sources first: an installed kestrel (another checkout's, editable) must
+    # not be what the runtime under test runs.
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT / "src"), str(ROOT))),
+                    **(env or {}))
     return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out,
                             start_new_session=True)
 
