@@ -24,13 +24,14 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
    AND parent.relname IN ('workflow_history', 'step_history')
  ORDER BY parent.relname, child.relname;
 
--- name: count_cancelled
--- Executions that cancel() finished while queued or waiting (no worker saw them finish) of
--- the workflows this process registers (%(workflows)s): taken from uncounted_finishes, so
--- each is counted once fleet-wide (SKIP LOCKED: a concurrent collector takes other rows),
--- at most 10,000 a round. Rows of names nobody registers go after a day.
+-- name: take_uncounted_finishes
+-- Finishes no worker saw, of the workflows this process registers (%(workflows)s): what
+-- cancel() finished while queued or waiting, and what the sweeper failed past its deadline
+-- (expire_deadlines). Taken from uncounted_finishes, a row per finish, so each is counted
+-- once fleet-wide (SKIP LOCKED: a concurrent collector takes other rows), at most 10,000 a
+-- round: (workflow, status, deadline). Rows of names nobody registers go after a day.
 WITH taken AS (
-    SELECT execution_id FROM __schema__.uncounted_finishes
+    SELECT finish_id FROM __schema__.uncounted_finishes
      WHERE workflow = ANY (%(workflows)s::text[])
         OR finished_at < __schema__.kestrel_now() - interval '1 day'
      LIMIT 10000
@@ -38,5 +39,5 @@ WITH taken AS (
 )
 DELETE FROM __schema__.uncounted_finishes AS u
  USING taken
- WHERE u.execution_id = taken.execution_id
-RETURNING u.workflow;
+ WHERE u.finish_id = taken.finish_id
+RETURNING u.workflow, u.status, u.deadline;

@@ -58,7 +58,10 @@ SELECT (SELECT count(*) FROM requeued) AS requeued,
 
 -- name: expire_deadlines
 -- Fail queued and waiting executions whose workflow deadline passed (running ones are
--- stopped by their worker, which knows the deadline from the claim). Bounded.
+-- stopped by their worker, which knows the deadline from the claim). Bounded. No worker sees
+-- these finish: each leaves a row for the metrics collector (take_uncounted_finishes), which
+-- counts it once as failed and as a deadline (migration 0015). A retry after a lost reply
+-- finds the rows gone and moves nothing twice.
 WITH late AS (
     SELECT id
       FROM __schema__.workflow_executions
@@ -82,7 +85,10 @@ WITH late AS (
            idempotency_key, lease_epoch, attempts, created_at, started_at,
            __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
-    RETURNING id, parent_id, error
+    RETURNING id, parent_id, error, workflow
+), uncounted AS (
+    INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status, deadline)
+    SELECT id, workflow, 'failed', true FROM moved
 ), told AS (
     -- Not to a parent failed by this same statement (its row is deleted here).
     SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)

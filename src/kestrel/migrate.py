@@ -5,6 +5,11 @@ All pending migrations run in one transaction that first takes a transaction-lev
 lock keyed on the schema, so concurrent starts serialize and the later ones find nothing to
 do. A transaction-level lock is released at COMMIT: no session state is left behind, which
 keeps this safe behind PgBouncer in transaction mode.
+
+The clock (migration 0015): a production schema's ``kestrel_now()`` is ``now()``; a schema
+made for tests (``test_clock=True``: kestrel.testing's and the test suite's) gets a clock the
+tests move (``sql/testclock``). The kind is chosen when the schema is made and recorded in it,
+so a later ``migrate`` (a runtime starting on a test's schema) keeps it.
 """
 
 from __future__ import annotations
@@ -15,20 +20,28 @@ import psycopg
 
 from kestrel import db
 from kestrel.errors import MigrationError
-from kestrel.sql import functions, migrations, queries
+from kestrel.sql import functions, migrations, movable_clock, queries
 
 log = logging.getLogger("kestrel.migrate")
 
+CLOCK_MIGRATION = 15
+"""The migration that gives each schema its kind of clock (production's or a test's)."""
+
 
 def migrate(dsn: str, schema: str, *, history_interval: str = "day",
-            history_ahead: int = 3) -> list[int]:
+            history_ahead: int = 3, test_clock: bool = False) -> list[int]:
     """Bring *schema* up to date; return the versions applied now (empty if none).
 
     Also creates the history partitions of the next *history_ahead* periods, and on install
     or upgrade the current period's (the runtime's upkeep only ever adds future ones).
 
+    *test_clock* makes the schema one for tests, whose clock tests move (kestrel.testing);
+    only a new schema (or one from before migration 0015) can be made so. Without it a
+    schema keeps the clock it was made with.
+
     Raises:
-        MigrationError: the database has migrations newer than this code knows.
+        MigrationError: the database has migrations newer than this code knows, or
+            *test_clock* was asked of a production schema.
     """
     pending = migrations(schema)
     q = queries(schema)
@@ -43,6 +56,13 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
         if db.run_sync(conn, db.value(q.migrations_table_exists, {})):
             applied = set(db.run_sync(conn, db.Stmt(q.applied_migrations, None,
                                                     lambda rows: [r[0] for r in rows])))
+        db.run_sync(conn, db.command(q.set_clock_kind,
+                                     {"test_clock": "on" if test_clock else "off"}))
+        if test_clock and CLOCK_MIGRATION in applied and not db.run_sync(
+                conn, db.value(q.has_test_clock, {})):
+            raise MigrationError(
+                f"schema {schema!r} is a production schema: its clock is now() and cannot be "
+                "made movable for tests; test on a schema of its own")
         newest = max((m.version for m in pending), default=0)
         if applied and max(applied) > newest:
             raise MigrationError(
@@ -58,10 +78,16 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
                                          {"version": m.version, "name": m.name}))
             done.append(m.version)
             log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+        for_tests = bool(db.run_sync(conn, db.value(q.has_test_clock, {})))
+        if for_tests:
+            db.run_sync(conn, db.command(q.lock_test_clock))
         # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
         # sql/partitions, the one place each is defined: a change to one needs no migration.
         for statement in functions(schema):
             db.run_sync(conn, db.command(statement))
+        if for_tests:
+            for statement in movable_clock(schema):
+                db.run_sync(conn, db.command(statement))
         db.run_sync(conn, db.command(q.ensure_current_partitions, {
             "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
     return done

@@ -219,6 +219,7 @@ class Stats:
             m.started.labels(wf)
             for outcome in ("completed", "failed", "cancelled"):
                 m.finished.labels(wf, outcome)
+            m.deadlines.labels(wf)
         while True:
             await self.run_once()
             await asyncio.sleep(self._interval)
@@ -241,15 +242,17 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
-                cancelled = await db.run(conn, db.count_cancelled(
+                finishes = await db.run(conn, db.take_uncounted_finishes(
                     self._q, workflows=self._workflows))
         except psycopg.Error:
             return
-        for wf in cancelled:
+        for wf, status, deadline in finishes:
             # Only registered names become labels (FAULTS S2, P4): a day-old row of a name
             # no worker registers comes back too, and is dropped uncounted.
             if wf in self._workflows:
-                m.finished.labels(wf, "cancelled").inc()
+                m.finished.labels(wf, status).inc()
+                if deadline:
+                    m.deadlines.labels(wf).inc()
         seen = set()
         for row in rows:
             seen.add((row.queue, row.status))

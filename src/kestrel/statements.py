@@ -147,10 +147,13 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                               for r in rows])
 
 
-def count_cancelled(q: Queries, *, workflows: list[str]) -> Stmt[list[str]]:
-    """Take the executions of *workflows* that cancel() finished while queued or waiting and
-    no collector has counted yet; return their workflow names (one per execution)."""
-    return Stmt(q.count_cancelled, {"workflows": workflows}, lambda rows: [r[0] for r in rows])
+def take_uncounted_finishes(q: Queries, *,
+                            workflows: list[str]) -> Stmt[list[tuple[str, str, bool]]]:
+    """Take the finishes of *workflows* no worker saw and no collector has counted yet (what
+    cancel() finished while queued or waiting, what the sweeper failed past its deadline):
+    ``(workflow, status, deadline)``, one per finish."""
+    return Stmt(q.take_uncounted_finishes, {"workflows": workflows},
+                lambda rows: [(r[0], r[1], bool(r[2])) for r in rows])
 
 
 def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
