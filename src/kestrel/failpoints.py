@@ -50,7 +50,7 @@ def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
 # ``step_body`` fires just before a step's body runs, with the step's StepInfo as subject.
 FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
               "after_checkpoint_commit_before_ack", "before_complete", "after_complete_commit",
-              "after_park_commit", "sweeper_round", "step_body")
+              "before_park", "after_park_commit", "sweeper_round", "step_body")
 _FAILPOINTS = _parse_failpoints(os.environ.get("KESTREL_FAILPOINTS", ""))
 
 
