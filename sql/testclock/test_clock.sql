@@ -10,9 +10,14 @@
 -- the same whatever IntervalStyle the session calling kestrel_now() has.
 
 -- name: kestrel_test_clock_moved
+-- Its one row is moved, never deleted (the clock would stay where it was, unmovable).
 CREATE OR REPLACE FUNCTION __schema__.kestrel_test_clock_moved() RETURNS trigger
 LANGUAGE plpgsql SET "IntervalStyle" TO 'iso_8601' AS $$
 BEGIN
+    IF TG_OP = 'DELETE' THEN
+        RAISE EXCEPTION 'the test clock of schema % is moved, not deleted', TG_TABLE_SCHEMA
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     EXECUTE format('CREATE OR REPLACE FUNCTION %I.kestrel_now() RETURNS timestamptz '
                    'LANGUAGE sql STABLE PARALLEL SAFE AS %L', TG_TABLE_SCHEMA,
                    format('SELECT now() + %L::interval', NEW.offset_by::text));
@@ -22,7 +27,7 @@ $$;
 
 -- name: test_clock_trigger
 DROP TRIGGER IF EXISTS clock_moved ON __schema__.clock_offset;
-CREATE TRIGGER clock_moved AFTER UPDATE ON __schema__.clock_offset
+CREATE TRIGGER clock_moved AFTER UPDATE OR DELETE ON __schema__.clock_offset
     FOR EACH ROW EXECUTE FUNCTION __schema__.kestrel_test_clock_moved();
 
 -- name: test_clock_sync

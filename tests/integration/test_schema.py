@@ -26,7 +26,7 @@ def test_the_schema_holds_exactly_the_functions_defined_in_one_place(
     clock trigger to now() plus the offset (zero after migrate)."""
     defined = function_definitions()
     testclock = {k: v for k, v in movable_clock_definitions().items()
-                 if v.startswith("CREATE OR REPLACE FUNCTION")}
+                 if "CREATE OR REPLACE FUNCTION" in v}
     for name_, wanted in ((production_schema, defined), (schema, {**defined, **testclock})):
         rows = _installed(pg_dsn, name_)
         # No function a migration created and the files no longer define; no stale overload.
