@@ -106,6 +106,9 @@ from kestrel.statements import (
     queue_stats as queue_stats,
 )
 from kestrel.statements import (
+    recover_dead_worker as recover_dead_worker,
+)
+from kestrel.statements import (
     register_worker as register_worker,
 )
 from kestrel.statements import (

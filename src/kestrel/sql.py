@@ -43,6 +43,7 @@ class Queries:
     set_event: str
     reenqueue_expired: str
     expire_deadlines: str
+    expire_worker_leases: str
     submit: str
     signal: str
     cancel: str

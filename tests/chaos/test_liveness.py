@@ -439,7 +439,7 @@ def test_l2b_a_worker_whose_writer_is_stalled_takes_no_fresh_lease(
         submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i + 100)", 5)
         time.sleep(2.0)  # ten poll intervals (and LISTEN wakes a claimer at once)
         taken = q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions WHERE "
-                   "(args->>0)::int > 100 AND lease_owner LIKE %s", [f"%:{stall.pid}"])
+                   "(args->>0)::int > 100 AND lease_owner LIKE %s", [f"%:{stall.pid}:%"])
         assert taken == 0, f"the stalled worker claimed {taken} of 5 new executions"
         with runtime(pg_dsn, schema, procs=1, log=tmp_path / "rescuer.log"):
             wait_until(lambda: finished_count(pg_dsn, schema) == 6, timeout=60,
