@@ -128,12 +128,14 @@ class Runner:
 
         See :func:`kestrel.db.park`. The lease counts as finishing while the statement is on its
         way, and is held again unless it parked. Retried while the database is unreachable and
-        the lease is trusted; past that it raises LeaseLost.
+        the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
+        meanwhile and the park found a signal (the workflow would go on), it raises
+        CancelledError as the deadline timer would: the execution fails DeadlineExceeded.
         """
         lease.finish()  # a heartbeat that now misses the row is seeing our own park
-        await afailpoint("before_park")
 
         async def park(conn: AnyConn) -> str:
+            await afailpoint("before_park")
             outcome = await db.park(conn, self._q, id=lease.claimed.id,
                                     epoch=lease.claimed.epoch, step_id=step_id,
                                     waiting_for=waiting_for, seconds=seconds,
