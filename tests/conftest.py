@@ -60,7 +60,20 @@ def pg_dsn(direct_dsn: str) -> Iterator[str]:
 def schema(pg_dsn: str) -> Iterator[str]:
     from kestrel.migrate import migrate
 
+    """A fresh schema made for tests (its clock moves: clock_offset, migration 0016)."""
     name = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, name, test_clock=True)
+    yield name
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(name)))
+
+
+@pytest.fixture
+def production_schema(pg_dsn: str) -> Iterator[str]:
+    """A fresh schema as production has it: its clock is now() and cannot be moved."""
+    from kestrel.migrate import migrate
+
+    name = f"p_{uuid.uuid4().hex[:12]}"
     migrate(pg_dsn, name)
     yield name
     with psycopg.connect(pg_dsn, autocommit=True) as conn:

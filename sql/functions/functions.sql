@@ -8,9 +8,13 @@
 -- defined here and in sql/partitions.
 
 -- name: kestrel_now
+-- The database clock: every lease, timer and sleep decision reads it, never a worker's
+-- clock (DESIGN §2.5). Plain now(), inlined into every statement that calls it; nothing the
+-- runtime role may write can move it. A schema made for tests replaces it with now() plus
+-- an offset the tests move (sql/testclock, migration 0016).
 CREATE OR REPLACE FUNCTION __schema__.kestrel_now() RETURNS timestamptz
 LANGUAGE sql STABLE PARALLEL SAFE AS $$
-    SELECT now() + (SELECT offset_by FROM __schema__.clock_offset)
+    SELECT now()
 $$;
 
 -- name: check_name
@@ -402,11 +406,11 @@ BEGIN
           FROM removed
         RETURNING id, parent_id, workflow
     ), uncounted AS (
-        -- No worker sees these finish: the metrics collector counts them (count_cancelled),
-        -- once, in kestrel_workflows_finished_total (migration 0011).
+        -- No worker sees these finish: the metrics collector counts them
+        -- (take_uncounted_finishes) in kestrel_workflows_finished_total, once per finish
+        -- (a row each: cancel, retry, cancel again is two; migrations 0011, 0016).
         INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status)
         SELECT id, workflow, 'cancelled' FROM moved
-        ON CONFLICT (execution_id) DO NOTHING
     )
     SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
     IF v_moved IS NOT NULL THEN

@@ -25,19 +25,37 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
                           'event_history')
  ORDER BY parent.relname, child.relname;
 
--- name: count_cancelled
--- Executions that cancel() finished while queued or waiting (no worker saw them finish) of
--- the workflows this process registers (%(workflows)s): taken from uncounted_finishes, so
--- each is counted once fleet-wide (SKIP LOCKED: a concurrent collector takes other rows),
--- at most 10,000 a round. Rows of names nobody registers go after a day.
-WITH taken AS (
-    SELECT execution_id FROM __schema__.uncounted_finishes
+-- name: take_uncounted_finishes
+-- Finishes no worker saw, of the workflows this process registers (%(workflows)s): what
+-- cancel() finished while queued or waiting, and what the sweeper failed past its deadline
+-- (expire_deadlines). A row per finish, counted once fleet-wide, in two rounds of one
+-- collector (%(collector)s, one per process): a round takes rows nobody has taken (SKIP
+-- LOCKED: a concurrent collector takes other rows) or that this collector took before
+-- without acknowledging them, and deletes the rows it acknowledges (%(acked)s: the
+-- finish_ids it counted since). A take whose reply was lost is so taken again by the same
+-- collector, and counted then: a lost reply neither drops nor doubles a count (FAULTS R1).
+-- At most 10,000 a round: (finish_id, workflow, status, deadline). Rows of names nobody
+-- registers, and rows a collector took a day ago and never acknowledged (it died), go.
+WITH gone AS (
+    DELETE FROM __schema__.uncounted_finishes AS u
+     WHERE (u.taken_by = %(collector)s AND u.finish_id = ANY (%(acked)s::bigint[]))
+        OR u.taken_at < __schema__.kestrel_now() - interval '1 day'
+        OR (u.finished_at < __schema__.kestrel_now() - interval '1 day'
+            AND NOT u.workflow = ANY (%(workflows)s::text[]))
+    RETURNING u.finish_id
+), taken AS (
+    SELECT finish_id FROM __schema__.uncounted_finishes
      WHERE workflow = ANY (%(workflows)s::text[])
-        OR finished_at < __schema__.kestrel_now() - interval '1 day'
+       AND (taken_by IS NULL OR taken_by = %(collector)s)
+       AND NOT finish_id = ANY (%(acked)s::bigint[])
+     ORDER BY finish_id
      LIMIT 10000
        FOR UPDATE SKIP LOCKED
 )
-DELETE FROM __schema__.uncounted_finishes AS u
- USING taken
- WHERE u.execution_id = taken.execution_id
-RETURNING u.workflow;
+UPDATE __schema__.uncounted_finishes AS u
+   SET taken_by = %(collector)s,
+       taken_at = coalesce(u.taken_at, __schema__.kestrel_now())
+  FROM taken
+ WHERE u.finish_id = taken.finish_id
+   AND (SELECT count(*) FROM gone) >= 0
+RETURNING u.finish_id, u.workflow, u.status, u.deadline;

@@ -23,3 +23,17 @@ INSERT INTO __schema__.schema_migrations (version, name) VALUES (%(version)s, %(
 -- The current period's partition only on install or upgrade (%(current)s), when nothing
 -- else writes yet; the runtime's upkeep only ever adds future ones.
 SELECT __schema__.kestrel_ensure_history_partitions_v1(%(interval)s, %(ahead)s, %(current)s);
+
+-- name: set_clock_kind
+-- Which clock a migration that makes one (0016) gives the schema: 'on' for a schema made for
+-- tests. Local to migrate's transaction: no session state is left behind.
+SELECT set_config('kestrel.test_clock', %(test_clock)s, true);
+
+-- name: has_test_clock
+-- Whether the schema was made for tests: it has the clock tests move (migration 0016).
+SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
+
+-- name: lock_test_clock
+-- Wait for a test moving the clock to commit: migrate and the clock trigger both replace
+-- kestrel_now(), and two transactions replacing one function at once fail.
+SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;

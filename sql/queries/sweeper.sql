@@ -58,7 +58,10 @@ SELECT (SELECT count(*) FROM requeued) AS requeued,
 
 -- name: expire_deadlines
 -- Fail queued and waiting executions whose workflow deadline passed (running ones are
--- stopped by their worker, which knows the deadline from the claim). Bounded.
+-- stopped by their worker, which knows the deadline from the claim). Bounded. No worker sees
+-- these finish: each leaves a row for the metrics collector (take_uncounted_finishes), which
+-- counts it once as failed and as a deadline (migration 0016). A retry after a lost reply
+-- finds the rows gone and moves nothing twice.
 WITH late AS (
     SELECT id
       FROM __schema__.workflow_executions
@@ -82,7 +85,10 @@ WITH late AS (
            idempotency_key, lease_epoch, attempts, created_at, started_at,
            __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
-    RETURNING id, parent_id, error
+    RETURNING id, parent_id, error, workflow
+), uncounted AS (
+    INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status, deadline)
+    SELECT id, workflow, 'failed', true FROM moved
 ), told AS (
     -- Not to a parent failed by this same statement (its row is deleted here).
     SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)
@@ -93,3 +99,29 @@ WITH late AS (
     SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told), (SELECT n FROM archived);
+
+-- name: expire_worker_leases
+-- A worker process its supervisor reaped (it died: SIGKILL, OOM, a crash) holds no lease
+-- any more, whatever lease_expires_at says: end the leases of the rows it still owns now, so
+-- the reenqueue_expired that follows in the same transaction re-queues them (or quarantines
+-- those out of attempts: the claim counted the attempt, and a crash is one, FAULTS F9), and
+-- they run again within a second instead of after the lease (FAULTS O8). Fenced: lease_owner
+-- names one process incarnation (host:pid:nonce), so a row re-claimed since (another owner,
+-- a newer epoch) is not touched. Rows someone holds locked are skipped; their leases expire
+-- as before. Wakes idle workers at commit when it found any.
+WITH dead AS (
+    SELECT id
+      FROM __schema__.workflow_executions
+     WHERE lease_owner = %(owner)s AND status = 'running'
+     ORDER BY id
+       FOR NO KEY UPDATE SKIP LOCKED
+), expired AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET lease_expires_at = '-infinity'
+      FROM dead
+     WHERE e.id = dead.id
+ RETURNING e.id
+)
+SELECT count(*), CASE WHEN count(*) > 0
+                      THEN pg_notify('kestrel.__schema_name__', 'recovered') END
+  FROM expired;

@@ -1,7 +1,8 @@
 -- Statements of kestrel.testing, the kit users test their workflows with. Time moves the way
--- the runtime reads it: every lease, sleep and timeout decision reads kestrel_now(), which is
--- now() plus clock_offset (migration 0001), so moving the offset moves the database's clock
--- for the runtime and nothing else. A production schema never runs these.
+-- the runtime reads it: every lease, sleep and timeout decision reads kestrel_now(), which in
+-- a schema made for tests is now() plus clock_offset (migration 0016, sql/testclock), so
+-- moving the offset moves the database's clock for the runtime and nothing else. A
+-- production schema has no clock_offset: these fail there, and the kit refuses it first.
 
 -- name: advance_clock
 -- Move the database clock forward by %(seconds)s; return the new kestrel_now().
@@ -38,11 +39,16 @@ SELECT status, waiting_for, wake_at
 
 -- name: reset_for_test
 -- Empty every table of the schema but the migration record and set the clock back: each
--- test starts from a fresh schema without paying for the migrations again.
+-- test starts from a fresh schema without paying for the migrations again. Only a schema
+-- made for tests: any other is refused before anything is emptied.
 DO $$
 DECLARE
     v_tables text;
 BEGIN
+    IF to_regclass('__schema__.clock_offset') IS NULL THEN
+        RAISE EXCEPTION 'schema __schema_name__ was not made for tests: not emptying it'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
     SELECT string_agg(format('%I.%I', schemaname, tablename), ', ')
       INTO v_tables
       FROM pg_tables

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,6 +39,13 @@ def _bool(text: str) -> bool:
     if text.lower() in {"0", "false", "no", "off"}:
         return False
     raise ValueError(f"expected true or false, got {text!r}")
+
+
+def incarnation_id(pid: int, nonce: str) -> str:
+    """The worker id, and lease owner, of one process incarnation: ``host:pid:nonce``. The
+    nonce keeps a later process that reuses the pid from being taken for this one (the
+    supervisor releases a reaped worker's leases by this id, FAULTS O8)."""
+    return f"{socket.gethostname()}:{pid}:{nonce}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,9 +87,6 @@ from kestrel.statements import (
     count_by_status as count_by_status,
 )
 from kestrel.statements import (
-    count_cancelled as count_cancelled,
-)
-from kestrel.statements import (
     db_now as db_now,
 )
 from kestrel.statements import (
@@ -120,6 +117,9 @@ from kestrel.statements import (
     queue_stats as queue_stats,
 )
 from kestrel.statements import (
+    recover_dead_worker as recover_dead_worker,
+)
+from kestrel.statements import (
     register_worker as register_worker,
 )
 from kestrel.statements import (
@@ -136,6 +136,9 @@ from kestrel.statements import (
 )
 from kestrel.statements import (
     submit_params as submit_params,
+)
+from kestrel.statements import (
+    take_uncounted_finishes as take_uncounted_finishes,
 )
 from kestrel.statements import (
     unclaimable_by_workflow as unclaimable_by_workflow,

@@ -66,7 +66,7 @@ def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
 # ``after_consume_signal_commit`` with what consume_signal returned.
 FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
               "after_checkpoint_commit_before_ack", "before_complete", "after_complete_commit",
-              "after_park_commit", "sweeper_round", "step_body",
+              "before_park", "after_park_commit", "sweeper_round", "step_body",
               "after_consume_signal_commit")
 LOST_REPLY = "lost_reply:"
 """The prefix of a lost-reply point: ``lost_reply:submit`` loses the reply to ``submit``."""

@@ -66,7 +66,12 @@ class Lease:
     queue: str | None = None  # set for executions of limited queues (per-process counts)
     state: LeaseState = LeaseState.HELD
     cancel_requested: bool = False
+    # The deadline timer cancelled the workflow; once it ended, whether the deadline is what
+    # ended it (the runner counts those finishes).
     deadline_hit: bool = False
+    # The deadline passed while the statement that ends the claim was on its way; enforced
+    # if that statement does not end it after all (a park that finds a signal, FAULTS O7).
+    deadline_due: bool = False
     task: asyncio.Task[None] | None = None
     deadline_timer: asyncio.TimerHandle | None = None
 

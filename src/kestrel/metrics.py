@@ -49,8 +49,13 @@ class Metrics:
         self.started = Counter("kestrel_workflows_started_total",
                                "Executions claimed for the first time", ["workflow"])
         self.finished = Counter("kestrel_workflows_finished_total",
-                                "Executions finished by a worker, by outcome",
+                                "Executions finished, by outcome: by a worker, or (cancels "
+                                "and deadlines no worker saw) by the metrics collector",
                                 ["workflow", "outcome"])
+        self.deadlines = Counter("kestrel_deadlines_exceeded_total",
+                                 "Executions failed because their workflow deadline passed, "
+                                 "by their worker or by the sweeper (also counted in "
+                                 "kestrel_workflows_finished_total as failed)", ["workflow"])
         self.parked = Counter("kestrel_workflows_parked_total",
                               "Executions parked as a row (sleep, signal or child wait)",
                               ["workflow"])

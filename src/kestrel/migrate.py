@@ -5,6 +5,11 @@ All pending migrations run in one transaction that first takes a transaction-lev
 lock keyed on the schema, so concurrent starts serialize and the later ones find nothing to
 do. A transaction-level lock is released at COMMIT: no session state is left behind, which
 keeps this safe behind PgBouncer in transaction mode.
+
+The clock (migration 0016): a production schema's ``kestrel_now()`` is ``now()``; a schema
+made for tests (``test_clock=True``: kestrel.testing's and the test suite's) gets a clock the
+tests move (``sql/testclock``). The kind is chosen when the schema is made and recorded in it,
+so a later ``migrate`` (a runtime starting on a test's schema) keeps it.
 """
 
 from __future__ import annotations
@@ -16,20 +21,28 @@ import psycopg
 
 from kestrel import db
 from kestrel.errors import MigrationError
-from kestrel.sql import Migration, Queries, functions, migrations, queries
+from kestrel.sql import Migration, Queries, functions, migrations, movable_clock, queries
 
 log = logging.getLogger("kestrel.migrate")
 
+CLOCK_MIGRATION = 16
+"""The migration that gives each schema its kind of clock (production's or a test's)."""
+
 
 def migrate(dsn: str, schema: str, *, history_interval: str = "day",
-            history_ahead: int = 3) -> list[int]:
+            history_ahead: int = 3, test_clock: bool = False) -> list[int]:
     """Bring *schema* up to date; return the versions applied now (empty if none).
 
     Also creates the history partitions of the next *history_ahead* periods, and on install
     or upgrade the current period's (the runtime's upkeep only ever adds future ones).
 
+    *test_clock* makes the schema one for tests, whose clock tests move (kestrel.testing);
+    only a new schema (or one from before migration 0016) can be made so. Without it a
+    schema keeps the clock it was made with.
+
     Raises:
-        MigrationError: the database has migrations newer than this code knows.
+        MigrationError: the database has migrations newer than this code knows, or
+            *test_clock* was asked of a production schema.
     """
     pending = migrations(schema)
     q = queries(schema)
@@ -39,13 +52,15 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     sent: list[db.Stmt[Any]] = []
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         with conn.transaction():
-            done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent)
+            done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent,
+                          test_clock)
         db.committed_sync(conn, sent)
     return done
 
 
 def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list[Migration],
-           history_interval: str, history_ahead: int, sent: list[db.Stmt[Any]]) -> list[int]:
+           history_interval: str, history_ahead: int, sent: list[db.Stmt[Any]],
+           test_clock: bool) -> list[int]:
     """The body of :func:`migrate`'s transaction; *sent* collects the named statements."""
 
     def run(stmt: db.Stmt[Any]) -> Any:
@@ -58,6 +73,11 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     if run(db.value(q.migrations_table_exists, {})):
         applied = set(run(db.Stmt(q.applied_migrations, None,
                                   lambda rows: [r[0] for r in rows])))
+    run(db.command(q.set_clock_kind, {"test_clock": "on" if test_clock else "off"}))
+    if test_clock and CLOCK_MIGRATION in applied and not run(db.value(q.has_test_clock, {})):
+        raise MigrationError(
+            f"schema {schema!r} is a production schema: its clock is now() and cannot be "
+            "made movable for tests; test on a schema of its own")
     newest = max((m.version for m in pending), default=0)
     if applied and max(applied) > newest:
         raise MigrationError(
@@ -72,10 +92,16 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
         run(db.command(q.record_migration, {"version": m.version, "name": m.name}))
         done.append(m.version)
         log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+    for_tests = bool(run(db.value(q.has_test_clock, {})))
+    if for_tests:
+        run(db.command(q.lock_test_clock))
     # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
     # sql/partitions, the one place each is defined: a change to one needs no migration.
     for statement in functions(schema):
         run(db.command(statement))
+    if for_tests:
+        for statement in movable_clock(schema):
+            run(db.command(statement))
     run(db.command(q.ensure_current_partitions, {
         "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
     return done

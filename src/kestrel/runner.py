@@ -176,11 +176,14 @@ class Runner:
 
         See :func:`kestrel.db.park`. The lease counts as finishing while the statement is on its
         way, and is held again unless it parked. Retried while the database is unreachable and
-        the lease is trusted; past that it raises LeaseLost.
+        the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
+        meanwhile and the park found a signal (the workflow would go on), it raises
+        CancelledError as the deadline timer would: the execution fails DeadlineExceeded.
         """
         lease.finish()  # a heartbeat that now misses the row is seeing our own park
 
         async def park(conn: AnyConn) -> str:
+            await afailpoint("before_park")
             outcome = await db.park(conn, self._q, id=lease.claimed.id,
                                     epoch=lease.claimed.epoch, step_id=step_id,
                                     waiting_for=waiting_for, seconds=seconds,
@@ -194,6 +197,12 @@ class Runner:
         finally:
             if outcome != "parked":
                 lease.unfinish()
+        if outcome == "signalled" and lease.deadline_due:
+            # The deadline passed while the park was on its way, and the park did not end the
+            # claim (a signal had arrived): the workflow would go on past its deadline. It
+            # ends here, as the deadline timer ends a running one (FAULTS O7).
+            lease.deadline_hit = True
+            raise asyncio.CancelledError("the workflow deadline passed during a park")
         return outcome
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
@@ -262,10 +271,15 @@ class Runner:
                 max(left, 0.0), self._deadline_passed, lease)
 
     def _deadline_passed(self, lease: Lease) -> None:
-        # A completion already on its way wins over the deadline (FAULTS X6).
-        if lease.task is not None and not lease.task.done() and not lease.finishing:
-            lease.deadline_hit = True
-            lease.task.cancel()
+        if lease.task is None or lease.task.done():
+            return
+        if lease.finishing:
+            # A completion already on its way wins over the deadline (FAULTS X6). A park on
+            # its way may yet not end the claim: park() enforces the deadline then (O7).
+            lease.deadline_due = True
+            return
+        lease.deadline_hit = True
+        lease.task.cancel()
 
     async def _execute(self, lease: Lease) -> None:
         c = lease.claimed
@@ -327,6 +341,8 @@ class Runner:
                 with contextlib.suppress(CodeTooOld):
                     ctx.check_end()
         outcome = ctx.decision or outcome
+        # From here on: whether the deadline is what ends this attempt (counted in _finish).
+        lease.deadline_hit = isinstance(outcome, DeadlineExceeded)
         if isinstance(outcome, CodeTooOld):
             await self._give_back(lease, outcome)
             return None
@@ -406,6 +422,8 @@ class Runner:
             else:
                 self.stats.failed += 1
             m.child(m.finished, c.workflow, finish.status.value).inc()
+            if lease.deadline_hit and finish.status is Status.FAILED:
+                m.child(m.deadlines, c.workflow).inc()
             if c.db_now is not None and c.created_at is not None:
                 # Database time at the claim plus what elapsed here since.
                 took = (c.db_now - c.created_at).total_seconds() + (

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import socket
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -203,6 +206,10 @@ class Stats:
         self._running = running
         self._known: set[tuple[str, str]] = set()
         self._known_waits: set[tuple[str, str]] = set()
+        # Counting finishes no worker saw: this collector's name, and the finish ids it has
+        # counted and not yet seen deleted (acknowledged in the next round).
+        self._collector = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._counted: set[int] = set()
 
     async def run(self) -> NoReturn:
         """Call :meth:`run_once` every *interval* seconds forever.
@@ -219,6 +226,7 @@ class Stats:
             m.started.labels(wf)
             for outcome in ("completed", "failed", "cancelled"):
                 m.finished.labels(wf, outcome)
+            m.deadlines.labels(wf)
         while True:
             await self.run_once()
             await asyncio.sleep(self._interval)
@@ -241,15 +249,20 @@ class Stats:
         try:
             async with self._pool.connection() as conn:
                 rows = await db.run(conn, db.queue_stats(self._q))
-                cancelled = await db.run(conn, db.count_cancelled(
-                    self._q, workflows=self._workflows))
+                acked = sorted(self._counted)
+                finishes = await db.run(conn, db.take_uncounted_finishes(
+                    self._q, workflows=self._workflows, collector=self._collector,
+                    acked=acked))
         except psycopg.Error:
-            return
-        for wf in cancelled:
-            # Only registered names become labels (FAULTS S2, P4): a day-old row of a name
-            # no worker registers comes back too, and is dropped uncounted.
-            if wf in self._workflows:
-                m.finished.labels(wf, "cancelled").inc()
+            return  # what that round took comes back next round (it was not acknowledged)
+        self._counted.difference_update(acked)  # deleted by that round
+        for finish_id, wf, status, deadline in finishes:
+            if finish_id in self._counted:
+                continue
+            self._counted.add(finish_id)
+            m.finished.labels(wf, status).inc()
+            if deadline:
+                m.deadlines.labels(wf).inc()
         seen = set()
         for row in rows:
             seen.add((row.queue, row.status))

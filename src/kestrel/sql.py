@@ -45,6 +45,7 @@ class Queries:
     set_event: str
     reenqueue_expired: str
     expire_deadlines: str
+    expire_worker_leases: str
     submit: str
     signal: str
     cancel: str
@@ -56,7 +57,7 @@ class Queries:
     count_by_status: str
     list_executions: str
     queue_stats: str
-    count_cancelled: str
+    take_uncounted_finishes: str
     worker_stats: str
     waiting_stats: str
     listen: str
@@ -85,6 +86,9 @@ class Queries:
     current_migration: str
     record_migration: str
     ensure_current_partitions: str
+    set_clock_kind: str
+    has_test_clock: str
+    lock_test_clock: str
     register_worker: str
     unregister_worker: str
     live_workers: str
@@ -185,6 +189,18 @@ def function_definitions() -> dict[str, str]:
                                        f"{folder}/{path.name})")
                 found[name] = body
     return found
+
+
+def movable_clock_definitions() -> dict[str, str]:
+    """The statements that give a schema made for tests its movable clock
+    (``sql/testclock``), by name, placeholders unfilled; ``migrate`` applies them, in order,
+    after the functions, to such a schema only (migration 0016)."""
+    return parse_named((sql_dir() / "testclock" / "test_clock.sql").read_text())
+
+
+def movable_clock(schema: str) -> list[str]:
+    """:func:`movable_clock_definitions` rendered for *schema*, in order."""
+    return [render(body, schema) for body in movable_clock_definitions().values()]
 
 
 def functions(schema: str) -> list[str]:

@@ -26,6 +26,7 @@ from kestrel.types import (
     Stats,
     Status,
     StepRow,
+    SweepResult,
     Unclaimable,
 )
 
@@ -150,10 +151,16 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                               for r in rows])
 
 
-def count_cancelled(q: Queries, *, workflows: list[str]) -> Stmt[list[str]]:
-    """Take the executions of *workflows* that cancel() finished while queued or waiting and
-    no collector has counted yet; return their workflow names (one per execution)."""
-    return Stmt(q.count_cancelled, {"workflows": workflows}, lambda rows: [r[0] for r in rows])
+def take_uncounted_finishes(q: Queries, *, workflows: list[str], collector: str,
+                            acked: list[int]) -> Stmt[list[tuple[int, str, str, bool]]]:
+    """Take the finishes of *workflows* no worker saw (what cancel() finished while queued or
+    waiting, what the sweeper failed past its deadline) that no other collector took, and
+    delete the ones this *collector* counted (*acked*): ``(finish_id, workflow, status,
+    deadline)``, one per finish. Rows it took before and never acknowledged come back (a
+    lost reply): see ``sql/queries/history.sql``."""
+    return Stmt(q.take_uncounted_finishes,
+                {"workflows": workflows, "collector": collector, "acked": acked},
+                lambda rows: [(int(r[0]), r[1], r[2], bool(r[3])) for r in rows])
 
 
 def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
@@ -167,6 +174,23 @@ def queue_stats(q: Queries) -> Stmt[list[QueueStat]]:
 def worker_stats(q: Queries) -> Stmt[dict[str, int]]:
     """Running executions by the worker holding their lease."""
     return Stmt(q.worker_stats, None, lambda rows: {r[0]: r[1] for r in rows})
+
+
+def recover_dead_worker(q: Queries, *, worker_id: str, max_attempts: int,
+                        limit: int = 500) -> Script[SweepResult]:
+    """A reaped worker's executions back in the queue now (or quarantined, out of
+    attempts), and its row out of the live workers: what its supervisor runs (FAULTS O8).
+    ``examined`` is how many leases it still held."""
+    held = yield Stmt(q.expire_worker_leases, {"owner": worker_id}, _first)
+    requeued = quarantined = 0
+    while held:
+        r = yield Stmt(q.reenqueue_expired, {"limit": limit, "max_attempts": max_attempts},
+                       lambda rows: SweepResult(rows[0][0], rows[0][1], rows[0][2]))
+        requeued, quarantined = requeued + r.requeued, quarantined + r.quarantined
+        if r.examined < limit:
+            break
+    yield unregister_worker(q, worker_id=worker_id)
+    return SweepResult(requeued=requeued, quarantined=quarantined, examined=int(held or 0))
 
 
 def stats(q: Queries) -> Script[Stats]:

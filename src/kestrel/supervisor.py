@@ -6,6 +6,12 @@ only waits for children, restarts a dead one (see :class:`RestartPlanner`: the b
 to a crash-looping slot, never to the whole fleet), and on SIGTERM/SIGINT forwards the signal
 and waits for the children to drain. Children get ``PR_SET_PDEATHSIG``: if the parent is
 SIGKILLed they are told at once, stop claiming, release their leases and exit.
+
+When it reaps a dead worker it releases that worker's leases at once (FAULTS O8): each child
+gets an id of its own incarnation (``host:pid:nonce``), the lease owner of every row it
+claims, and the supervisor re-queues the rows still owned by that id (quarantining those out
+of attempts, as the sweeper would), so a crashed worker's executions run again within about
+a second instead of after their lease.
 """
 
 from __future__ import annotations
@@ -15,18 +21,23 @@ import logging
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kestrel.config import Config
+from kestrel.config import Config, incarnation_id
 from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.supervisor")
 
 PR_SET_PDEATHSIG = 1
+
+RELEASE_CONNECT_TIMEOUT_S = 2
+"""How long the supervisor waits for the database to release a dead worker's leases; past
+that (the database is down) they expire as before and the sweeper recovers them."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,7 @@ class _Slot:
     index: int
     pid: int = 0
     started: float = 0.0
+    worker_id: str = ""
 
 
 def _set_parent_death_signal(expected_parent: int) -> None:
@@ -273,6 +285,7 @@ class Supervisor:
 
             metrics.mark_dead(pid)
             code = os.waitstatus_to_exitcode(status)
+            self._release(slot.worker_id, pid)
             if self._stopping:
                 log.info("worker %d exited (%s)", pid, _describe(code))
                 continue
@@ -287,6 +300,41 @@ class Supervisor:
                 log.warning("slot %d cut its backoff short: back in %.2fs to keep at least %d "
                             "of %d workers running", other.slot, other.delay,
                             self.planner.policy.floor, len(self.slots))
+
+    def _release(self, worker_id: str, pid: int) -> None:
+        """Re-queue the executions the dead worker *worker_id* still held (FAULTS O8).
+
+        Runs before its slot is restarted. A worker that drained released its own; what it
+        could not (it was killed, or its release failed) is recovered here. If the database
+        cannot be reached within RELEASE_CONNECT_TIMEOUT_S, the leases expire as before.
+        """
+        if not worker_id:
+            return
+        import psycopg
+
+        from kestrel import db, metrics
+        from kestrel.sql import queries
+
+        try:
+            with psycopg.connect(self.dsn, **{
+                    **db.link_params(self.dsn), "autocommit": True, "prepare_threshold": None,
+                    "application_name": "kestrel-supervisor",
+                    "connect_timeout": RELEASE_CONNECT_TIMEOUT_S}) as conn:
+                done = db.run_script_sync(conn, db.recover_dead_worker(
+                    queries(self.cfg.schema), worker_id=worker_id,
+                    max_attempts=self.cfg.max_attempts))
+        except psycopg.Error as exc:
+            log.warning("could not release the leases of worker %d (%s); they will be "
+                        "recovered when they expire", pid, type(exc).__name__)
+            return
+        if done.requeued:
+            metrics.get().leases_expired.inc(done.requeued)
+        if done.quarantined:
+            metrics.get().quarantined.inc(done.quarantined)
+        if done.examined:
+            log.warning("released the %d leases worker %d held: %d executions re-queued, "
+                        "%d quarantined (out of max_attempts=%d)", done.examined, pid,
+                        done.requeued, done.quarantined, self.cfg.max_attempts)
 
     def _http_exited(self, pid: int, code: int) -> None:
         from kestrel import metrics
@@ -307,6 +355,7 @@ class Supervisor:
 
     def _spawn(self, slot: _Slot) -> None:
         parent = os.getpid()
+        nonce = secrets.token_hex(4)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
@@ -322,7 +371,8 @@ class Supervisor:
                 from kestrel.worker import run_worker
 
                 # One process reads fleet-wide queue depth for the metrics; not all of them.
-                run_worker(self.cfg, self.workflows, dsn=self.dsn,
+                cfg = replace(self.cfg, worker_id=incarnation_id(os.getpid(), nonce))
+                run_worker(cfg, self.workflows, dsn=self.dsn,
                            collect_queue_stats=slot.index == 0)
                 code = 0
             except BaseException:
@@ -331,6 +381,7 @@ class Supervisor:
                 logging.shutdown()
                 os._exit(code)
         slot.pid = pid
+        slot.worker_id = incarnation_id(pid, nonce)
         slot.started = time.monotonic()
         if slot.index < 0:
             log.info("started HTTP server %d", pid)

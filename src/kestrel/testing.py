@@ -20,12 +20,14 @@ checkpoint committed (the writer halts before it hears the commit), and the run 
 way a real crash is recovered: the lease expires, the sweeper re-queues the execution, a new
 worker replays it from its checkpoints.
 
-Time is the database's (``kestrel_now()`` = ``now()`` + the schema's ``clock_offset``), so
-the kit moves that clock, never a mock: when nothing can run and the execution sleeps
+Time is the database's (``kestrel_now()``: ``now()`` plus the offset of a schema made for
+tests, ``migrate(..., test_clock=True)``; a production schema's is ``now()`` and cannot move),
+so the kit moves that clock, never a mock: when nothing can run and the execution sleeps
 (``ctx.sleep``), :meth:`run_to_completion` moves the clock to the sleep's end; and
 :meth:`KestrelTestEnv.advance_clock` moves it by hand (past a signal's timeout, say). Moving
 the clock is what the runtime sees when that much time passes: a sleep ends, a deadline
-passes, a lease expires.
+passes, a lease expires. The kit works only on a schema made for tests: it refuses any other
+(a production schema), since :meth:`KestrelTestEnv.reset` empties every table.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -143,13 +145,19 @@ class Run:
 
 @dataclass
 class KestrelTestEnv:
-    """A test's kestrel: a migrated schema on a real PostgreSQL, a worker run on demand, the
-    database clock and the runtime's failpoints. Use the ``kestrel_env`` fixture."""
+    """A test's kestrel: a schema made for tests on a real PostgreSQL, a worker run on
+    demand, the database clock and the runtime's failpoints. Use the ``kestrel_env`` fixture.
+
+    Every method that writes refuses a schema not made for tests (``migrate(...,
+    test_clock=True)``, as the fixture makes its own) with a ConfigError, before writing
+    anything: :meth:`reset` empties every table, and a production schema's clock does not
+    move."""
 
     dsn: str
     schema: str
     lease: float = 30.0
     concurrency: int = 16
+    _checked: bool = field(default=False, init=False, repr=False)
 
     @property
     def client(self) -> SyncClient:
@@ -172,7 +180,28 @@ class KestrelTestEnv:
                       listen_dsn=os.environ.get("KESTREL_LISTEN_DSN", ""))
 
     def _sync(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+        conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+        if not self._checked:
+            try:
+                self._own(db.run_sync(conn, db.value(queries(self.schema).has_test_clock, {})))
+            except BaseException:
+                conn.close()
+                raise
+        return conn
+
+    def _own(self, ours: object) -> None:
+        """Remember that the schema was made for tests, or refuse it.
+
+        Raises:
+            ConfigError: it was not made for tests.
+        """
+        if not ours:
+            raise ConfigError(
+                f"schema {self.schema!r} was not made for tests (kestrel.migrate.migrate(..., "
+                "test_clock=True)), and kestrel.testing refuses it: reset() would empty its "
+                "tables, and its clock cannot be moved. Use the kestrel_env fixture's own "
+                "schema.")
+        self._checked = True
 
     # -- a clean slate, the clock, faults -----------------------------------------------------
 
@@ -299,6 +328,7 @@ class KestrelTestEnv:
                                  skip_sleeps: bool = True, timeout: float = 60.0,
                                  **submit: Any) -> Run:
         """:meth:`run_to_completion` in the caller's event loop (an async test)."""
+        await self._check_async()
         client = Client(self.dsn, schema=self.schema, pool_size=0)
         handle = await client.submit(wf, *args, **submit)
         for name, payload in (signals or {}).items():
@@ -319,6 +349,7 @@ class KestrelTestEnv:
         """
         from kestrel.worker import Worker
 
+        await self._check_async()
         q = queries(self.schema)
         deadline = time.monotonic() + timeout
         crashes, skipped = 0, 0.0
@@ -349,6 +380,17 @@ class KestrelTestEnv:
         assert ex is not None
         return Run(id=ex.id, workflow=ex.workflow, status=ex.status, result=ex.result,
                    error=ex.error, steps=steps, crashes=crashes, skipped_s=skipped)
+
+    async def _check_async(self) -> None:
+        """Refuse a schema not made for tests (see the class), before anything runs."""
+        if self._checked:
+            return
+        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True,
+                                                     prepare_threshold=None)
+        try:
+            self._own(await db.run(conn, db.value(queries(self.schema).has_test_clock, {})))
+        finally:
+            await conn.close()
 
     async def _watch(self, conn: psycopg.AsyncConnection[Any], q: Queries,
                      execution_id: uuid.UUID, task: asyncio.Task[None], skip_sleeps: bool,
@@ -458,11 +500,12 @@ def kestrel_dsn(request: pytest.FixtureRequest,
 
 @pytest.fixture(scope="session")
 def kestrel_schema(kestrel_dsn: str) -> Iterator[str]:
-    """A schema migrated once for the test session, dropped at its end."""
+    """A schema made for tests (its clock moves), migrated once for the test session and
+    dropped at its end."""
     from kestrel.migrate import migrate
 
     name = f"kestrel_test_{uuid.uuid4().hex[:12]}"
-    migrate(kestrel_dsn, name)
+    migrate(kestrel_dsn, name, test_clock=True)
     yield name
     try:
         conn = psycopg.connect(kestrel_dsn, autocommit=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
+import secrets
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 
 from kestrel import db
 from kestrel.claimer import Claimer
-from kestrel.config import Config
+from kestrel.config import Config, incarnation_id
 from kestrel.lease import Heartbeat, Leases
 from kestrel.runner import Runner, WorkerStats
 from kestrel.schedule import schedules
@@ -54,7 +54,9 @@ class Worker:
         cfg = resolve_app_version(cfg, workflows)  # recorded by this worker's first claims
         self.cfg = cfg
         self.dsn = dsn
-        self.id = cfg.worker_id or f"{socket.gethostname()}:{os.getpid()}"
+        # One id per process incarnation (host:pid:nonce), never reused: it is the lease
+        # owner the supervisor releases when it reaps this process (FAULTS O8).
+        self.id = cfg.worker_id or incarnation_id(os.getpid(), secrets.token_hex(4))
         self._q = queries(cfg.schema)
         self.leases = Leases()
         self.stats = WorkerStats()

@@ -5,13 +5,16 @@ time) and the failpoints that lose a claim's or a completion's reply.
 
 Every test runs with lease 2 s, heartbeat 0.5 s, sweep 0.5 s and poll 0.2 s (tests.helpers),
 so T_rec, the longest a dead worker's execution waits before someone re-claims it, is
-2 + 0.5 + 0.2 s plus jitter.
+2 + 0.5 + 0.2 s plus jitter; F1 runs with a 30 s lease, since a reaped worker's leases are
+released at once (O8) and its executions must not wait for the lease at all.
 """
 
 from __future__ import annotations
 
 import signal
 import time
+import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import kestrel
@@ -38,17 +41,29 @@ T_REC = 2 + 0.5 + 0.2
 SLACK = 2.5
 
 
-def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_rec(
+def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_long_before_its_lease(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
+    """F1 and O8: a worker SIGKILLed mid-step. Its supervisor reaps it and releases its
+    leases at once, so each execution it held is re-claimed (by the database's clock) long
+    before its 30 s lease would have expired, reruns only the step that was cut short, under
+    a new epoch. Before O8 they waited out the lease."""
     n = 24
+    lease = 30.0
     submit_many(pg_dsn, schema, "slow_middle", "jsonb_build_array(i, 2.0)", n)
-    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log"):
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log",
+                 args=["--lease", str(lease), "--heartbeat", "10"]):
         first = wait_until(lambda: app.read_ledger(ledger_path, kind="start"), timeout=30,
                            what="a slow step body to start")
         victim = first[0]["pid"]
         time.sleep(0.3)  # let the victim start more of its claimed bodies
+        # The victim's leases as they stand: heartbeats only extend them, so each expires
+        # no earlier than this.
+        leases = dict(q(pg_dsn, schema, "SELECT id, lease_expires_at FROM "
+                        "{s}.workflow_executions WHERE status = 'running' AND "
+                        "lease_owner LIKE %s", [f"%:{victim}:%"]))
         kill(victim, signal.SIGKILL)
+        killed_db = q1(pg_dsn, schema, "SELECT {s}.kestrel_now()")
         killed_at = time.time()
         wait_until(lambda: finished_count(pg_dsn, schema) == n, timeout=90,
                    what="every workflow after the kill")
@@ -59,6 +74,7 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_re
     hit = {e["execution_id"]: e for e in app.read_ledger(ledger_path, kind="start", pid=victim)
            if e["execution_id"] not in finished_there}
     assert hit, "the kill landed between steps; the test did not test F1"
+    recovery = []
     for eid, old in hit.items():
         reruns = [e for e in app.read_ledger(ledger_path, kind="start", execution_id=eid)
                   if e["pid"] != victim]
@@ -66,6 +82,14 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_re
         rerun = reruns[0]
         assert rerun["epoch"] == old["epoch"] + 1
         assert rerun["t"] - killed_at < T_REC + SLACK, "not re-claimed within T_rec"
+        # O8, on the database's clock: the rerun of the step the kill cut short started
+        # (after its re-claim) before half the victim's lease had run.
+        rerun_started = q1(pg_dsn, schema, "SELECT started_at FROM {s}.step_history "
+                           "WHERE execution_id = %s AND step_id = 1", [eid])
+        expires = leases[uuid.UUID(eid)]
+        assert killed_db < rerun_started < expires - timedelta(seconds=lease / 2), (
+            f"re-claimed at {rerun_started}, its lease expiring at {expires}")
+        recovery.append((rerun_started - killed_db).total_seconds())
         steps = q(pg_dsn, schema, "SELECT step_id, lease_epoch, output FROM {s}.step_history "
                   "WHERE execution_id = %s ORDER BY step_id", [eid])
         n_arg = q1(pg_dsn, schema, "SELECT (args->>0)::int FROM {s}.workflow_history "
@@ -77,6 +101,8 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_within_t_re
         assert steps[0][1] == old["epoch"] and steps[1][1] == old["epoch"] + 1
         assert len(app.read_ledger(ledger_path, kind="body", execution_id=eid, step_id=0)) == 1
     assert audit(pg_dsn, schema, n, ledger_path) == 0  # killed bodies never reached "body"
+    print(f"O8: {len(recovery)} executions of the killed worker re-ran their step "
+          f"{min(recovery):.2f}-{max(recovery):.2f} s after the kill (lease {lease:.0f} s)")
 
 
 def test_f2_sigkill_right_after_each_checkpoint_commit_never_reruns_a_recorded_step(

@@ -274,8 +274,9 @@ def test_cancelling_a_parked_or_queued_execution_counts_as_finished(
                                                             "quick": 2},
                    timeout=60, what="the cancels counted")
         # Counted once: nothing is left to count, and the unknown name is no label.
-        assert q(pg_dsn, schema, "SELECT workflow FROM {s}.uncounted_finishes") == [
-            ("no_worker_knows_this",)]  # left for a worker that registers it
+        wait_until(lambda: q(pg_dsn, schema, "SELECT workflow FROM {s}.uncounted_finishes")
+                   == [("no_worker_knows_this",)],  # left for a worker that registers it
+                   timeout=30, what="the counted rows acknowledged")
         assert _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1, "quick": 2}
         assert client.get(parked[0].id).error == {"type": "Cancelled",
                                                   "message": "cancelled by request"}
