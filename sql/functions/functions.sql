@@ -82,24 +82,33 @@ $$;
 
 -- name: check_payload
 -- A JSON value the runtime can decode unchanged: at most 16 MiB as jsonb text (what a
--- worker reads; codec.DEFAULT_MAX_PAYLOAD_BYTES), nesting at most 254 levels deep counting
+-- worker reads; codec.DEFAULT_MAX_PAYLOAD_BYTES) unless the calling transaction raised the
+-- cap with set_config('kestrel.max_payload_bytes', N, true) (a runtime configured with a
+-- larger --max-payload-bytes does, e.g. for a 25 MB GitHub delivery; at most 200 MiB, the
+-- ceiling of --max-history-bytes; transaction-local, so safe behind PgBouncer), nesting at
+-- most 254 levels deep counting
 -- the outermost array or object (orjson, and so codec.encode, refuses deeper values), and
 -- only numbers that read back unchanged (undecodable_number). Strings need no check:
 -- jsonb itself refuses \u0000 and lone surrogates.
 CREATE OR REPLACE FUNCTION __schema__.check_payload(p_value jsonb, p_what text) RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+LANGUAGE plpgsql STABLE PARALLEL SAFE AS $$
 DECLARE
     v_bytes bigint;
+    v_cap bigint := 16777216;
+    v_set text := current_setting('kestrel.max_payload_bytes', true);
     v_bad numeric;
     v_shown text;
 BEGIN
     IF p_value IS NULL THEN
         RETURN;
     END IF;
+    IF v_set ~ '^[0-9]{1,12}$' THEN
+        v_cap := least(greatest(v_set::bigint, 1024), 209715200);
+    END IF;
     v_bytes := octet_length(p_value::text);
-    IF v_bytes > 16777216 THEN
-        RAISE EXCEPTION '% is % bytes as JSON text, over the cap of 16777216 bytes (16 MiB)',
-            p_what, v_bytes USING ERRCODE = 'KS008';
+    IF v_bytes > v_cap THEN
+        RAISE EXCEPTION '% is % bytes as JSON text, over the cap of % bytes', p_what, v_bytes,
+            v_cap USING ERRCODE = 'KS008';
     END IF;
     -- An array or object at level 254 below the outermost one is the 255th level.
     IF jsonb_path_exists(p_value, 'strict $.**{254 to last} ? (@.type() == "array"

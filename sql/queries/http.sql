@@ -119,3 +119,18 @@ SELECT EXISTS (SELECT 1 FROM __schema__.signals
                 WHERE execution_id = %(id)s AND idempotency_key = %(key)s)
     OR EXISTS (SELECT 1 FROM __schema__.signal_history
                 WHERE execution_id = %(id)s AND idempotency_key = %(key)s);
+
+-- name: hook_submit
+-- A webhook's execution. Its one argument is the body as the sender signed it, parsed by
+-- PostgreSQL alone (never into Python floats and back), or, with an envelope, that object
+-- with the body as its "payload"; submit() then applies the rules of every door. The cap is
+-- this server's --max-payload-bytes: the subquery sets it for this statement's transaction
+-- before submit() checks the arguments (a subquery with a volatile target list is scanned
+-- first, never pulled up). Idempotent by the delivery's key like any submit.
+SELECT __schema__.submit(%(workflow)s,
+                         jsonb_build_array(CASE WHEN h.envelope IS NULL THEN h.arg
+                                                ELSE h.envelope || jsonb_build_object(
+                                                         'payload', h.arg) END),
+                         %(queue)s, 0, %(idempotency_key)s)
+  FROM (SELECT set_config('kestrel.max_payload_bytes', %(max_bytes)s, true) AS cap,
+               %(arg)s::jsonb AS arg, %(envelope)s::jsonb AS envelope) AS h;

@@ -111,6 +111,7 @@ class Queries:
     ui_counts: str
     search_history: str
     signal_sent: str
+    hook_submit: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

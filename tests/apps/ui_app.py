@@ -35,3 +35,10 @@ async def many(ctx: kestrel.Context, n: int, size: int) -> int:
     for i in range(n):
         await ctx.step(echo, f"{i}:" + "x" * size)
     return n
+
+
+@kestrel.workflow(name="ui.waits_for")
+async def waits_for(ctx: kestrel.Context, name: str) -> Any:
+    """Waits for the signal *name* (any text a workflow may choose); returns its payload."""
+    decision = await ctx.wait_for_signal(name, timeout=3600)
+    return decision.payload

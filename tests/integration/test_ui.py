@@ -366,3 +366,35 @@ def test_long_timelines_and_large_values_are_cut_not_sent_whole(
     assert b"e" * (SHOWN_CHARS + 1) not in shown.body and b"<b>" not in shown.body
     searched = server.client("reader").get("/ui/search?q=eeeeeeee")
     assert failed.encode() in searched.body and b"e" * 400 not in searched.body
+
+
+def test_approve_answers_the_wait_it_shows_whatever_line_breaks_its_name_has(
+        server: UiServer, client: SyncClient) -> None:
+    """A form sends a line break as CRLF (HTML's form encoding), so a hidden field holding
+    ``go\\nnow`` comes back as ``go\\r\\nnow``: Approve used to signal that name, which nobody
+    waited for, and say "Approval sent." (issue 26). Now it answers the wait it showed, and
+    an Approve that matches no wait sends nothing and says so."""
+    ui = server.client("operator")
+    for name in ("go\nnow", "go\rnow", "go\r\nnow"):
+        eid = str(client.submit("ui.waits_for", name).id)
+        wait_until(lambda eid=eid: status_of(client, eid) == "waiting", timeout=60,
+                   what="the wait")
+        page = ui.get(f"/ui/executions/{eid}")
+        key = FORM_KEY.search(page.body)
+        assert key
+        as_sent = name.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\r\n")
+        form = {"csrf": ui.csrf(page), "key": key.group(1).decode(), "name": as_sent}
+        sent = ui.post_form(f"/ui/executions/{eid}/approve", form)
+        assert sent.status == 303 and sent.headers["location"].endswith("?done=approve")
+        assert q1(server.dsn, server.schema, "SELECT name FROM {s}.signals WHERE "
+                  "execution_id = %s UNION ALL SELECT name FROM {s}.signal_history WHERE "
+                  "execution_id = %s", [eid, eid]) == name
+        assert client.result(eid, timeout=60)["approved"] is True
+    eid = str(client.submit("ui.waits_for", "approval").id)
+    wait_until(lambda: status_of(client, eid) == "waiting", timeout=60, what="the wait")
+    page = ui.get(f"/ui/executions/{eid}")
+    stale = {"csrf": ui.csrf(page), "name": "approval-v1"}  # a form from an older wait
+    assert "nothing was sent" in one_line_refusal(
+        ui.post_form(f"/ui/executions/{eid}/approve", stale), 409)
+    assert signals_sent(server, eid) == 0
+    client.cancel(eid)

@@ -13,7 +13,15 @@ import pytest
 from kestrel.errors import ConfigError
 from kestrel.http import auth
 from kestrel.http.app import ENDPOINTS, ApiError, decode_cursor, encode_cursor, parse_json
-from kestrel.http.hooks import Hook, SignatureError, load_hooks, slack_action, verify
+from kestrel.http.hooks import (
+    Hook,
+    SignatureError,
+    load_hooks,
+    slack_action,
+    slack_event_key,
+    slack_reply,
+    verify,
+)
 from kestrel.http.openapi import document
 
 # GitHub's documented example ("Validating webhook deliveries").
@@ -74,8 +82,8 @@ def test_hooks_config(tmp_path: Path) -> None:
     path = tmp_path / "k.toml"
     path.write_text('procs = 2\n[hooks.gh]\nworkflow = "w"\nformat = "github"\n'
                     'secret_env = "S"\nqueue = "ci"\n')
-    hooks = load_hooks(str(path), {"S": "x"})
-    assert hooks["gh"].queue == "ci" and "x" not in repr(hooks["gh"])
+    hooks = load_hooks(str(path), {"S": "s3cr3t-value"})
+    assert hooks["gh"].queue == "ci" and "s3cr3t" not in repr(hooks["gh"])
     assert load_hooks(None) == {}
     with pytest.raises(ConfigError, match=r"variable S .*unset"):
         load_hooks(str(path), {})
@@ -104,25 +112,66 @@ def test_the_runtime_config_accepts_hooks_tables(tmp_path: Path) -> None:
     assert load({}, environ={}, config_file=str(path)).procs == 3
 
 
-def _form(payload: object) -> dict[str, str]:
-    return {"payload": json.dumps(payload)}
-
-
 def test_slack_actions() -> None:
     press = {"type": "block_actions", "user": {"id": "U1", "username": "ana"},
+             "channel": {"id": "C1", "name": "ops"},
              "actions": [{"action_id": "reject", "value": "e-1", "action_ts": "17.5"}]}
-    action = slack_action(_form(press))
+    action = slack_action(press)
     assert action is not None and not action.approved and action.by == "ana"
     assert action.key == "slack:reject:e-1:17.5"
-    assert slack_action({"command": "/deploy"}) is None
-    for bad in ({"payload": "{"}, _form([]), _form({"type": "view_submission"}),
-                _form({**press, "actions": []}),
-                _form({**press, "actions": [{"action_id": "ok", "value": "e", "action_ts": "1"}]}),
-                _form({**press, "actions": [{"action_id": "approve", "value": 5,
-                                             "action_ts": "1"}]}),
-                _form({**press, "actions": [{"action_id": "approve", "value": "e"}]})):
+    assert (action.user_id, action.channel_id) == ("U1", "C1")
+    # Every other interaction is none of ours: acknowledged, never refused.
+    for other in ([], "x", {"type": "view_submission"}, {"type": "shortcut"},
+                  {**press, "actions": []},
+                  {**press, "actions": [{"action_id": "ok", "value": "e", "action_ts": "1"}]},
+                  {**press, "actions": [{"action_id": "open", "url": "https://x.example"}]}):
+        assert slack_action(other) is None
+    for bad in ({**press, "actions": [{"action_id": "approve", "value": 5, "action_ts": "1"}]},
+                {**press, "actions": [{"action_id": "approve", "value": "e"}]}):
         with pytest.raises(ValueError):
             slack_action(bad)
+
+
+def test_slack_events_are_keyed_by_their_event_id() -> None:
+    h = hook("slack", "s")
+    assert slack_event_key(h, {"type": "event_callback", "event_id": "Ev1"}) == (
+        "hook:h:slack:event:Ev1")
+    assert slack_event_key(h, {"type": "url_verification"}) is None
+    assert slack_event_key(h, [1]) is None
+    for bad in ({"type": "event_callback"}, {"type": "event_callback", "event_id": 7}):
+        with pytest.raises(ValueError):
+            slack_event_key(h, bad)
+
+
+def test_slack_reply_is_a_message_with_mrkdwn_escaped() -> None:
+    assert slack_reply("Started <a> & b") == {"response_type": "ephemeral",
+                                              "text": "Started &lt;a&gt; &amp; b"}
+
+
+def test_hooks_config_allow_lists_argument_and_size(tmp_path: Path) -> None:
+    path = tmp_path / "k.toml"
+    path.write_text('[hooks.s]\nworkflow = "w"\nformat = "slack"\nsecret_env = "S"\n'
+                    'approval_users = ["U1"]\napproval_channels = ["C1"]\n'
+                    'approval_workflows = ["incident"]\n'
+                    '[hooks.g]\nworkflow = "w"\nformat = "github"\nsecret_env = "S"\n'
+                    'argument = "envelope"\nmax_body_bytes = 26214400\n')
+    hooks = load_hooks(str(path), {"S": "x"})
+    s, g = hooks["s"], hooks["g"]
+    assert g.argument == "envelope" and g.max_body_bytes == 26214400 and s.argument == "body"
+    press = slack_action({"type": "block_actions", "user": {"id": "U1"},
+                          "channel": {"id": "C1"},
+                          "actions": [{"action_id": "approve", "value": "e",
+                                       "action_ts": "1"}]})
+    assert press is not None
+    assert s.refuses(press, "incident") is None and g.refuses(press, "other") is None
+    assert "workflow" in str(s.refuses(press, "other"))
+    for table in ('argument = "envelope"', 'approval_users = "U1"', 'approval_users = [1]',
+                  'max_body_bytes = 10', 'max_body_bytes = true', 'argument = "raw"'):
+        fmt = "github" if "approval" in table else "slack"
+        path.write_text(f'[hooks.h]\nworkflow = "w"\nformat = "{fmt}"\nsecret_env = "S"\n'
+                        f'{table}\n')
+        with pytest.raises(ConfigError):
+            load_hooks(str(path), {"S": "x"})
 
 
 def test_tokens() -> None:

@@ -7,10 +7,15 @@ the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
 - ``github``: ``X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``;
   ``X-GitHub-Delivery`` is the idempotency key (a redelivery returns the first execution).
   A ``ping`` (sent when the webhook is created) is answered and starts nothing; with
-  ``events = [...]`` other ``X-GitHub-Event`` types are acknowledged and ignored.
+  ``events = [...]`` other ``X-GitHub-Event`` types are acknowledged and ignored. With
+  ``argument = "envelope"`` the workflow gets ``{"event", "delivery", "payload"}`` instead
+  of the bare body.
 - ``slack``: ``X-Slack-Signature: v0=<hex HMAC-SHA256(secret, "v0:{ts}:{body}")>`` with
   ``X-Slack-Request-Timestamp`` = ts within five minutes of now; an identical request
   replayed inside the window maps to the same idempotency key, so it starts nothing new.
+  An Events API ``event_callback`` is keyed by its ``event_id`` instead
+  (:func:`slack_event_key`): Slack retries an event with a new timestamp, so a new
+  signature, and the retry must find the first execution.
 - ``hmac``: ``X-Signature-256: sha256=<hex HMAC-SHA256(secret, body)>``; the idempotency key
   is the signature, so an exact replay of a body returns the first execution (a sender puts
   an event id in the body to tell two equal events apart). An unsigned header could not be
@@ -38,6 +43,12 @@ from kestrel.codec import QUEUE_NAME
 from kestrel.errors import ConfigError, SerializationError
 
 FORMATS = ("github", "slack", "hmac")
+ARGUMENTS = ("body", "envelope")
+KEYS = frozenset({"workflow", "format", "secret_env", "queue", "events", "argument",
+                  "max_body_bytes", "approval_workflows", "approval_users",
+                  "approval_channels"})
+MAX_BODY_BYTES = 256 * 1024 * 1024
+"""The most a hook's ``max_body_bytes`` may be (the same ceiling as http_max_body_bytes)."""
 HOOK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SLACK_WINDOW_S = 300.0
 """Slack's own advice: refuse a request whose timestamp is more than five minutes off."""
@@ -54,12 +65,35 @@ class Hook:
     queue: str = "default"
     events: frozenset[str] | None = None
     """GitHub only: the X-GitHub-Event types that start the workflow (None: all)."""
+    argument: str = "body"
+    """GitHub only: ``body`` (the payload is the argument) or ``envelope`` (``{"event":
+    X-GitHub-Event, "delivery": X-GitHub-Delivery, "payload": body}``)."""
+    max_body_bytes: int | None = None
+    """The largest body this hook reads (None: the server's http_max_body_bytes)."""
+    approval_workflows: frozenset[str] | None = None
+    """Slack only: the workflows whose executions a button press may approve (None: any)."""
+    approval_users: frozenset[str] | None = None
+    """Slack only: the user ids (``U…``) who may press Approve/Reject (None: anyone)."""
+    approval_channels: frozenset[str] | None = None
+    """Slack only: the channel ids (``C…``) a press may come from (None: any)."""
 
     def accepts(self, event: str | None) -> bool:
         """Whether a GitHub delivery of *event* starts the workflow (never a ping)."""
         if event == "ping":
             return False
         return self.events is None or event in self.events
+
+    def refuses(self, action: SlackAction, workflow: str) -> str | None:
+        """Why this hook's allow-lists refuse *action* on an execution of *workflow*, in
+        words for a 403 (None: allowed)."""
+        if self.approval_users is not None and action.user_id not in self.approval_users:
+            return "this Slack user may not approve or reject through this hook"
+        if (self.approval_channels is not None
+                and action.channel_id not in self.approval_channels):
+            return "approvals from this Slack channel are not accepted by this hook"
+        if self.approval_workflows is not None and workflow not in self.approval_workflows:
+            return "this hook may not approve or reject executions of that workflow"
+        return None
 
 
 class SignatureError(Exception):
@@ -96,7 +130,7 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
         raise ConfigError(f"{where}: a hook name is 1-64 of A-Z a-z 0-9 _ . -")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} must be a table")
-    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue", "events"})
+    unknown = sorted(set(spec) - KEYS)
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     for key in ("workflow", "format", "secret_env"):
@@ -115,13 +149,28 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
     if events is not None and (spec["format"] != "github" or not isinstance(events, list)
                                or not all(isinstance(e, str) and e for e in events)):
         raise ConfigError(f"{where}: events is a list of GitHub event names (github only)")
+    argument = spec.get("argument", "body")
+    if argument not in ARGUMENTS or (argument != "body" and spec["format"] != "github"):
+        raise ConfigError(f"{where}: argument is body or envelope (envelope: github only)")
+    cap = spec.get("max_body_bytes")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                            or not 1024 <= cap <= MAX_BODY_BYTES):
+        raise ConfigError(f"{where}: max_body_bytes must be an integer, 1 KiB-256 MiB")
+    lists = {}
+    for key in ("approval_workflows", "approval_users", "approval_channels"):
+        value = spec.get(key)
+        if value is not None and (spec["format"] != "slack" or not isinstance(value, list)
+                                  or not all(isinstance(v, str) and v for v in value)):
+            raise ConfigError(f"{where}: {key} is a list of strings (slack only)")
+        lists[key] = frozenset(value) if value is not None else None
     secret = env.get(spec["secret_env"], "")
     if not secret:
         raise ConfigError(f"{where}: the environment variable {spec['secret_env']} (its "
                           "secret_env) is unset or empty")
     return Hook(name=name, workflow=spec["workflow"], format=spec["format"],
                 secret=secret.encode(), queue=queue,
-                events=frozenset(events) if events is not None else None)
+                events=frozenset(events) if events is not None else None,
+                argument=argument, max_body_bytes=cap, **lists)
 
 
 def _hex_hmac(secret: bytes, message: bytes) -> str:
@@ -184,6 +233,22 @@ def _verify_slack(hook: Hook, headers: Any, body: bytes, now: float) -> str:
     return f"hook:{hook.name}:slack:{hashlib.sha256(signature.encode()).hexdigest()}"
 
 
+def slack_event_key(hook: Hook, payload: Any) -> str | None:
+    """The idempotency key of a Slack Events API delivery: its ``event_id``, the same in
+    every retry (``X-Slack-Retry-Num``), so a retry finds the first execution however its
+    timestamp and signature changed. None when *payload* is not an ``event_callback``.
+
+    Raises:
+        ValueError: an ``event_callback`` without a usable ``event_id``.
+    """
+    if not isinstance(payload, dict) or payload.get("type") != "event_callback":
+        return None
+    event_id = payload.get("event_id")
+    if not isinstance(event_id, str) or not event_id:
+        raise ValueError("an event_callback must carry its event_id")
+    return f"hook:{hook.name}:slack:event:{event_id}"
+
+
 @dataclass(frozen=True, slots=True)
 class SlackAction:
     """A Slack interactive Approve/Reject button press, as a signal to send."""
@@ -192,42 +257,52 @@ class SlackAction:
     approved: bool
     by: str
     key: str
+    user_id: str = ""
+    channel_id: str = ""
 
 
-def slack_action(form: dict[str, str]) -> SlackAction | None:
-    """Return the approval in a Slack interactivity request (form field ``payload``, JSON
-    with ``type: block_actions``), or None when *form* is not one (a slash command).
+def slack_action(payload: Any) -> SlackAction | None:
+    """Return the approval in a Slack interaction *payload* (the parsed JSON of the form
+    field ``payload``), or None for any other interaction: a link button, another button, a
+    modal submission or closing, a shortcut, a select menu. Slack expects each of those
+    acknowledged with an empty 200 within three seconds; they start nothing here.
 
-    The button's ``value`` carries the execution id and its ``action_id`` is ``approve`` or
-    ``reject``. The signal's idempotency key is the action's own ``action_ts`` with the
-    button, so each press is delivered at most once however often Slack retries it.
+    An approval is a ``block_actions`` whose first action has ``action_id`` ``approve`` or
+    ``reject`` and the execution id as its ``value``. The signal's idempotency key is the
+    action's own ``action_ts`` with the button, so each press is delivered at most once
+    however often Slack retries it.
 
     Raises:
-        ValueError: a ``payload`` that is not a block action of this form.
+        ValueError: an approve/reject press that is malformed (no value or action_ts).
     """
-    if "payload" not in form:
-        return None
-    try:
-        payload = codec.decode(form["payload"])
-    except ValueError:
-        raise ValueError("payload is not valid JSON") from None
     if not isinstance(payload, dict) or payload.get("type") != "block_actions":
-        raise ValueError("payload must be a Slack block_actions interaction")
+        return None
     actions = payload.get("actions")
     if not isinstance(actions, list) or not actions or not isinstance(actions[0], dict):
-        raise ValueError("payload has no actions")
+        return None
     action = actions[0]
     action_id, value = action.get("action_id"), action.get("value")
     if action_id not in ("approve", "reject"):
-        raise ValueError("actions[0].action_id must be approve or reject")
+        return None
     if not isinstance(value, str):
         raise ValueError("actions[0].value must be the execution id")
     user = payload.get("user")
-    by = ""
+    by = user_id = ""
     if isinstance(user, dict):
         by = str(user.get("username") or user.get("name") or user.get("id") or "")
+        user_id = str(user.get("id") or "")
+    channel = payload.get("channel")
+    channel_id = str(channel.get("id") or "") if isinstance(channel, dict) else ""
     stamp = action.get("action_ts")
     if not isinstance(stamp, str) or not stamp:
         raise ValueError("actions[0].action_ts is missing")
     key = f"slack:{action_id}:{value}:{stamp}"
-    return SlackAction(execution_id=value, approved=action_id == "approve", by=by, key=key)
+    return SlackAction(execution_id=value, approved=action_id == "approve", by=by, key=key,
+                       user_id=user_id, channel_id=channel_id)
+
+
+def slack_reply(text: str) -> dict[str, str]:
+    """A slash command's reply as the Slack message it must be: only its invoker sees it
+    (``ephemeral``), and ``&``, ``<`` and ``>`` are escaped as Slack's mrkdwn requires."""
+    escaped = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return {"response_type": "ephemeral", "text": escaped}

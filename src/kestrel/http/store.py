@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from psycopg.types.json import Jsonb
+
 from kestrel.db import Stmt
 from kestrel.sql import Queries
 
@@ -132,3 +134,26 @@ def list_schedules(q: Queries) -> Stmt[list[Row]]:
 def signal_sent(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
     """Whether a signal with idempotency key *key* reached execution *id*."""
     return Stmt(q.signal_sent, {"id": id, "key": key}, lambda rows: bool(rows[0][0]))
+
+
+
+def hook_submit(q: Queries, *, workflow: str, body: bytes, envelope: str | None,
+                queue: str, key: str, max_bytes: int) -> Stmt[uuid.UUID]:
+    """Start a webhook's execution, idempotent by *key*; its id. Its one argument is
+    *body* (JSON text, sent as is and parsed by PostgreSQL, so no Python object tree is
+    built for it) or, with *envelope* (a JSON object, as text), that object with *body* as
+    its ``payload``. The SQL cap on the arguments is *max_bytes* for this statement only.
+
+    Raises (from :func:`kestrel.db.run`):
+        IdempotencyConflict: *key* started an execution with other arguments.
+        PayloadTooLarge, SerializationError: the arguments break the rules of ``submit``.
+        psycopg.errors.DataError: *body* is not one JSON value PostgreSQL can store.
+    """
+    return Stmt(q.hook_submit, {"workflow": workflow, "arg": Jsonb(body, dumps=_as_is),
+                                "envelope": envelope, "queue": queue,
+                                "idempotency_key": key, "max_bytes": str(max_bytes)},
+                lambda rows: rows[0][0], key)
+
+
+def _as_is(data: Any) -> Any:
+    return data

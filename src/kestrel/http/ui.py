@@ -610,6 +610,15 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
     form_key = f"ui:{action}:{key}" if key else None
     if action in ("approve", "reject", "signal"):
         name = _checked(form, "name", what="signal name")
+        if action != "signal":
+            waited = await _waited_for(request, eid, str(name))
+            if waited is None:
+                if form_key and await _read(request, store.signal_sent(
+                        _q(request), id=eid, key=form_key)):
+                    return "duplicate"
+                raise UiError(409, f"this execution is not waiting for signal "
+                              f"{codec.printable(str(name), 80)!r}: nothing was sent")
+            name = waited
         if action == "signal":
             payload_text = form.get("payload", "").strip() or "null"
             try:
@@ -626,6 +635,29 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
         return action
     await client.retry(eid)
     return action
+
+
+async def _waited_for(request: Request, eid: uuid.UUID, name: str) -> str | None:
+    """The name of the signal *eid* waits for if the form's *name* is that name as a
+    browser submits it, or None. A form sends every line break as CRLF, so a hidden field
+    holding ``a\nb`` comes back as ``a\r\nb``: Approve must answer the wait it was shown,
+    never signal a name nobody waits for and say it was sent.
+
+    Raises:
+        ExecutionNotFound: no such execution.
+    """
+    wait = await _read(request, store.get_wait(_q(request), id=eid))
+    if wait is None:
+        raise ExecutionNotFound(f"no execution {eid}")
+    waiting = wait.get("waiting") or {}
+    if waiting.get("kind") == "signal" and _as_sent(waiting["signal"]) == _as_sent(name):
+        return str(waiting["signal"])
+    return None
+
+
+def _as_sent(text: str) -> str:
+    """*text* with its line breaks as an HTML form submits them (CRLF)."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\r\n")
 
 
 async def root(request: Request) -> Response:
