@@ -532,6 +532,24 @@ def token_revoke(env: Env) -> None:
               "WHERE revoked_at IS NULL") == 0
 
 
+def hook_submit(env: Env) -> None:
+    # A webhook's submit commits and loses its reply; the sender delivers again (same
+    # delivery, same key) and gets the same execution.
+    from kestrel.http import store
+
+    stmt = store.hook_submit(env.q, workflow="quick", body=b'{"n": 1}', envelope=None,
+                             queue="default", key="github:delivery-1", max_bytes=1 << 20)
+
+    async def deliver(pool: Any) -> Any:
+        async with pool.connection() as conn:
+            return await db.run(conn, stmt)
+
+    with pytest.raises(psycopg.OperationalError):
+        env.run_async(deliver)
+    again = env.run_async(deliver)
+    assert q(env.dsn, env.schema, "SELECT id FROM {s}.workflow_executions") == [(again,)]
+
+
 def migrate_again(env: Env, *, test_clock: bool = False) -> None:
     # One transaction; run again after its reply was lost, migrate finds everything applied.
     schema = f"t_{uuid.uuid4().hex[:12]}"
@@ -693,6 +711,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "has_test_clock": Read("reads the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
+    "hook_submit": Lost((hook_submit,)),
     "applied_migrations": Read("reads the migration record"),
     "current_migration": Read("reads the migration record"),
     # kestrel.testing: a lost reply fails the test that sent it; nothing resends these.
