@@ -16,6 +16,13 @@ the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
   an event id in the body to tell two equal events apart). An unsigned header could not be
   the key: a captured request replayed with a new one would start new work.
 
+Before a hook's body is read, :func:`precheck` refuses what the headers alone show cannot
+be signed right (no signature header or a malformed one, no delivery id, a Slack timestamp
+outside the window): such a request costs the server no body. The body itself is read up to
+the hook's ``max_body_bytes`` (default: ``--http-max-body-bytes``), the most an unsigned
+sender can make the server hold, since a signature over the body can only be checked once
+all of it is in.
+
 The secret is read from the environment variable the hook names (``secret_env``), at start:
 a hook whose secret is missing stops the server from starting rather than accepting unsigned
 calls. No secret, signature or body is ever logged.
@@ -38,6 +45,9 @@ from kestrel.codec import QUEUE_NAME
 from kestrel.errors import ConfigError, SerializationError
 
 FORMATS = ("github", "slack", "hmac")
+SIGNATURE_HEADERS = {"github": "X-Hub-Signature-256", "slack": "X-Slack-Signature",
+                     "hmac": "X-Signature-256"}
+_HEX_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 HOOK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SLACK_WINDOW_S = 300.0
 """Slack's own advice: refuse a request whose timestamp is more than five minutes off."""
@@ -54,6 +64,14 @@ class Hook:
     queue: str = "default"
     events: frozenset[str] | None = None
     """GitHub only: the X-GitHub-Event types that start the workflow (None: all)."""
+    max_body_bytes: int | None = None
+    """The most of a body read before its signature is checked (None: the server's
+    ``--http-max-body-bytes``)."""
+
+    @property
+    def header(self) -> str:
+        """The header its signature comes in."""
+        return SIGNATURE_HEADERS[self.format]
 
     def accepts(self, event: str | None) -> bool:
         """Whether a GitHub delivery of *event* starts the workflow (never a ping)."""
@@ -96,7 +114,8 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
         raise ConfigError(f"{where}: a hook name is 1-64 of A-Z a-z 0-9 _ . -")
     if not isinstance(spec, dict):
         raise ConfigError(f"{where} must be a table")
-    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue", "events"})
+    unknown = sorted(set(spec) - {"workflow", "format", "secret_env", "queue", "events",
+                                  "max_body_bytes"})
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}")
     for key in ("workflow", "format", "secret_env"):
@@ -115,13 +134,44 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
     if events is not None and (spec["format"] != "github" or not isinstance(events, list)
                                or not all(isinstance(e, str) and e for e in events)):
         raise ConfigError(f"{where}: events is a list of GitHub event names (github only)")
+    cap = spec.get("max_body_bytes")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                            or not 1024 <= cap <= 256 * 1024 * 1024):
+        raise ConfigError(f"{where}: max_body_bytes must be an integer, 1 KiB-256 MiB")
     secret = env.get(spec["secret_env"], "")
     if not secret:
         raise ConfigError(f"{where}: the environment variable {spec['secret_env']} (its "
                           "secret_env) is unset or empty")
     return Hook(name=name, workflow=spec["workflow"], format=spec["format"],
                 secret=secret.encode(), queue=queue,
-                events=frozenset(events) if events is not None else None)
+                events=frozenset(events) if events is not None else None,
+                max_body_bytes=cap)
+
+
+def precheck(hook: Hook, headers: Any, *, now: float | None = None) -> None:
+    """What :func:`verify` checks that needs no body: the signature header is there and of
+    the sender's form (``sha256=`` or ``v0=`` and 64 hex digits), GitHub's delivery id is
+    there, Slack's timestamp is inside the window.
+
+    Raises:
+        SignatureError: the reason (a request that no body could make valid).
+    """
+    name = hook.header
+    given = headers.get(name.lower())
+    prefix = "v0=" if hook.format == "slack" else "sha256="
+    if not given:
+        raise SignatureError(f"missing {name} header")
+    if not (given.startswith(prefix) and _HEX_SHA256.fullmatch(given[len(prefix):])):
+        raise SignatureError(f"{name} must be {prefix}<hex>")
+    if hook.format == "github" and not headers.get("x-github-delivery"):
+        raise SignatureError("missing X-GitHub-Delivery header")
+    if hook.format == "slack":
+        stamp = headers.get("x-slack-request-timestamp")
+        if not stamp or not re.fullmatch(r"\d{1,12}", stamp):
+            raise SignatureError("X-Slack-Request-Timestamp must be Unix seconds")
+        if abs((time.time() if now is None else now) - int(stamp)) > SLACK_WINDOW_S:
+            raise SignatureError("X-Slack-Request-Timestamp is more than 5 minutes from now "
+                                 "(stale or replayed)")
 
 
 def _hex_hmac(secret: bytes, message: bytes) -> str:

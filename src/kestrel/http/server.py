@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute
 from kestrel.config import Config
 from kestrel.http.app import create_app
 from kestrel.http.hooks import Hook
+from kestrel.http.protocol import DoorLimits, protocol_class
 from kestrel.http.ui import routes as ui_routes
 
 log = logging.getLogger("kestrel.http")
@@ -39,11 +40,17 @@ def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
         # uvicorn's access log prints paths and query strings: values a caller chose, which
         # may be secret. The app logs route templates only.
         access_log=False, log_config=None, server_header=False,
-        # Starlette reads bodies in chunks; the app caps them (413) as they stream in.
-        limit_concurrency=1000, timeout_keep_alive=15,
+        # Starlette reads bodies in chunks; the app caps them (413) as they stream in. The
+        # protocol bounds each connection's headers (size, time) and body (time), and the
+        # number of connections, refusing in JSON (kestrel.http.protocol); uvicorn's own
+        # limit_concurrency would answer everyone 503 while stalled clients hold it.
+        http=protocol_class(DoorLimits.of(cfg)), ws="none", limit_concurrency=None,
+        timeout_keep_alive=15,
     )
-    log.info("serving the HTTP API on %s://%s:%d (%d hooks)",
-             "https" if cfg.http_certfile else "http", cfg.http_host, port, len(hooks or {}))
+    log.info("serving the HTTP API on %s://%s:%d (%d hooks; at most %d connections, headers "
+             "in %gs, bodies in %gs)", "https" if cfg.http_certfile else "http", cfg.http_host,
+             port, len(hooks or {}), cfg.http_max_connections, cfg.http_header_timeout,
+             cfg.http_body_timeout)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and
     # raises the signal again; found handlers that ignore it make that a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
