@@ -238,39 +238,61 @@ def test_hooks_have_their_own_pool_connections(server: dict[str, Any]) -> None:
     assert replies == [200, 200, 200]
 
 
-def test_refusals_are_json_with_their_headers(server: dict[str, Any]) -> None:
-    """401 names its challenge, 405 what is allowed, a request that is not HTTP gets JSON,
-    a hook without a well-formed signature is refused before its body is read, and a
-    limit in other digits than ASCII (or thousands of them) is a 400, not a 500."""
+def test_a_401_names_its_challenge(server: dict[str, Any]) -> None:
+    """RFC 9110: every 401 carries WWW-Authenticate (the API's bearer, a hook's header)."""
     api: Api = server["api"]
     no_token = api.get(f"{API}/executions", token=None)
     assert no_token.status == 401
-    assert no_token.headers.get("www-authenticate", "").startswith("Bearer")
-    bad_sig = api.post("/hooks/alerts", b"{}", headers={"X-Signature-256": "sha256=00"},
-                       token=None)
-    assert bad_sig.status == 401 and "X-Signature-256" in bad_sig.headers["www-authenticate"]
+    assert no_token.headers.get("www-authenticate", "").startswith("Bearer ")
+    body = b"{}"
+    bad_sig = api.post("/hooks/alerts", body, token=None, headers={
+        "X-Signature-256": "sha256=" + hmac.new(b"wrong", body, hashlib.sha256).hexdigest()})
+    assert bad_sig.status == 401
+    assert "X-Signature-256" in bad_sig.headers.get("www-authenticate", "")
 
+
+def test_a_405_names_every_allowed_method(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
     wrong = api.request("DELETE", f"{API}/executions")
     assert wrong.status == 405 and wrong.json()["error"]
-    assert set(wrong.headers["allow"].split(", ")) == {"GET", "HEAD"}
-    login = api.request("PUT", "/ui/login", token=None)
+    assert set(wrong.headers.get("allow", "").split(", ")) == {"GET", "HEAD"}
+    login = api.request("PUT", "/ui/login", token=None)  # GET and POST are two routes
     assert login.status == 405
-    assert {"GET", "POST"} <= set(login.headers["allow"].split(", "))
+    assert {"GET", "POST"} <= set(login.headers.get("allow", "").split(", "))
 
-    status, reply = status_of(read_to_close(connect(api.port, b"NOT HTTP AT ALL\r\n\r\n")))
-    assert status == 400 and reply["error"]
 
-    # Headers that announce a body never sent: refused on the headers alone.
-    early = connect(api.port, b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\n"
-                    b"Content-Length: 100000\r\nContent-Type: application/json\r\n\r\n")
-    status, reply = status_of(read_response(early))
-    early.close()
-    assert status == 401 and "X-Signature-256" in reply["error"], reply
+def test_bytes_that_are_not_http_get_a_json_refusal(server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    for junk in (b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"):
+        status, reply = status_of(read_to_close(connect(api.port, junk)))
+        assert status == 400 and reply["error"]
 
-    for limit in ("²", "①", "٣", "9" * 5000, "-1", "0", "501", ""):
-        reply_ = api.get(f"{API}/executions?limit={urllib.request.quote(limit)}")
-        assert reply_.status == 400, (limit[:10], reply_.status, reply_.body[:200])
-        assert "limit" in reply_.json()["error"]
+
+def test_a_hook_without_a_wellformed_signature_is_refused_before_its_body(
+        server: dict[str, Any]) -> None:
+    """Headers that announce a body never sent: refused on the headers alone."""
+    api: Api = server["api"]
+    for signature in (b"", b"X-Signature-256: sha256=00\r\n"):
+        early = connect(api.port, b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 100000\r\nContent-Type: application/json\r\n"
+                        + signature + b"\r\n")
+        try:
+            status, reply = status_of(read_response(early))
+        finally:
+            early.close()
+        assert status == 401 and "X-Signature-256" in reply["error"], reply
+
+
+def test_a_limit_in_other_digits_or_thousands_of_them_is_a_400(
+        server: dict[str, Any]) -> None:
+    api: Api = server["api"]
+    for limit in ("²", "①", "٣", "9" * 5000, "-1", "0", "501", "", " 5"):
+        reply = api.get(f"{API}/executions?limit={urllib.request.quote(limit)}")
+        assert reply.status == 400, (limit[:10], reply.status, reply.body[:200])
+        assert "limit" in reply.json()["error"]
+    announced = api.post(f"{API}/workflows/http.echo/submit", b"[]",
+                         headers={"Content-Length": "²"})
+    assert announced.status == 400
 
 
 def scrape(server: dict[str, Any]) -> str:
@@ -336,6 +358,26 @@ def test_a_hooks_own_body_cap_is_read_before_its_signature(pg_dsn: str, tmp_path
         small = json.dumps({"pad": "x" * 100}).encode()
         assert api.post("/hooks/alerts", small, headers=signed(small), token=None
                         ).status == 200
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))
+
+
+def test_serve_alone_exports_its_http_metrics(pg_dsn: str, tmp_path: Path) -> None:
+    """``kestrel-runtime serve --metrics-port``: the door's own /metrics (it was ignored)."""
+    from kestrel.migrate import migrate
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, schema)
+    port = free_port()
+    with serve_process(pg_dsn, schema, port=free_port(), log=tmp_path / "serve.log",
+                       args=["--metrics-port", str(port)]) as api:
+        assert api.get(f"/nope/{uuid.uuid4().hex}", token=None).status == 404
+        text = scrape({"metrics_port": port})
+        assert ('kestrel_http_requests_total{method="GET",route="/healthz",status="200"}'
+                in text)
+        assert 'route="unmatched",status="404"' in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=10) as resp:
+            assert json.loads(resp.read())["ready"] is True
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))
 
