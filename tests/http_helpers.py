@@ -120,8 +120,8 @@ def serve_process(dsn: str, schema: str, *, port: int, log: Path,
            schema, "--http-port", str(port), *(args or [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
-                                env={**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
-                                    (str(ROOT / "src"), str(ROOT)))})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    (str(ROOT / "src"), str(ROOT))), **(env or {})})
     api = Api(port, proc=proc)
     try:
         wait_until(lambda: _up(api), timeout=60, what="kestrel-runtime serve")

@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(parts)
     # -- the HTTP door (kestrel.http) --
     add("serve", "Serve the HTTP API and webhooks on --http-host:--http-port (default "
-                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config.",
+                 "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config; "
+                 "with --metrics-port, its HTTP metrics on /metrics there.",
         None)
     tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.")
     tsub = tok.add_subparsers(dest="token_command", metavar="ACTION", required=True)
@@ -1003,7 +1004,7 @@ def cmd_serve(cfg: Config, ns: argparse.Namespace) -> int:
                 history_ahead=cfg.history_ahead)
     except InsufficientPrivilege:
         check_schema_current(dsn, cfg.schema)
-    serve(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
+    serve(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks, own_metrics=True)
     del server
     return 0
 

@@ -131,6 +131,21 @@ KNOBS: tuple[Knob, ...] = (
     Knob("http_keyfile", str, "TLS private key for --http-certfile.", "PATH"),
     Knob("http_max_body_bytes", int, "Largest request body the HTTP API reads; a larger one "
          "gets 413 before it is read.", "BYTES"),
+    Knob("http_max_header_bytes", int, "Largest request line and headers the HTTP API reads; "
+         "past it the request gets 431 and its connection is closed, unread.", "BYTES"),
+    Knob("http_header_timeout", float, "Seconds a client has to send a request's line and "
+         "headers, from its connection or its first byte; then 408 and the connection is "
+         "closed (a client that never finishes its headers holds nothing longer).", "SECONDS"),
+    Knob("http_body_timeout", float, "Seconds a client has to send a request's whole body "
+         "once its headers are in; then 408 and the connection is closed (a body trickled a "
+         "byte at a time holds nothing longer).", "SECONDS"),
+    Knob("http_max_connections", int, "Most open connections the HTTP API keeps. At the "
+         "limit a new one first displaces the oldest connection that is idle or still "
+         "sending its headers; only when every connection carries a request is it refused "
+         "with 503.", "N"),
+    Knob("http_hook_pool_size", int, "Database connections reserved for webhooks in the HTTP "
+         "process, apart from the --pool-size connections of the API and web UI, so neither "
+         "kind of traffic can take the other's.", "N"),
     Knob("data_dir", str, "Directory of the embedded PostgreSQL used when no DSN is set.",
          "PATH"),
     Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
@@ -180,6 +195,11 @@ class Config:
     http_certfile: str = ""
     http_keyfile: str = ""
     http_max_body_bytes: int = 1024 * 1024
+    http_max_header_bytes: int = 64 * 1024
+    http_header_timeout: float = 10.0
+    http_body_timeout: float = 30.0
+    http_max_connections: int = 1000
+    http_hook_pool_size: int = 2
     data_dir: str = ".kestrel/pgdata"
     log_level: str = "info"
     log_format: str = "text"
@@ -241,6 +261,15 @@ class Config:
             _bad("http_keyfile", "", "is needed with --http-certfile")
         if not 1024 <= self.http_max_body_bytes <= 256 * 1024 * 1024:
             _bad("http_max_body_bytes", self.http_max_body_bytes, "must be 1 KiB-256 MiB")
+        if not 1024 <= self.http_max_header_bytes <= 1024 * 1024:
+            _bad("http_max_header_bytes", self.http_max_header_bytes, "must be 1 KiB-1 MiB")
+        for name in ("http_header_timeout", "http_body_timeout"):
+            if not 0 < getattr(self, name) <= 3600:
+                _bad(name, getattr(self, name), "must be greater than 0 and at most 3600")
+        if not 1 <= self.http_max_connections <= 100_000:
+            _bad("http_max_connections", self.http_max_connections, "must be 1-100000")
+        if not 1 <= self.http_hook_pool_size <= 100:
+            _bad("http_hook_pool_size", self.http_hook_pool_size, "must be 1-100")
         if self.log_level not in {"debug", "info", "warning", "error"}:
             _bad("log_level", self.log_level, "must be debug, info, warning or error")
         if self.log_format not in {"text", "json"}:

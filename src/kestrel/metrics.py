@@ -9,7 +9,9 @@ an application using only the client) the metrics are ordinary in-process metric
 
 Labels are bounded by design: ``workflow``, ``step``, ``queue``, ``outcome``, ``kind`` and
 ``state`` take values from code (registered names) or from small fixed sets; execution ids,
-arguments, error text and DSNs are never labels (FAULTS S2). Internal steps are labelled by
+arguments, error text and DSNs are never labels (FAULTS S2). The HTTP door's ``route`` is a
+route's template (``/api/v1/executions/{id}``), never the path a client sent, and its
+``method`` one of a fixed few. Internal steps are labelled by
 their kind (``kestrel.signal``), never by the signal or child id they carry.
 """
 
@@ -31,6 +33,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600)
 _COMMIT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_HTTP = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 M = TypeVar("M", bound="MetricWrapperBase")
 
@@ -141,6 +144,23 @@ class Metrics:
         self.give_backs = Counter("kestrel_give_backs_total",
                                   "Executions a worker gave back unrun because newer code "
                                   "recorded a patch it does not know", ["workflow"])
+        # The HTTP door (its own process): requests by route template, method and status;
+        # connections the door refused or cut before a request reached a route.
+        self.http_requests = Counter("kestrel_http_requests_total",
+                                     "HTTP requests answered, by method, route template "
+                                     "(unmatched: no route) and status",
+                                     ["method", "route", "status"])
+        self.http_seconds = Histogram("kestrel_http_request_duration_seconds",
+                                      "HTTP request duration, headers in to response sent, "
+                                      "by method and route template", ["method", "route"],
+                                      buckets=_HTTP)
+        self.http_refused = Counter("kestrel_http_refused_total",
+                                    "HTTP connections refused or cut by the door itself, by "
+                                    "reason: header_timeout, body_timeout, header_too_large, "
+                                    "connection_limit, displaced, malformed", ["reason"])
+        self.http_connections = Gauge("kestrel_http_connections",
+                                      "Open connections of the HTTP door",
+                                      multiprocess_mode="livesum")
         self.given_back = Gauge("kestrel_given_back_executions",
                                 "Live executions given back and not claimed since: they wait "
                                 "for a worker of another app version",

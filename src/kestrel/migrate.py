@@ -107,6 +107,20 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     return done
 
 
+def readiness(dsn: str, schema: str) -> tuple[bool, str]:
+    """/readyz of a metrics endpoint: whether the database answers and *schema* is at this
+    code's version, and why not."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=3) as conn:
+            have = current_version(conn, schema)
+    except psycopg.Error as exc:
+        return False, f"database unreachable: {type(exc).__name__}"
+    want = len(migrations(schema))
+    if have != want:
+        return False, f"schema {schema} is at migration {have}, code needs {want}"
+    return True, f"schema {schema} at migration {have}"
+
+
 def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
     """Return the newest applied migration of *schema*, 0 when none."""
     q = queries(schema)

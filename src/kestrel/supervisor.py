@@ -205,20 +205,9 @@ class Supervisor:
 
     def ready(self) -> tuple[bool, str]:
         """/readyz: the database answers and the schema is at this code's version."""
-        import psycopg
+        from kestrel.migrate import readiness
 
-        from kestrel.migrate import current_version
-        from kestrel.sql import migrations
-
-        try:
-            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=3) as conn:
-                have = current_version(conn, self.cfg.schema)
-        except psycopg.Error as exc:
-            return False, f"database unreachable: {type(exc).__name__}"
-        want = len(migrations(self.cfg.schema))
-        if have != want:
-            return False, f"schema {self.cfg.schema} is at migration {have}, code needs {want}"
-        return True, f"schema {self.cfg.schema} at migration {have}"
+        return readiness(self.dsn, self.cfg.schema)
 
     def run(self) -> int:
         """Run until SIGTERM/SIGINT and every child has exited; return the exit code."""

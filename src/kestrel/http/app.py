@@ -28,6 +28,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -36,9 +37,10 @@ from urllib.parse import parse_qsl
 import orjson
 import psycopg
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Match, Mount, Route
 
 from kestrel import codec, db
 from kestrel._client_common import count_submitted
@@ -61,7 +63,9 @@ from kestrel.http.hooks import (
     slack_event_key,
     slack_reply,
 )
+from kestrel.http.hooks import precheck as precheck_signature
 from kestrel.http.hooks import verify as verify_signature
+from kestrel.http.observe import RequestMetrics, route_templates
 from kestrel.sql import queries
 from kestrel.types import Status
 
@@ -72,19 +76,31 @@ MAX_PAGE = 500
 
 
 class ApiError(Exception):
-    """A request refused with *status* and a one-line *reason* (nothing was written)."""
+    """A request refused with *status* and a one-line *reason* (nothing was written);
+    *headers* go with the answer (a 401's challenge, a 405's ``Allow``)."""
 
-    def __init__(self, status: int, reason: str) -> None:
+    def __init__(self, status: int, reason: str,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(reason)
         self.status = status
         self.reason = reason
+        self.headers = headers
 
 
-def error_response(status: int, reason: str) -> Response:
-    """``{"error": reason}`` as one line of ASCII JSON (hostile text escaped, never raw)."""
+BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kestrel"'}
+"""What a 401 of the API says it wants (RFC 9110 §11.6.1: every 401 names a challenge)."""
+
+
+def error_response(status: int, reason: str,
+                   headers: Mapping[str, str] | None = None) -> Response:
+    """``{"error": reason}`` as one line of ASCII JSON (hostile text escaped, never raw);
+    a 401 without *headers* carries the API's bearer challenge."""
     text = codec.printable(" ".join(str(reason).split()), 500)
     body = json.dumps({"error": text}, ensure_ascii=True)
-    return Response(body + "\n", status_code=status, media_type="application/json")
+    if headers is None and status == 401:
+        headers = BEARER_CHALLENGE
+    return Response(body + "\n", status_code=status, media_type="application/json",
+                    headers=dict(headers) if headers else None)
 
 
 def ok(data: Any, status: int = 200) -> Response:
@@ -104,12 +120,16 @@ def _status_of(exc: KestrelError) -> int:
 
 # -- request parts ---------------------------------------------------------------------------
 
+# ASCII digits, few enough for int(): str.isdigit() also takes "²" and "①", which int()
+# refuses, and int() refuses more than 4300 digits (both were a 500).
+_DIGITS = re.compile(r"[0-9]{1,18}")
+
 
 async def read_capped(request: Request, cap: int) -> bytes | None:
     """The raw body, or None once it passes *cap* bytes, announced or streamed: a client
     that lies about Content-Length is cut off at the cap too, and nothing past it is read."""
     announced = request.headers.get("content-length")
-    if announced is not None and (not announced.isdigit() or int(announced) > cap):
+    if announced is not None and (not _DIGITS.fullmatch(announced) or int(announced) > cap):
         return None
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -381,7 +401,7 @@ async def list_executions(request: Request) -> Response:
     if queue is not None and not QUEUE_NAME.fullmatch(queue):
         raise ApiError(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     limit_text = params.get("limit", "50")
-    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_PAGE:
+    if not _DIGITS.fullmatch(limit_text) or not 1 <= int(limit_text) <= MAX_PAGE:
         raise ApiError(400, f"limit must be an integer in [1, {MAX_PAGE}]")
     limit = int(limit_text)
     cursor = params.get("cursor")
@@ -488,14 +508,21 @@ async def hook(request: Request) -> Response:
     spec: Hook | None = state.hooks.get(name)
     if spec is None:
         raise ApiError(404, f"unknown hook {codec.printable(name, 80)!r}")
-    cap: int = spec.max_body_bytes or state.cfg.http_max_body_bytes
+    challenge = {"WWW-Authenticate": f'HMAC-SHA256 realm="hook", header="{spec.header}"'}
+    try:
+        # What can be checked before the body is, so a request that cannot be signed
+        # right costs no read (a stale Slack timestamp, a missing or malformed header).
+        precheck_signature(spec, request.headers)
+    except SignatureError as exc:
+        raise ApiError(401, str(exc), challenge) from None
+    cap = spec.max_body_bytes or state.cfg.http_max_body_bytes
     body = await read_capped(request, cap)
     if body is None:
-        raise ApiError(413, f"request body over the cap of {cap} bytes")
+        raise ApiError(413, f"request body over hook {spec.name}'s cap of {cap} bytes")
     try:
         key = verify_signature(spec, request.headers, body)
     except SignatureError as exc:
-        raise ApiError(401, str(exc)) from None
+        raise ApiError(401, str(exc), challenge) from None
     codec.check_text(key, what="idempotency key (the delivery id)")
     if spec.format == "slack":
         return await _slack_hook(request, spec, key, body)
@@ -628,6 +655,9 @@ class Endpoint:
     query: tuple[str, ...] = ()
     headers: tuple[str, ...] = ()
     tags: tuple[str, ...] = field(default=("executions",))
+    pool: str = "api"
+    """Whose database connections it uses: ``api`` (shared with the web UI) or ``hooks``
+    (``--http-hook-pool-size`` of its own, so neither kind of traffic starves the other)."""
 
 
 _ARGS_BODY = {"type": "object", "additionalProperties": False, "properties": {
@@ -669,12 +699,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              tags=("schedules",)),
     Endpoint("POST", "/hooks/{name}", hook, None,
              "A configured webhook (GitHub, Slack or HMAC signature instead of a token).",
-             body={}, tags=("hooks",)),
+             body={}, tags=("hooks",), pool="hooks"),
 )
 
 
-def _guarded(handler: Handler) -> Handler:
+def _guarded(handler: Handler, pool: str = "api") -> Handler:
     async def endpoint(request: Request) -> Response:
+        # Each request runs in a task of its own: the pool choice ends with it.
+        POOL.set(pool)
         response = await _answer(request)
         # The route's template, never its path or query: those hold values callers chose.
         log.debug("%s %s %d", request.method, _template(request), response.status_code)
@@ -684,7 +716,7 @@ def _guarded(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except ApiError as exc:
-            return error_response(exc.status, exc.reason)
+            return error_response(exc.status, exc.reason, exc.headers)
         except KestrelError as exc:
             return error_response(_status_of(exc), str(exc))
         except psycopg.OperationalError:
@@ -720,19 +752,48 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                               max_payload_bytes=state.cfg.max_payload_bytes,
                               pool_size=max(2, state.cfg.pool_size),
                               connection_mode=state.cfg.connection_mode,
-                              listen_dsn=state.cfg.listen_dsn or None)
+                              listen_dsn=state.cfg.listen_dsn or None,
+                              hook_pool_size=state.cfg.http_hook_pool_size)
     try:
         yield
     finally:
         await state.client.close()
 
 
+POOL: ContextVar[str] = ContextVar("kestrel_http_pool", default="api")
+"""The pool a request's statements borrow from, set by its route (:attr:`Endpoint.pool`)."""
+
+
 class HttpClient(Client):
-    """The kestrel client with one more call: :meth:`read`, for the door's own reads."""
+    """The kestrel client with one more call, :meth:`read` (the door's own reads), and a
+    second pool of ``hook_pool_size`` connections for the webhooks' statements (those run
+    while :data:`POOL` is ``hooks``): a burst of deliveries cannot take the API's and the
+    web UI's connections, nor they the hooks'."""
+
+    def __init__(self, *args: Any, hook_pool_size: int = 2, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._hooks = Client(*args, **{**kwargs, "pool_size": hook_pool_size})
 
     async def read(self, stmt: db.Stmt[Any]) -> Any:
         """Run one read statement of :mod:`kestrel.http.store` on a pooled connection."""
         return await self._run(stmt)
+
+    @asynccontextmanager
+    async def _borrow(self, timeout: float | None = None,
+                      ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        if POOL.get() == "hooks":
+            async with self._hooks._borrow(timeout) as conn:
+                yield conn
+            return
+        async with super()._borrow(timeout) as conn:
+            yield conn
+
+    async def close(self) -> None:
+        """Close both pools."""
+        try:
+            await self._hooks.close()
+        finally:
+            await super().close()
 
 
 def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
@@ -745,10 +806,12 @@ def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     ``/ui``), served next to the API's. The database client is created at start-up (the
     lifespan), in the process that serves, so the app can be built before a fork.
     """
-    routes = [*routes,
-              *(Route(e.path, _guarded(e.handler), methods=[e.method]) for e in ENDPOINTS)]
+    routes = [*routes, *(Route(e.path, _guarded(e.handler, e.pool), methods=[e.method])
+                         for e in ENDPOINTS)]
     app = Starlette(routes=routes, lifespan=_lifespan,
-                    exception_handlers={404: _not_found, 405: _not_allowed})
+                    middleware=[Middleware(RequestMetrics, templates=route_templates(routes))],
+                    exception_handlers={404: _not_found, 405: _not_allowed,
+                                        Exception: _internal_error})
     app.state.cfg = cfg
     app.state.dsn = dsn
     app.state.q = queries(cfg.schema)
@@ -765,7 +828,30 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return error_response(405, f"method {request.method} not allowed here")
+    # Every method some route serves at this path: Starlette's own Allow names only those
+    # of the first route that matched it (the UI has GET and POST /ui/login apart).
+    scope = {k: v for k, v in request.scope.items() if k not in ("root_path", "route")}
+    allowed = _methods(request.app.routes, {**scope, "method": "\0"})
+    return error_response(405, f"method {request.method} not allowed here",
+                          {"Allow": ", ".join(sorted(allowed))})
+
+
+def _methods(routes: Iterable[BaseRoute], scope: dict[str, Any]) -> set[str]:
+    found: set[str] = set()
+    for route in routes:
+        match, child = route.matches(scope)
+        if match is Match.NONE:
+            continue
+        if isinstance(route, Mount):
+            found |= _methods(route.routes, {**scope, **child})
+        else:
+            found |= set(getattr(route, "methods", None) or ())
+    return found
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # The type only (FAULTS S5); Starlette re-raises it to uvicorn, which logs it.
+    return error_response(500, "internal error")
 
 
 __all__ = ["ENDPOINTS", "ApiError", "Endpoint", "create_app", "error_response", "ok",

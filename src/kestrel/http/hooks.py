@@ -21,6 +21,13 @@ the senders compute them, over the raw body, with :func:`hmac.compare_digest`:
   an event id in the body to tell two equal events apart). An unsigned header could not be
   the key: a captured request replayed with a new one would start new work.
 
+Before a hook's body is read, :func:`precheck` refuses what the headers alone show cannot
+be signed right (no signature header or a malformed one, no delivery id, a Slack timestamp
+outside the window): such a request costs the server no body. The body itself is read up to
+the hook's ``max_body_bytes`` (default: ``--http-max-body-bytes``), the most an unsigned
+sender can make the server hold, since a signature over the body can only be checked once
+all of it is in.
+
 The secret is read from the environment variable the hook names (``secret_env``), at start:
 a hook whose secret is missing stops the server from starting rather than accepting unsigned
 calls. No secret, signature or body is ever logged.
@@ -49,6 +56,9 @@ KEYS = frozenset({"workflow", "format", "secret_env", "queue", "events", "argume
                   "approval_channels"})
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """The most a hook's ``max_body_bytes`` may be (the same ceiling as http_max_body_bytes)."""
+SIGNATURE_HEADERS = {"github": "X-Hub-Signature-256", "slack": "X-Slack-Signature",
+                     "hmac": "X-Signature-256"}
+_HEX_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 HOOK_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SLACK_WINDOW_S = 300.0
 """Slack's own advice: refuse a request whose timestamp is more than five minutes off."""
@@ -76,6 +86,11 @@ class Hook:
     """Slack only: the user ids (``U…``) who may press Approve/Reject (None: anyone)."""
     approval_channels: frozenset[str] | None = None
     """Slack only: the channel ids (``C…``) a press may come from (None: any)."""
+
+    @property
+    def header(self) -> str:
+        """The header its signature comes in."""
+        return SIGNATURE_HEADERS[self.format]
 
     def accepts(self, event: str | None) -> bool:
         """Whether a GitHub delivery of *event* starts the workflow (never a ping)."""
@@ -171,6 +186,32 @@ def _hook(path: str, name: str, spec: Any, env: Any) -> Hook:
                 secret=secret.encode(), queue=queue,
                 events=frozenset(events) if events is not None else None,
                 argument=argument, max_body_bytes=cap, **lists)
+
+
+def precheck(hook: Hook, headers: Any, *, now: float | None = None) -> None:
+    """What :func:`verify` checks that needs no body: the signature header is there and of
+    the sender's form (``sha256=`` or ``v0=`` and 64 hex digits), GitHub's delivery id is
+    there, Slack's timestamp is inside the window.
+
+    Raises:
+        SignatureError: the reason (a request that no body could make valid).
+    """
+    name = hook.header
+    given = headers.get(name.lower())
+    prefix = "v0=" if hook.format == "slack" else "sha256="
+    if not given:
+        raise SignatureError(f"missing {name} header")
+    if not (given.startswith(prefix) and _HEX_SHA256.fullmatch(given[len(prefix):])):
+        raise SignatureError(f"{name} must be {prefix}<hex>")
+    if hook.format == "github" and not headers.get("x-github-delivery"):
+        raise SignatureError("missing X-GitHub-Delivery header")
+    if hook.format == "slack":
+        stamp = headers.get("x-slack-request-timestamp")
+        if not stamp or not re.fullmatch(r"\d{1,12}", stamp):
+            raise SignatureError("X-Slack-Request-Timestamp must be Unix seconds")
+        if abs((time.time() if now is None else now) - int(stamp)) > SLACK_WINDOW_S:
+            raise SignatureError("X-Slack-Request-Timestamp is more than 5 minutes from now "
+                                 "(stale or replayed)")
 
 
 def _hex_hmac(secret: bytes, message: bytes) -> str:

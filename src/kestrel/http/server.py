@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute
 from kestrel.config import Config
 from kestrel.http.app import create_app
 from kestrel.http.hooks import Hook
+from kestrel.http.protocol import DoorLimits, protocol_class
 from kestrel.http.ui import routes as ui_routes
 
 log = logging.getLogger("kestrel.http")
@@ -25,10 +26,27 @@ DEFAULT_PORT = 8080
 
 
 def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
-          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = ()) -> None:
+          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = (),
+          own_metrics: bool = False) -> None:
     """Serve the API (and *routes*, e.g. the web UI's) on ``cfg.http_host``:``cfg.http_port``
-    (8080 when 0) until SIGTERM or SIGINT; TLS with ``cfg.http_certfile``/``http_keyfile``."""
+    (8080 when 0) until SIGTERM or SIGINT; TLS with ``cfg.http_certfile``/``http_keyfile``.
+
+    *own_metrics* (``kestrel-runtime serve``): with ``cfg.metrics_port``, serve this
+    process's ``/metrics`` (the HTTP metrics), ``/healthz`` and ``/readyz`` there too; the
+    supervisor's HTTP child leaves that to the supervisor, which merges its children's."""
     import uvicorn
+
+    if own_metrics and cfg.metrics_port:
+        from kestrel import metrics
+        from kestrel.migrate import readiness
+
+        metrics.serve(cfg.metrics_host, cfg.metrics_port,
+                      ready=lambda: readiness(dsn, cfg.schema),
+                      certfile=cfg.metrics_certfile or None,
+                      keyfile=cfg.metrics_keyfile or None)
+        log.info("serving /metrics, /healthz and /readyz on %s://%s:%d",
+                 "https" if cfg.metrics_certfile else "http", cfg.metrics_host,
+                 cfg.metrics_port)
 
     port = cfg.http_port or DEFAULT_PORT
     app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,
@@ -39,11 +57,17 @@ def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
         # uvicorn's access log prints paths and query strings: values a caller chose, which
         # may be secret. The app logs route templates only.
         access_log=False, log_config=None, server_header=False,
-        # Starlette reads bodies in chunks; the app caps them (413) as they stream in.
-        limit_concurrency=1000, timeout_keep_alive=15,
+        # Starlette reads bodies in chunks; the app caps them (413) as they stream in. The
+        # protocol bounds each connection's headers (size, time) and body (time), and the
+        # number of connections, refusing in JSON (kestrel.http.protocol); uvicorn's own
+        # limit_concurrency would answer everyone 503 while stalled clients hold it.
+        http=protocol_class(DoorLimits.of(cfg)), ws="none", limit_concurrency=None,
+        timeout_keep_alive=15,
     )
-    log.info("serving the HTTP API on %s://%s:%d (%d hooks)",
-             "https" if cfg.http_certfile else "http", cfg.http_host, port, len(hooks or {}))
+    log.info("serving the HTTP API on %s://%s:%d (%d hooks; at most %d connections, headers "
+             "in %gs, bodies in %gs)", "https" if cfg.http_certfile else "http", cfg.http_host,
+             port, len(hooks or {}), cfg.http_max_connections, cfg.http_header_timeout,
+             cfg.http_body_timeout)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, restores the handlers it found and
     # raises the signal again; found handlers that ignore it make that a clean exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
