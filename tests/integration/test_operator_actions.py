@@ -406,7 +406,7 @@ def test_fork_sent_again_after_a_lost_reply_returns_the_fork_it_made(
     assert q1(dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 2
     with pytest.raises(IdempotencyConflict, match="already used by the fork of"):
         kestrel_env.client._run(db.value(kestrel_env.client._q.fork, {
-            "id": h.id, "from_step": 1, "new_id": new}))
+            "id": h.id, "from_step": 1, "new_id": new, "idempotency_key": None}))
 
 
 def test_fork_copies_the_patch_markers_asked_before_its_position(
