@@ -43,36 +43,87 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
 $$;
 
--- name: undecodable_number
--- The first number in p_value that the runtime (orjson) would not read back as the same
--- number, or NULL when there is none. orjson reads an integer in [-2^63, 2^64 - 1] exactly;
--- every other number becomes the nearest float64, which is exact only when the number is
--- that float64 written in its shortest form (0.1, 1e20, 5e-324): 1e400 overflows, 1e-400
--- becomes 0.0, 2^70 and 0.12345678901234567890 lose digits. Such numbers are refused.
+-- name: float8_or_null
+-- p_n as the nearest float64 (PostgreSQL reads it with strtod, as orjson and Python do:
+-- correctly rounded, ties to even), or NULL when that is infinite or 0 for a number that is
+-- not 0 (from 2^1024 - 2^970 up, and up to 2^-1075), where the cast would raise instead.
+CREATE OR REPLACE FUNCTION __schema__.float8_or_null(p_n numeric) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN abs(p_n) > 1.7976931348623157e308
+             AND abs(p_n) >= power(2::numeric, 1024) - power(2::numeric, 970) THEN NULL
+        WHEN abs(p_n) < 2.4703282292062328e-324 AND p_n <> 0
+             AND abs(p_n) <= power(5::numeric, 1075) * 1e-1075 THEN NULL
+        ELSE p_n::double precision END
+$$;
+
+-- name: number_reads_back
+-- The one number rule of every door (codec.decode_exact holds the same): whether orjson
+-- reads p_n, as jsonb writes it, and writes the same number back. An integer written
+-- without a point (scale 0) in [-2^63, 2^64 - 1] is read exactly. Every other number is read
+-- as the nearest float64 f and written back as the shortest decimal that reads as f (of
+-- those, the nearest to f), so p_n must be that decimal: 1e400 overflows, 1e-400 becomes
+-- 0.0, 2^70, 0.12345678901234567890 and 9007199254740993.0 lose digits; 1e20, 5e-324 and
+-- 18446744073709552000 (the shortest form of the float64 2^64) are exact.
 --
--- "Shortest form" is PostgreSQL's float8 text (shortest at extra_float_digits 1), or fewer
--- digits than that: PostgreSQL never writes a form that lies exactly halfway between two
--- float64 values, while orjson and Python do when it is the shortest (6274480000000000000000
--- reads as the float64 that PostgreSQL writes 6.274480000000001e+21 and orjson 6.27448e+21).
--- Only numbers that are not in-range integers are looked at (one jsonpath pass finds them).
+-- PostgreSQL writes f's shortest form too (extra_float_digits 1) but never one that lies on
+-- the edge of f's rounding interval, which orjson and Python write when it is shorter (1e23;
+-- PostgreSQL writes 9.999999999999999e+22). So p_n is f's form when it is PostgreSQL's or
+-- has fewer digits (it is then on that edge), and no decimal with fewer significant digits
+-- reads as f: the two nearest p_n with one digit less tell, as every decimal between them
+-- and p_n reads as f too. At most 15 significant digits in float64's normal range always
+-- read back (DBL_DIG), which spares most numbers the casts.
+CREATE OR REPLACE FUNCTION __schema__.number_reads_back(p_n numeric) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
+DECLARE
+    v_abs numeric := abs(p_n);
+    v_text text := abs(p_n)::text;
+    v_frac text := split_part(abs(p_n)::text, '.', 2);
+    v_k integer;     -- significant digits of p_n
+    v_lead integer;  -- p_n's first significant digit is at 10^v_lead
+    v_f double precision;
+    v_s numeric;
+    v_cut numeric;
+BEGIN
+    IF v_abs = 0 OR (scale(p_n) = 0 AND p_n BETWEEN -9223372036854775808
+                                                AND 18446744073709551615) THEN
+        RETURN true;
+    END IF;
+    v_k := length(rtrim(ltrim(replace(v_text, '.', ''), '0'), '0'));
+    IF v_k <= 15 AND v_abs BETWEEN 2.2250738585072014e-308 AND 1.7976931348623157e308 THEN
+        RETURN true;
+    END IF;
+    v_f := __schema__.float8_or_null(v_abs);
+    IF v_f IS NULL THEN
+        RETURN false;
+    END IF;
+    v_s := v_f::text::numeric;
+    IF v_s <> v_abs
+       AND v_k >= length(rtrim(ltrim(replace(v_s::text, '.', ''), '0'), '0')) THEN
+        RETURN false;
+    END IF;
+    IF v_k = 1 THEN
+        RETURN true;
+    END IF;
+    v_lead := CASE WHEN v_abs >= 1 THEN length(split_part(v_text, '.', 1)) - 1
+                   ELSE length(ltrim(v_frac, '0')) - length(v_frac) - 1 END;
+    v_cut := trunc(v_abs, v_k - 2 - v_lead);  -- p_n cut to k - 1 significant digits
+    RETURN NOT (__schema__.float8_or_null(v_cut) IS NOT DISTINCT FROM v_f
+                OR __schema__.float8_or_null(v_cut + ('1e' || (v_lead - v_k + 2))::numeric)
+                   IS NOT DISTINCT FROM v_f);
+END
+$$;
+
+-- name: undecodable_number
+-- The first number in p_value that does not read back unchanged (number_reads_back), or
+-- NULL when there is none. Only numbers that are not integers of at most 2^53 in magnitude
+-- are looked at (one jsonpath pass finds them): those always read back.
 CREATE OR REPLACE FUNCTION __schema__.undecodable_number(p_value jsonb) RETURNS numeric
-LANGUAGE sql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
-    SELECT c.n
-      FROM (SELECT j::numeric AS n
-              FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
-                        @ != @.floor() || @ < -9223372036854775808
-                        || @ > 18446744073709551615))') AS j) AS c
-     CROSS JOIN LATERAL (
-            SELECT CASE WHEN abs(c.n) > 1.7976931348623157e308
-                          OR abs(c.n) <= 2.4703282292062328e-324 THEN NULL
-                        ELSE c.n::float8::text::numeric END AS s) AS f
-     CROSS JOIN LATERAL (
-            SELECT length(trim(BOTH '0' FROM replace(abs(c.n)::text, '.', ''))) AS n_digits,
-                   length(trim(BOTH '0' FROM replace(abs(f.s)::text, '.', ''))) AS s_digits
-         ) AS d
-     WHERE CASE WHEN abs(c.n) > 1.7976931348623157e308 THEN true       -- overflows
-                WHEN abs(c.n) <= 2.4703282292062328e-324 THEN c.n <> 0  -- underflows to 0
-                ELSE f.s <> c.n AND d.n_digits >= d.s_digits END        -- loses digits
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT j::numeric
+      FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
+                @ != @.floor() || @ < -9007199254740992 || @ > 9007199254740992))') AS j
+     WHERE NOT __schema__.number_reads_back(j::numeric)
      LIMIT 1
 $$;
 
@@ -104,7 +155,7 @@ BEGIN
             USING ERRCODE = 'KS007';
     END IF;
     IF jsonb_path_exists(p_value, 'strict $.** ? (@.type() == "number" && (
-            @ != @.floor() || @ < -9223372036854775808 || @ > 18446744073709551615))') THEN
+            @ != @.floor() || @ < -9007199254740992 || @ > 9007199254740992))') THEN
         v_bad := __schema__.undecodable_number(p_value);
         IF v_bad IS NOT NULL THEN
             v_shown := v_bad::text;
