@@ -172,8 +172,13 @@ END
 $$;
 
 -- name: submit
--- submit(): the same signature as 0004; every argument is checked before anything is
--- written. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
+-- submit(): every argument is checked before anything is written. p_start_at (migration
+-- 0015) is the time before which it is not claimed, as the database clock reads it; give it
+-- or p_delay_s (seconds from now), not both. An idempotency key covers the whole request:
+-- the same key with other arguments, queue, priority, timeout, delay, start time, dedup key
+-- or on_duplicate is refused (KS001), never answered with the first execution. Keys
+-- stored before 0015 hold the digest of the arguments only ('v2:' marks the whole-request
+-- digest), and are compared on those. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
 -- the parent is being cancelled or has finished. The lock conflicts with cancel()'s FOR
 -- UPDATE and with the DELETE that finishes the parent, so either the child commits first and
 -- cancel() (which walks the tree after taking its locks) sees it, or cancel() commits first
@@ -190,11 +195,14 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
     p_timeout_s double precision DEFAULT NULL,
     p_delay_s double precision DEFAULT NULL,
     p_dedup_key text DEFAULT NULL,
-    p_on_duplicate text DEFAULT 'return'
+    p_on_duplicate text DEFAULT 'return',
+    p_start_at timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id uuid := coalesce(p_id, gen_random_uuid());
+    v_delay_s double precision := p_delay_s;
+    v_digest text;
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_live uuid;
     v_cancelling boolean;
@@ -217,9 +225,15 @@ BEGIN
         RAISE EXCEPTION 'timeout must be positive and at most 3155760000 seconds (100 years), got %',
             p_timeout_s USING ERRCODE = 'KS002';
     END IF;
-    IF p_delay_s IS NOT NULL AND NOT (p_delay_s >= 0 AND p_delay_s <= 3155760000) THEN
+    IF p_start_at IS NOT NULL THEN
+        IF p_delay_s IS NOT NULL THEN
+            RAISE EXCEPTION 'give delay or start_at, not both' USING ERRCODE = 'KS002';
+        END IF;
+        v_delay_s := greatest(0, extract(epoch FROM p_start_at - __schema__.kestrel_now()));
+    END IF;
+    IF v_delay_s IS NOT NULL AND NOT (v_delay_s >= 0 AND v_delay_s <= 3155760000) THEN
         RAISE EXCEPTION 'delay must be between 0 and 3155760000 seconds (100 years), got %',
-            p_delay_s USING ERRCODE = 'KS002';
+            v_delay_s USING ERRCODE = 'KS002';
     END IF;
     IF p_on_duplicate IS NULL OR p_on_duplicate NOT IN ('return', 'reject') THEN
         RAISE EXCEPTION 'on_duplicate must be return or reject, got %',
@@ -254,15 +268,22 @@ BEGIN
         END IF;
     END IF;
     IF p_idempotency_key IS NOT NULL THEN
+        -- The request as sent (p_start_at as an instant, whatever the session's time zone).
+        v_digest := 'v2:' || md5(jsonb_build_array(
+            p_args, p_queue, p_priority, p_timeout_s, p_delay_s,
+            extract(epoch FROM p_start_at), p_dedup_key, p_on_duplicate)::text);
         INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
-        VALUES (p_idempotency_key, v_id, p_workflow, md5(p_args::text))
+        VALUES (p_idempotency_key, v_id, p_workflow, v_digest)
         ON CONFLICT (idempotency_key) DO NOTHING;
         IF NOT FOUND THEN
             -- ON CONFLICT waited for the other inserter to commit, so this read sees its row.
             SELECT * INTO v_existing FROM __schema__.idempotency_keys
              WHERE idempotency_key = p_idempotency_key;
-            IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> md5(p_args::text) THEN
-                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments',
+            IF left(v_existing.args_digest, 3) <> 'v2:' THEN  -- stored before 0015
+                v_digest := md5(p_args::text);
+            END IF;
+            IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> v_digest THEN
+                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments or options (workflow, queue, priority, timeout, delay, start time, dedup key)',
                     p_idempotency_key, v_existing.execution_id
                     USING ERRCODE = 'KS001';
             END IF;
@@ -275,9 +296,9 @@ BEGIN
                 dedup_key, status, wake_at)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
                 __schema__.kestrel_now() + make_interval(secs => p_timeout_s), p_dedup_key,
-                CASE WHEN p_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
-                CASE WHEN p_delay_s > 0
-                     THEN __schema__.kestrel_now() + make_interval(secs => p_delay_s) END)
+                CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
+                CASE WHEN v_delay_s > 0
+                     THEN __schema__.kestrel_now() + make_interval(secs => v_delay_s) END)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;
         -- A live execution holds the dedup key (ON CONFLICT waited for it to commit).
@@ -328,7 +349,8 @@ $$;
 
 -- name: signal
 -- signal(): the name, key and payload follow the same rules as submit's, checked before
--- the execution's row is locked.
+-- the execution's row is locked. A key sends one signal: sent again, the same signal is
+-- answered false (already delivered), another name or payload is refused (KS001).
 CREATE OR REPLACE FUNCTION __schema__.signal(
     p_execution uuid, p_name text, p_payload jsonb DEFAULT NULL,
     p_idempotency_key text DEFAULT NULL
@@ -369,6 +391,16 @@ BEGIN
     VALUES (p_execution, p_name, p_payload, p_idempotency_key)
     ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
     IF NOT FOUND THEN
+        -- The key covers the whole signal: the same key with another name or payload is
+        -- refused, not answered "already delivered" (the row is ours to read: the
+        -- execution's row lock, held since the UPDATE above, keeps it from moving).
+        IF EXISTS (SELECT 1 FROM __schema__.signals AS s
+                    WHERE s.execution_id = p_execution
+                      AND s.idempotency_key = p_idempotency_key
+                      AND (s.name <> p_name OR s.payload IS DISTINCT FROM p_payload)) THEN
+            RAISE EXCEPTION 'idempotency key % already sent execution % another signal (other name or payload)',
+                p_idempotency_key, p_execution USING ERRCODE = 'KS001';
+        END IF;
         RETURN false;
     END IF;
     PERFORM pg_notify('kestrel.__schema_name__', 'signal');
