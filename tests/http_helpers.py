@@ -120,7 +120,8 @@ def serve_process(dsn: str, schema: str, *, port: int, log: Path,
            schema, "--http-port", str(port), *(args or [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                    (str(ROOT / "src"), str(ROOT))), **(env or {})})
     api = Api(port, proc=proc)
     try:
         wait_until(lambda: _up(api), timeout=60, what="kestrel-runtime serve")

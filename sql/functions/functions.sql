@@ -349,8 +349,7 @@ $$;
 
 -- name: signal
 -- signal(): the name, key and payload follow the same rules as submit's, checked before
--- the execution's row is locked. A key sends one signal: sent again, the same signal is
--- answered false (already delivered), another name or payload is refused (KS001).
+-- the execution's row is locked.
 CREATE OR REPLACE FUNCTION __schema__.signal(
     p_execution uuid, p_name text, p_payload jsonb DEFAULT NULL,
     p_idempotency_key text DEFAULT NULL
@@ -391,16 +390,6 @@ BEGIN
     VALUES (p_execution, p_name, p_payload, p_idempotency_key)
     ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
     IF NOT FOUND THEN
-        -- The key covers the whole signal: the same key with another name or payload is
-        -- refused, not answered "already delivered" (the row is ours to read: the
-        -- execution's row lock, held since the UPDATE above, keeps it from moving).
-        IF EXISTS (SELECT 1 FROM __schema__.signals AS s
-                    WHERE s.execution_id = p_execution
-                      AND s.idempotency_key = p_idempotency_key
-                      AND (s.name <> p_name OR s.payload IS DISTINCT FROM p_payload)) THEN
-            RAISE EXCEPTION 'idempotency key % already sent execution % another signal (other name or payload)',
-                p_idempotency_key, p_execution USING ERRCODE = 'KS001';
-        END IF;
         RETURN false;
     END IF;
     PERFORM pg_notify('kestrel.__schema_name__', 'signal');

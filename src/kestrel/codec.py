@@ -166,7 +166,12 @@ def decode_exact(data: str | bytes) -> Any:
             a ValueError).
         RecursionError: nested too deeply for the exact check.
     """
-    value = orjson.loads(data)
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        if "infinity" not in str(exc):
+            raise
+        raise ValueError(f"a number is beyond a float64 ({exc}): {NUMBER_RULE}") from None
     raw = data.encode() if isinstance(data, str) else data
     if _suspect(raw):  # the slow check, only when it can matter
         return json.loads(raw, parse_int=_exact_number, parse_float=_exact_number,

@@ -255,8 +255,8 @@ async def submit(request: Request) -> Response:
 
 async def signal(request: Request) -> Response:
     """Send a signal (``name``, ``payload``) to an execution, at most once per
-    ``Idempotency-Key``: sent again, ``delivered`` is false; the same key with another name
-    or payload is refused (409)."""
+    ``Idempotency-Key``: sent again, ``delivered`` is false (the first signal sent under a
+    key is the one delivered)."""
     await require(request, "operate")
     eid = execution_id(request)
     body = _object(await read_json(request), ("name", "payload"))
