@@ -140,7 +140,9 @@ def decode(data: str | bytes) -> Any:
 # Where a number may not read back unchanged: a run of 16 or more digits (and points), an
 # exponent, or a negative zero. Numbers without any of these (at most 15 significant digits,
 # between 1e-15 and 1e15) always do, so most text is read by orjson alone.
-_SUSPECT = re.compile(rb"[0-9.]{16,}(?:[eE][-+]?[0-9]+)?|[0-9][eE]|-0(?:\.0*)?(?![0-9.eE])")
+_LONG_RUN = re.compile(rb"[0-9.]{16,}")
+_EXPONENT = re.compile(rb"[0-9][eE]")
+_NEGATIVE_ZERO = re.compile(rb"-0(?:\.0*)?(?![0-9.eE])")
 
 NUMBER_RULE = ("integers must lie in [-2^63, 2^64 - 1], other numbers must be finite float64 "
                "values in their shortest form")
@@ -180,10 +182,14 @@ def decode_exact(data: str | bytes) -> Any:
 
 
 def _suspect(raw: bytes) -> bool:
-    for match in _SUSPECT.finditer(raw):
+    if (b"e" in raw or b"E" in raw) and _EXPONENT.search(raw):
+        return True
+    if b"-0" in raw and _NEGATIVE_ZERO.search(raw):
+        return True
+    for match in _LONG_RUN.finditer(raw):
         run = match.group()
         # 16 to 18 digits alone: an integer within 64 bits, read exactly.
-        if not run.isdigit() or len(run) > 18:
+        if len(run) > 18 or not run.isdigit():
             return True
     return False
 
@@ -191,18 +197,20 @@ def _suspect(raw: bytes) -> bool:
 def _exact_number(text: str) -> int | float:
     # Read as jsonb stores it: a number with no digits after the point once its exponent is
     # applied (12, 1e2, 1.5e1) is an integer, exact within 64 bits; any other is a float64.
-    number = Decimal(text)
-    exponent = number.as_tuple().exponent
-    if isinstance(exponent, int) and exponent >= 0 and -(2**63) <= number <= 2**64 - 1:
-        return int(number)
-    try:
-        value = orjson.loads(text)
-    except orjson.JSONDecodeError:
-        value = None
-    if value is None or Decimal(orjson.dumps(value).decode()) != number:
-        shown = text if len(text) <= 40 else f"{text[:20]}…{text[-12:]} ({len(text)} chars)"
-        raise ValueError(f"the number {shown} would not read back unchanged: {NUMBER_RULE}")
-    return float(value) + 0.0  # -0.0 reads as 0.0, as jsonb stores it
+    if "e" in text or "E" in text:
+        number = Decimal(text)
+        exponent = number.as_tuple().exponent
+        if isinstance(exponent, int) and exponent >= 0 and -(2**63) <= number <= 2**64 - 1:
+            return int(number)
+    elif "." not in text and len(text) <= 20 and -(2**63) <= (n := int(text)) <= 2**64 - 1:
+        return n
+    value = float(text)  # correctly rounded, as orjson reads it
+    if math.isfinite(value):
+        written = orjson.dumps(value).decode()
+        if written == text or Decimal(written) == Decimal(text):
+            return value + 0.0  # -0.0 reads as 0.0, as jsonb stores it
+    shown = text if len(text) <= 40 else f"{text[:20]}…{text[-12:]} ({len(text)} chars)"
+    raise ValueError(f"the number {shown} would not read back unchanged: {NUMBER_RULE}")
 
 
 def _no_constant(text: str) -> Any:
