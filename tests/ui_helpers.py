@@ -51,7 +51,9 @@ class Browserless:
     def login(self, token: str) -> Reply:
         reply = self.post_form("/ui/login", {"token": token, "next": "/ui/"})
         assert reply.status == 303, reply.body
-        self.cookie = token
+        found = re.match(r"kestrel_session=([^;]*);", reply.headers["set-cookie"])
+        assert found, reply.headers["set-cookie"]
+        self.cookie = found.group(1)  # the session's id, never the token
         return reply
 
     def csrf(self, page: Reply) -> str:

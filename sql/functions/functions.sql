@@ -47,36 +47,87 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
 $$;
 
--- name: undecodable_number
--- The first number in p_value that the runtime (orjson) would not read back as the same
--- number, or NULL when there is none. orjson reads an integer in [-2^63, 2^64 - 1] exactly;
--- every other number becomes the nearest float64, which is exact only when the number is
--- that float64 written in its shortest form (0.1, 1e20, 5e-324): 1e400 overflows, 1e-400
--- becomes 0.0, 2^70 and 0.12345678901234567890 lose digits. Such numbers are refused.
+-- name: float8_or_null
+-- p_n as the nearest float64 (PostgreSQL reads it with strtod, as orjson and Python do:
+-- correctly rounded, ties to even), or NULL when that is infinite or 0 for a number that is
+-- not 0 (from 2^1024 - 2^970 up, and up to 2^-1075), where the cast would raise instead.
+CREATE OR REPLACE FUNCTION __schema__.float8_or_null(p_n numeric) RETURNS double precision
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE
+        WHEN abs(p_n) > 1.7976931348623157e308
+             AND abs(p_n) >= power(2::numeric, 1024) - power(2::numeric, 970) THEN NULL
+        WHEN abs(p_n) < 2.4703282292062328e-324 AND p_n <> 0
+             AND abs(p_n) <= power(5::numeric, 1075) * 1e-1075 THEN NULL
+        ELSE p_n::double precision END
+$$;
+
+-- name: number_reads_back
+-- The one number rule of every door (codec.decode_exact holds the same): whether orjson
+-- reads p_n, as jsonb writes it, and writes the same number back. An integer written
+-- without a point (scale 0) in [-2^63, 2^64 - 1] is read exactly. Every other number is read
+-- as the nearest float64 f and written back as the shortest decimal that reads as f (of
+-- those, the nearest to f), so p_n must be that decimal: 1e400 overflows, 1e-400 becomes
+-- 0.0, 2^70, 0.12345678901234567890 and 9007199254740993.0 lose digits; 1e20, 5e-324 and
+-- 18446744073709552000 (the shortest form of the float64 2^64) are exact.
 --
--- "Shortest form" is PostgreSQL's float8 text (shortest at extra_float_digits 1), or fewer
--- digits than that: PostgreSQL never writes a form that lies exactly halfway between two
--- float64 values, while orjson and Python do when it is the shortest (6274480000000000000000
--- reads as the float64 that PostgreSQL writes 6.274480000000001e+21 and orjson 6.27448e+21).
--- Only numbers that are not in-range integers are looked at (one jsonpath pass finds them).
+-- PostgreSQL writes f's shortest form too (extra_float_digits 1) but never one that lies on
+-- the edge of f's rounding interval, which orjson and Python write when it is shorter (1e23;
+-- PostgreSQL writes 9.999999999999999e+22). So p_n is f's form when it is PostgreSQL's or
+-- has fewer digits (it is then on that edge), and no decimal with fewer significant digits
+-- reads as f: the two nearest p_n with one digit less tell, as every decimal between them
+-- and p_n reads as f too. At most 15 significant digits in float64's normal range always
+-- read back (DBL_DIG), which spares most numbers the casts.
+CREATE OR REPLACE FUNCTION __schema__.number_reads_back(p_n numeric) RETURNS boolean
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
+DECLARE
+    v_abs numeric := abs(p_n);
+    v_text text := abs(p_n)::text;
+    v_frac text := split_part(abs(p_n)::text, '.', 2);
+    v_k integer;     -- significant digits of p_n
+    v_lead integer;  -- p_n's first significant digit is at 10^v_lead
+    v_f double precision;
+    v_s numeric;
+    v_cut numeric;
+BEGIN
+    IF v_abs = 0 OR (scale(p_n) = 0 AND p_n BETWEEN -9223372036854775808
+                                                AND 18446744073709551615) THEN
+        RETURN true;
+    END IF;
+    v_k := length(rtrim(ltrim(replace(v_text, '.', ''), '0'), '0'));
+    IF v_k <= 15 AND v_abs BETWEEN 2.2250738585072014e-308 AND 1.7976931348623157e308 THEN
+        RETURN true;
+    END IF;
+    v_f := __schema__.float8_or_null(v_abs);
+    IF v_f IS NULL THEN
+        RETURN false;
+    END IF;
+    v_s := v_f::text::numeric;
+    IF v_s <> v_abs
+       AND v_k >= length(rtrim(ltrim(replace(v_s::text, '.', ''), '0'), '0')) THEN
+        RETURN false;
+    END IF;
+    IF v_k = 1 THEN
+        RETURN true;
+    END IF;
+    v_lead := CASE WHEN v_abs >= 1 THEN length(split_part(v_text, '.', 1)) - 1
+                   ELSE length(ltrim(v_frac, '0')) - length(v_frac) - 1 END;
+    v_cut := trunc(v_abs, v_k - 2 - v_lead);  -- p_n cut to k - 1 significant digits
+    RETURN NOT (__schema__.float8_or_null(v_cut) IS NOT DISTINCT FROM v_f
+                OR __schema__.float8_or_null(v_cut + ('1e' || (v_lead - v_k + 2))::numeric)
+                   IS NOT DISTINCT FROM v_f);
+END
+$$;
+
+-- name: undecodable_number
+-- The first number in p_value that does not read back unchanged (number_reads_back), or
+-- NULL when there is none. Only numbers that are not integers of at most 2^53 in magnitude
+-- are looked at (one jsonpath pass finds them): those always read back.
 CREATE OR REPLACE FUNCTION __schema__.undecodable_number(p_value jsonb) RETURNS numeric
-LANGUAGE sql IMMUTABLE PARALLEL SAFE SET extra_float_digits = 1 AS $$
-    SELECT c.n
-      FROM (SELECT j::numeric AS n
-              FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
-                        @ != @.floor() || @ < -9223372036854775808
-                        || @ > 18446744073709551615))') AS j) AS c
-     CROSS JOIN LATERAL (
-            SELECT CASE WHEN abs(c.n) > 1.7976931348623157e308
-                          OR abs(c.n) <= 2.4703282292062328e-324 THEN NULL
-                        ELSE c.n::float8::text::numeric END AS s) AS f
-     CROSS JOIN LATERAL (
-            SELECT length(trim(BOTH '0' FROM replace(abs(c.n)::text, '.', ''))) AS n_digits,
-                   length(trim(BOTH '0' FROM replace(abs(f.s)::text, '.', ''))) AS s_digits
-         ) AS d
-     WHERE CASE WHEN abs(c.n) > 1.7976931348623157e308 THEN true       -- overflows
-                WHEN abs(c.n) <= 2.4703282292062328e-324 THEN c.n <> 0  -- underflows to 0
-                ELSE f.s <> c.n AND d.n_digits >= d.s_digits END        -- loses digits
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT j::numeric
+      FROM jsonb_path_query(p_value, 'strict $.** ? (@.type() == "number" && (
+                @ != @.floor() || @ < -9007199254740992 || @ > 9007199254740992))') AS j
+     WHERE NOT __schema__.number_reads_back(j::numeric)
      LIMIT 1
 $$;
 
@@ -117,7 +168,7 @@ BEGIN
             USING ERRCODE = 'KS007';
     END IF;
     IF jsonb_path_exists(p_value, 'strict $.** ? (@.type() == "number" && (
-            @ != @.floor() || @ < -9223372036854775808 || @ > 18446744073709551615))') THEN
+            @ != @.floor() || @ < -9007199254740992 || @ > 9007199254740992))') THEN
         v_bad := __schema__.undecodable_number(p_value);
         IF v_bad IS NOT NULL THEN
             v_shown := v_bad::text;
@@ -134,8 +185,13 @@ END
 $$;
 
 -- name: submit
--- submit(): the same signature as 0004; every argument is checked before anything is
--- written. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
+-- submit(): every argument is checked before anything is written. p_start_at (migration
+-- 0015) is the time before which it is not claimed, as the database clock reads it; give it
+-- or p_delay_s (seconds from now), not both. An idempotency key covers the whole request:
+-- the same key with other arguments, queue, priority, timeout, delay, start time, dedup key
+-- or on_duplicate is refused (KS001), never answered with the first execution. Keys
+-- stored before 0015 hold the digest of the arguments only ('v2:' marks the whole-request
+-- digest), and are compared on those. A child (p_parent) takes a KEY SHARE lock on its parent's row and is refused when
 -- the parent is being cancelled or has finished. The lock conflicts with cancel()'s FOR
 -- UPDATE and with the DELETE that finishes the parent, so either the child commits first and
 -- cancel() (which walks the tree after taking its locks) sees it, or cancel() commits first
@@ -152,11 +208,14 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
     p_timeout_s double precision DEFAULT NULL,
     p_delay_s double precision DEFAULT NULL,
     p_dedup_key text DEFAULT NULL,
-    p_on_duplicate text DEFAULT 'return'
+    p_on_duplicate text DEFAULT 'return',
+    p_start_at timestamptz DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id uuid := coalesce(p_id, gen_random_uuid());
+    v_delay_s double precision := p_delay_s;
+    v_digest text;
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_live uuid;
     v_cancelling boolean;
@@ -179,9 +238,15 @@ BEGIN
         RAISE EXCEPTION 'timeout must be positive and at most 3155760000 seconds (100 years), got %',
             p_timeout_s USING ERRCODE = 'KS002';
     END IF;
-    IF p_delay_s IS NOT NULL AND NOT (p_delay_s >= 0 AND p_delay_s <= 3155760000) THEN
+    IF p_start_at IS NOT NULL THEN
+        IF p_delay_s IS NOT NULL THEN
+            RAISE EXCEPTION 'give delay or start_at, not both' USING ERRCODE = 'KS002';
+        END IF;
+        v_delay_s := greatest(0, extract(epoch FROM p_start_at - __schema__.kestrel_now()));
+    END IF;
+    IF v_delay_s IS NOT NULL AND NOT (v_delay_s >= 0 AND v_delay_s <= 3155760000) THEN
         RAISE EXCEPTION 'delay must be between 0 and 3155760000 seconds (100 years), got %',
-            p_delay_s USING ERRCODE = 'KS002';
+            v_delay_s USING ERRCODE = 'KS002';
     END IF;
     IF p_on_duplicate IS NULL OR p_on_duplicate NOT IN ('return', 'reject') THEN
         RAISE EXCEPTION 'on_duplicate must be return or reject, got %',
@@ -216,15 +281,22 @@ BEGIN
         END IF;
     END IF;
     IF p_idempotency_key IS NOT NULL THEN
+        -- The request as sent (p_start_at as an instant, whatever the session's time zone).
+        v_digest := 'v2:' || md5(jsonb_build_array(
+            p_args, p_queue, p_priority, p_timeout_s, p_delay_s,
+            extract(epoch FROM p_start_at), p_dedup_key, p_on_duplicate)::text);
         INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
-        VALUES (p_idempotency_key, v_id, p_workflow, md5(p_args::text))
+        VALUES (p_idempotency_key, v_id, p_workflow, v_digest)
         ON CONFLICT (idempotency_key) DO NOTHING;
         IF NOT FOUND THEN
             -- ON CONFLICT waited for the other inserter to commit, so this read sees its row.
             SELECT * INTO v_existing FROM __schema__.idempotency_keys
              WHERE idempotency_key = p_idempotency_key;
-            IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> md5(p_args::text) THEN
-                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments',
+            IF left(v_existing.args_digest, 3) <> 'v2:' THEN  -- stored before 0015
+                v_digest := md5(p_args::text);
+            END IF;
+            IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> v_digest THEN
+                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments or options (workflow, queue, priority, timeout, delay, start time, dedup key)',
                     p_idempotency_key, v_existing.execution_id
                     USING ERRCODE = 'KS001';
             END IF;
@@ -237,9 +309,9 @@ BEGIN
                 dedup_key, status, wake_at)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
                 __schema__.kestrel_now() + make_interval(secs => p_timeout_s), p_dedup_key,
-                CASE WHEN p_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
-                CASE WHEN p_delay_s > 0
-                     THEN __schema__.kestrel_now() + make_interval(secs => p_delay_s) END)
+                CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
+                CASE WHEN v_delay_s > 0
+                     THEN __schema__.kestrel_now() + make_interval(secs => v_delay_s) END)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;
         -- A live execution holds the dedup key (ON CONFLICT waited for it to commit).

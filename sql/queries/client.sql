@@ -1,7 +1,7 @@
 -- name: submit
 SELECT __schema__.submit(%(workflow)s, %(args)s::jsonb, %(queue)s, %(priority)s,
                          %(idempotency_key)s, %(id)s, %(parent)s, %(timeout_s)s,
-                         %(delay_s)s, %(dedup_key)s, %(on_duplicate)s);
+                         %(delay_s)s, %(dedup_key)s, %(on_duplicate)s, %(start_at)s);
 
 -- name: signal
 SELECT __schema__.signal(%(id)s, %(name)s, %(payload)s::jsonb, %(idempotency_key)s);

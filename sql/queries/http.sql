@@ -17,17 +17,61 @@ SELECT id, name, scopes, created_at, revoked_at
  ORDER BY created_at, id;
 
 -- name: revoke_token
--- By id or by name; only a live token. Returns the ids revoked.
-UPDATE __schema__.http_tokens
-   SET revoked_at = __schema__.kestrel_now()
- WHERE (id = %(key)s OR name = %(key)s) AND revoked_at IS NULL
-RETURNING id;
+-- By id, or by name when no live token has that id: one live token at most (a key that is
+-- one token's id and another's name revokes the token with that id only). Returns the id
+-- revoked. Its UI sessions end with it (they are looked up through the live token).
+WITH by_id AS (
+    UPDATE __schema__.http_tokens
+       SET revoked_at = __schema__.kestrel_now()
+     WHERE id = %(key)s AND revoked_at IS NULL
+    RETURNING id
+), by_name AS (
+    UPDATE __schema__.http_tokens AS t
+       SET revoked_at = __schema__.kestrel_now()
+     WHERE t.name = %(key)s AND t.revoked_at IS NULL
+       AND NOT EXISTS (SELECT 1 FROM __schema__.http_tokens AS i
+                        WHERE i.id = %(key)s AND i.revoked_at IS NULL)
+    RETURNING t.id
+)
+SELECT id FROM by_id
+UNION ALL
+SELECT id FROM by_name;
 
 -- name: get_token
 -- A live token by its public id: its scopes and the hash of its secret.
 SELECT name, scopes, secret_hash
   FROM __schema__.http_tokens
  WHERE id = %(id)s AND revoked_at IS NULL;
+
+-- name: create_session
+-- A web UI session of a live token (kestrel/http/ui.py): only the hash of its secret is
+-- stored. Expired sessions are deleted on the way (a login is rare; the index finds them).
+WITH expired AS (
+    DELETE FROM __schema__.ui_sessions WHERE expires_at < __schema__.kestrel_now()
+)
+INSERT INTO __schema__.ui_sessions (secret_hash, token_id, expires_at)
+SELECT %(secret_hash)s, t.id, __schema__.kestrel_now() + make_interval(secs => %(ttl_s)s)
+  FROM __schema__.http_tokens AS t
+ WHERE t.id = %(token_id)s AND t.revoked_at IS NULL
+RETURNING expires_at;
+
+-- name: get_session
+-- A live session: not expired, not ended, and its token not revoked. The token's id, name
+-- and scopes (read now, so a changed token changes its sessions at once).
+SELECT t.id, t.name, t.scopes
+  FROM __schema__.ui_sessions AS s
+  JOIN __schema__.http_tokens AS t ON t.id = s.token_id AND t.revoked_at IS NULL
+ WHERE s.secret_hash = %(secret_hash)s AND s.expires_at > __schema__.kestrel_now();
+
+-- name: end_session
+-- Logout: the session is gone on the server, whatever the browser keeps. Sent again, it
+-- deletes nothing and is still done.
+DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
+
+-- name: fork_source
+-- What the fork with this id copied (execution and step), if it exists: an HTTP fork sent
+-- again under the same Idempotency-Key is answered from this (kestrel/http/app.py).
+SELECT forked_from, from_step FROM __schema__.forks WHERE id = %(id)s;
 
 -- name: page_executions
 -- Newest first, live and finished, filtered (NULL = any), after a keyset cursor

@@ -103,8 +103,12 @@ class ClientBase:
         if start_at is not None:
             if start_at.tzinfo is None:
                 raise ConfigError("start_at must be timezone-aware")
-            # Relative to this machine's clock; the database clock then holds the wake time.
-            delay = max(0.0, (start_at - datetime.now(start_at.tzinfo)).total_seconds())
+            # Sent as it is (an idempotency key covers it as sent) and read by the database
+            # clock; checked here against this machine's clock for the 100-year bound.
+            ahead = (start_at - datetime.now(start_at.tzinfo)).total_seconds()
+            if ahead > MAX_SECONDS:
+                raise ConfigError(f"start_at must be at most {MAX_SECONDS} seconds (100 "
+                                  f"years) ahead, got {start_at.isoformat()}")
         if delay is not None and not 0 <= delay <= MAX_SECONDS:
             raise ConfigError(f"delay must be between 0 and {MAX_SECONDS} seconds (100 "
                               f"years), got {delay}")
@@ -119,7 +123,8 @@ class ClientBase:
                                max_bytes=self._max_bytes)
         return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
                                 idempotency_key=key, timeout_s=timeout, delay_s=delay,
-                                dedup_key=dedup_key, on_duplicate=on_duplicate)
+                                dedup_key=dedup_key, on_duplicate=on_duplicate,
+                                start_at=start_at)
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:

@@ -549,9 +549,13 @@ def _client(cfg: Config) -> tuple[Any, Any]:
 
 
 def _json_arg(text: str, flag: str) -> Any:
+    """*text* read by the decoder of every door (:func:`kestrel.codec.decode_exact`): a
+    number that would not reach the workflow unchanged is refused, never rounded."""
+    from kestrel import codec
+
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
+        return codec.decode_exact(text)
+    except ValueError as exc:
         raise ConfigError(f"{flag} is not valid JSON: {exc}") from None
     except RecursionError:
         raise ConfigError(f"{flag} is not valid JSON: nested too deeply") from None

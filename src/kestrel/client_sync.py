@@ -113,7 +113,8 @@ class SyncClient(ClientBase):
         *conn*, written in that connection's transaction).
 
         *priority*: higher first within the queue. *timeout*: seconds after which the
-        execution ends failed. *delay* (seconds) or *start_at*: not claimed before then.
+        execution ends failed. *delay* (seconds) or *start_at* (a time, as the database clock
+        reads it): not claimed before then.
         *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
         live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
 
@@ -125,7 +126,8 @@ class SyncClient(ClientBase):
             SerializationError: the workflow name or a key is empty, too long or holds NUL
                 or a lone surrogate; an argument cannot round-trip through JSON.
             PayloadTooLarge: the encoded arguments are over ``max_payload_bytes``.
-            IdempotencyConflict: *idempotency_key* belongs to an execution with other args.
+            IdempotencyConflict: *idempotency_key* belongs to an execution submitted with
+                other arguments or options (the key covers the whole call but ``conn``).
             DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject".
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,

@@ -3,8 +3,14 @@
 Values are stored as ``jsonb``. A value is accepted only if it survives the trip: orjson
 rejects sets, arbitrary objects, lone surrogates, integers beyond 64 bits and nesting deeper
 than its limit; this module also rejects what orjson would silently change (``NaN`` and
-``±Infinity`` become ``null``) and what ``jsonb`` refuses (``\\u0000`` in a string), and
-anything over the size cap. The check happens before anything is written.
+``±Infinity`` become ``null``), what ``jsonb`` would (``-0.0`` becomes ``0.0``) and what it
+refuses (``\\u0000`` in a string), and anything over the size cap. The check happens before
+anything is written.
+
+JSON text from elsewhere (HTTP bodies and webhooks, the CLI's ``--args``, arguments submitted
+through SQL) is read with :func:`decode_exact`, which holds the one number rule of every door:
+a number is accepted only if orjson reads it and writes the same number back (the SQL
+function ``number_reads_back`` holds the same rule for the SQL door).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -57,12 +64,16 @@ def encode(value: Any, *, what: str, max_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES)
         raise SerializationError(
             f"{what} contains a NUL character (\\u0000), which PostgreSQL jsonb cannot store"
         )
-    # orjson writes NaN and ±Infinity as null: a value that changes on the way in must be
-    # refused, not stored. Only floats can do that, so only look when a null was written.
-    if b"null" in data:
-        bad = _find_non_finite(value)
+    # orjson writes NaN and ±Infinity as null, and jsonb stores -0.0 as 0.0: a value that
+    # changes on the way in must be refused, not stored. Only floats can do that, so only
+    # look when a null or a -0.0 was written.
+    if b"null" in data or b"-0.0" in data:
+        bad = _find_unstorable(value)
         if bad is not None:
-            raise SerializationError(f"{what} contains {bad}, which JSON cannot represent")
+            raise SerializationError(f"{what} contains {bad}, which JSON cannot represent"
+                                     if bad != "-0.0" else
+                                     f"{what} contains -0.0, which is stored as 0.0 (jsonb "
+                                     "has one zero); add 0.0 to it to store 0.0")
     return data.decode()
 
 
@@ -126,40 +137,95 @@ def decode(data: str | bytes) -> Any:
     return orjson.loads(data)
 
 
-# A run of 19 digits is the shortest that can leave orjson's integers (below -2**63).
-_LONG_DIGITS = re.compile(rb"\d{19,}")
+# Where a number may not read back unchanged: a run of 16 or more digits (and points), an
+# exponent, or a negative zero. Numbers without any of these (at most 15 significant digits,
+# between 1e-15 and 1e15) always do, so most text is read by orjson alone.
+_LONG_RUN = re.compile(rb"[0-9.]{16,}")
+_EXPONENT = re.compile(rb"[0-9][eE]")
+_NEGATIVE_ZERO = re.compile(rb"-0(?:\.0*)?(?![0-9.eE])")
+
+NUMBER_RULE = ("integers must lie in [-2^63, 2^64 - 1], other numbers must be finite float64 "
+               "values in their shortest form")
+"""The one number rule of every door, as its refusals state it."""
 
 
-def decode_exact(data: str) -> Any:
-    """Parse JSON text that may not have been written by this codec (arguments submitted
-    through SQL) and refuse what would not decode unchanged: numbers beyond double range
-    (orjson raises) and integers beyond 64 bits that a double cannot hold exactly (orjson
-    would round them silently). ``1e20``, which jsonb stores as a 21-digit integer, is
-    exact and accepted.
+def decode_exact(data: str | bytes) -> Any:
+    """Parse JSON text that was not written by this codec (HTTP bodies and webhooks, the
+    CLI's ``--args`` and ``--payload``, arguments submitted through SQL) and refuse any
+    number that orjson would not write back as the same number: an integer beyond
+    [-2^63, 2^64 - 1] that is not a float64 in its shortest form (2^64, 2^70), digits a
+    float64 cannot hold (0.12345678901234567890, 1.0000000000000000000001), underflow
+    (1e-400) and overflow (1e400). ``1e20`` and ``18446744073709552000`` are accepted: each
+    is the float64 it reads as, written in its shortest form. Numbers read as jsonb stores
+    them: one with no digits after the point once its exponent is applied (``1e2``,
+    ``1.5e1``) is an integer, and a negative zero (``-0.0``) is ``0.0``.
+
+    The SQL function ``number_reads_back`` (sql/functions) holds exactly the same rule, so
+    what one door accepts every door accepts, and the worker decodes it unchanged.
 
     Raises:
-        ValueError: the text holds such a number (orjson.JSONDecodeError is a ValueError).
+        ValueError: the text is not JSON or holds such a number (orjson.JSONDecodeError is
+            a ValueError).
+        RecursionError: nested too deeply for the exact check.
     """
-    value = orjson.loads(data)
-    if _LONG_DIGITS.search(data.encode()):
-        json.loads(data, parse_int=_exact_int)  # the slow check, only when it can matter
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        if "infinity" not in str(exc):
+            raise
+        raise ValueError(f"a number is beyond a float64 ({exc}): {NUMBER_RULE}") from None
+    raw = data.encode() if isinstance(data, str) else data
+    if _suspect(raw):  # the slow check, only when it can matter
+        return json.loads(raw, parse_int=_exact_number, parse_float=_exact_number,
+                          parse_constant=_no_constant)
     return value
 
 
-def _exact_int(text: str) -> int:
-    n = int(text)
-    if (n >= 2**64 and float(n) != n) or (n < -(2**63) and float(n) != n):
-        raise ValueError(f"the integer {text[:40]} has more than 64 bits and no exact double")
-    return n
+def _suspect(raw: bytes) -> bool:
+    if (b"e" in raw or b"E" in raw) and _EXPONENT.search(raw):
+        return True
+    if b"-0" in raw and _NEGATIVE_ZERO.search(raw):
+        return True
+    for match in _LONG_RUN.finditer(raw):
+        run = match.group()
+        # 16 to 18 digits alone: an integer within 64 bits, read exactly.
+        if len(run) > 18 or not run.isdigit():
+            return True
+    return False
 
 
-def _find_non_finite(value: Any) -> str | None:
+def _exact_number(text: str) -> int | float:
+    # Read as jsonb stores it: a number with no digits after the point once its exponent is
+    # applied (12, 1e2, 1.5e1) is an integer, exact within 64 bits; any other is a float64.
+    if "e" in text or "E" in text:
+        number = Decimal(text)
+        exponent = number.as_tuple().exponent
+        if isinstance(exponent, int) and exponent >= 0 and -(2**63) <= number <= 2**64 - 1:
+            return int(number)
+    elif "." not in text and len(text) <= 20 and -(2**63) <= (n := int(text)) <= 2**64 - 1:
+        return n
+    value = float(text)  # correctly rounded, as orjson reads it
+    if math.isfinite(value):
+        written = orjson.dumps(value).decode()
+        if written == text or Decimal(written) == Decimal(text):
+            return value + 0.0  # -0.0 reads as 0.0, as jsonb stores it
+    shown = text if len(text) <= 40 else f"{text[:20]}…{text[-12:]} ({len(text)} chars)"
+    raise ValueError(f"the number {shown} would not read back unchanged: {NUMBER_RULE}")
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _find_unstorable(value: Any) -> str | None:
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, float):
             if not math.isfinite(item):
                 return repr(item)
+            if item == 0.0 and math.copysign(1.0, item) < 0:
+                return "-0.0"
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list | tuple):

@@ -100,6 +100,10 @@ class Queries:
     list_tokens: str
     revoke_token: str
     get_token: str
+    create_session: str
+    get_session: str
+    end_session: str
+    fork_source: str
     page_executions: str
     get_wait: str
     list_events: str

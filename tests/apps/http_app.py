@@ -47,3 +47,12 @@ async def approval(ctx: kestrel.Context, alert: Any) -> dict[str, Any]:
 async def fails(ctx: kestrel.Context) -> None:
     """Fails at its only step: something to retry."""
     await ctx.step(explode)
+
+
+@kestrel.workflow(name="http.number")
+async def number(ctx: kestrel.Context, value: Any) -> dict[str, str]:
+    """The number it was given, exactly as it arrived: its repr and type (a webhook's body
+    holds it under "n")."""
+    if isinstance(value, dict):
+        value = value["n"]
+    return {"repr": repr(value), "type": type(value).__name__}

@@ -285,7 +285,7 @@ def test_s2_s5_no_token_secret_or_payload_in_logs_or_metrics(server: dict[str, A
         assert eid not in text, where
     assert "kestrel_workflows_submitted_total" in metrics
     # The log was at its most verbose: requests are there, by route template only.
-    assert "POST /api/v1/workflows/{workflow}/submit 200" in log
+    assert "POST /api/v1/workflows/{workflow}/submit 201" in log
     assert "POST /hooks/{name} 401" in log
 
 

@@ -48,7 +48,7 @@ def test_s1_over_tls_the_session_cookie_is_secure(pg_dsn: str, schema: str,
         assert reply.status == 303, reply.body
         attrs = [a.strip().lower() for a in reply.headers["set-cookie"].split(";")]
         assert "secure" in attrs and "httponly" in attrs and "samesite=strict" in attrs
-        ui.cookie = token
+        ui.cookie = reply.headers["set-cookie"].split(";")[0].partition("=")[2]
         assert ui.get("/ui/").status == 200
         cross = ui.post_form("/ui/login", {"token": token},
                              headers={"Origin": f"http://localhost:{port}"})

@@ -123,3 +123,39 @@ def test_check_text_limits_characters_and_utf8_bytes(text: str, ok: bool) -> Non
     else:
         with pytest.raises(SerializationError):
             codec.check_text(text, what="name")
+
+
+# -- issue 26: one number rule for text from every door --------------------------------------
+
+@pytest.mark.parametrize("text", [
+    str(2**64), str(2**70), str(-(2**64)), "0.12345678901234567890", "1e-400",
+    "1.0000000000000000000001", "9007199254740993.0", "1e400", "-1e400", "2e-324",
+    "18446744073709551617", "1234567890123456789e-5",
+])
+def test_decode_exact_refuses_numbers_that_would_not_read_back(text: str) -> None:
+    """Before the fix 2^64 and 2^70 were read as floats (and failed in the worker), and the
+    decimals were rounded (1e-400 to 0.0)."""
+    for body in (f"[{text}]", f'{{"args": [{{"deep": [{text}]}}]}}'):
+        with pytest.raises(ValueError):
+            codec.decode_exact(body)
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("18446744073709552000", 1.8446744073709552e19),  # 2^64's float64, shortest form
+    ("18446744073709551615", 2**64 - 1), ("-9223372036854775808", -(2**63)),
+    ("1e20", 1e20), ("1e23", 1e23), ("5e-324", 5e-324), ("0.30000000000000004", 0.1 + 0.2),
+    ("1E2", 100), ("1.5e1", 15), ("1.50e1", 15.0), ("123456789012345678", 123456789012345678),
+])
+def test_decode_exact_reads_numbers_as_jsonb_stores_them(text: str, value: object) -> None:
+    got = codec.decode_exact(f"[{text}]")[0]
+    assert got == value and type(got) is type(value)
+
+
+def test_negative_zero_reads_as_zero_and_is_refused_when_encoded() -> None:
+    """jsonb has one zero: text -0.0 reads as 0.0 (what the worker will see); a Python -0.0
+    cannot be stored as itself, so it is refused, like NaN."""
+    got = codec.decode_exact('[-0.0, -0, "-0.0"]')
+    assert got == [0.0, 0, "-0.0"] and str(got[0]) == "0.0"
+    with pytest.raises(SerializationError, match=r"-0\.0"):
+        codec.encode([1, {"x": -0.0}], what=WHAT)
+    assert codec.encode([0.0, "-0.0", -0.5], what=WHAT) == '[0.0,"-0.0",-0.5]'

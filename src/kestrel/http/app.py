@@ -256,8 +256,11 @@ async def check_token(app: Starlette, token: str, scope: str) -> auth.Caller:
 
 
 async def submit(request: Request) -> Response:
-    """Start an execution of ``{workflow}``; an ``Idempotency-Key`` header makes it
-    idempotent (the same key and arguments return the same execution)."""
+    """Start an execution of ``{workflow}``: 201 with its id. An ``Idempotency-Key`` header
+    makes it idempotent: the same key and the same body answer 200 with the execution the
+    first request started (also when a ``dedup_key`` returned a live one), the same key with
+    another body 409. The key covers every field (args, queue, priority, timeout, delay,
+    dedup_key) and the workflow."""
     await require(request, "submit")
     state = request.app.state
     name = request.path_params["workflow"]
@@ -269,16 +272,17 @@ async def submit(request: Request) -> Response:
     if not isinstance(args, list):
         raise ApiError(400, "args must be a JSON array")
     priority = body.get("priority", 0)
-    handle = await state.client.submit(
+    eid, created = await state.client.submit_created(
         name, *args, queue=_text(body, "queue", "default"), priority=priority,
         idempotency_key=_header_key(request), timeout=_number(body, "timeout"),
         delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"))
-    return ok({"id": str(handle.id), "workflow": name})
+    return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
 
 
 async def signal(request: Request) -> Response:
     """Send a signal (``name``, ``payload``) to an execution, at most once per
-    ``Idempotency-Key``."""
+    ``Idempotency-Key``: sent again, ``delivered`` is false (the first signal sent under a
+    key is the one delivered)."""
     await require(request, "operate")
     eid = execution_id(request)
     body = _object(await read_json(request), ("name", "payload"))
@@ -325,16 +329,60 @@ async def retry(request: Request) -> Response:
 
 
 async def fork(request: Request) -> Response:
-    """Start a new execution that reuses the first ``from_step`` checkpoints."""
+    """Start a new execution that reuses the first ``from_step`` checkpoints: 201 with its
+    id. With an ``Idempotency-Key`` the same key and body answer 200 with the fork the first
+    request made; the same key for another execution or step, 409."""
     await require(request, "operate")
     eid = execution_id(request)
     body = _object(await read_json(request), ("from_step",))
     step = body.get("from_step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
         raise ApiError(400, "from_step must be an integer in [0, 2^31)")
-    handle = await request.app.state.client.fork(eid, step,
-                                                 idempotency_key=_header_key(request))
-    return ok({"id": str(handle.id), "forked_from": str(eid), "from_step": step})
+    key = _header_key(request)
+    if key is None:
+        handle = await request.app.state.client.fork(eid, step)
+        return ok({"id": str(handle.id), "forked_from": str(eid), "from_step": step}, 201)
+    new, created = await keyed_fork(request.app, eid, step, key)
+    return ok({"id": str(new), "forked_from": str(eid), "from_step": step},
+              201 if created else 200)
+
+
+FORK_KEYS = uuid.UUID("5b0e3f4c-1d0a-4c57-9a53-2f1e8d1c6a26")
+"""The namespace of the fork ids made from Idempotency-Keys (uuid5)."""
+
+
+async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
+                     key: str) -> tuple[uuid.UUID, bool]:
+    """Fork *eid* from *step* under Idempotency-Key *key*: the fork's id is made from the
+    key, so the SQL function fork() returns the same fork when the request is sent again.
+    Returns its id and whether this request made it.
+
+    Raises:
+        ApiError: 409 when the key was used for a fork of another execution or step.
+    """
+    new = uuid.uuid5(FORK_KEYS, key)
+
+    async def made_before() -> bool:
+        source = await app.state.client.read(store.fork_source(app.state.q, id=new))
+        if source is None:
+            return False
+        if source != (eid, step):
+            raise ApiError(409, f"Idempotency-Key {codec.printable(key, 80)!r} was used for "
+                                f"the fork of {source[0]} from step {source[1]}")
+        return True
+
+    if await made_before():
+        return new, False
+    try:
+        # fork() with a caller-chosen id (the statement the client's fork() runs).
+        await app.state.client.read(db.value(app.state.q.fork, {
+            "id": eid, "from_step": step, "new_id": new, "idempotency_key": None}))
+    except (IdempotencyConflict, psycopg.errors.UniqueViolation):
+        # The same key sent twice at once: the other request made the fork first.
+        if await made_before():
+            return new, False
+        raise
+    return new, True
 
 
 _CURSOR = re.compile(r"[A-Za-z0-9_-]{1,200}")
@@ -658,6 +706,13 @@ class Endpoint:
     pool: str = "api"
     """Whose database connections it uses: ``api`` (shared with the web UI) or ``hooks``
     (``--http-hook-pool-size`` of its own, so neither kind of traffic starves the other)."""
+    answers: tuple[tuple[str, str], ...] = (("200", "OK"),)
+    """Its success statuses and what each means (the OpenAPI document's responses)."""
+
+
+_CREATED = (("201", "Created: this request started it."),
+            ("200", "An idempotent replay: a request with the same Idempotency-Key and body "
+                    "started it before; nothing new was started."))
 
 
 _ARGS_BODY = {"type": "object", "additionalProperties": False, "properties": {
@@ -672,7 +727,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              tags=("workflows",)),
     Endpoint("POST", f"{API}/workflows/{{workflow}}/submit", submit, "submit",
              "Submit an execution.", body=_ARGS_BODY, headers=("Idempotency-Key",),
-             tags=("workflows",)),
+             tags=("workflows",), answers=_CREATED),
     Endpoint("GET", f"{API}/executions", list_executions, "read",
              "List executions, newest first (keyset pages).", query=LIST_PARAMS),
     Endpoint("GET", f"{API}/executions/{{id}}", get_execution, "read",
@@ -682,7 +737,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                                      "additionalProperties": False,
                                      "properties": {"name": {"type": "string"},
                                                     "payload": {}}},
-             headers=("Idempotency-Key",)),
+             headers=("Idempotency-Key",),
+             answers=(("200", "Sent (delivered: true), or already sent under the same "
+                              "Idempotency-Key (delivered: false)."),)),
     Endpoint("POST", f"{API}/executions/{{id}}/cancel", cancel, "operate",
              "Cancel it and its live children."),
     Endpoint("POST", f"{API}/executions/{{id}}/retry", retry, "operate",
@@ -692,7 +749,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "Start a new execution from its first from_step checkpoints.",
              body={"type": "object", "required": ["from_step"], "additionalProperties": False,
                    "properties": {"from_step": {"type": "integer", "minimum": 0}}},
-             headers=("Idempotency-Key",)),
+             headers=("Idempotency-Key",), answers=_CREATED),
     Endpoint("GET", f"{API}/queues", list_queues, "read", "Queues: depth and limits.",
              tags=("queues",)),
     Endpoint("GET", f"{API}/schedules", list_schedules, "read", "Cron schedules.",
@@ -765,7 +822,8 @@ POOL: ContextVar[str] = ContextVar("kestrel_http_pool", default="api")
 
 
 class HttpClient(Client):
-    """The kestrel client with one more call, :meth:`read` (the door's own reads), and a
+    """The kestrel client with two more calls, :meth:`read` (the door's own reads) and
+    :meth:`submit_created` (which tells a new execution from an idempotent replay), and a
     second pool of ``hook_pool_size`` connections for the webhooks' statements (those run
     while :data:`POOL` is ``hooks``): a burst of deliveries cannot take the API's and the
     web UI's connections, nor they the hooks'."""
@@ -794,6 +852,21 @@ class HttpClient(Client):
             await self._hooks.close()
         finally:
             await super().close()
+
+    async def submit_created(self, wf: str, *args: Any, queue: str = "default",
+                             priority: int = 0, idempotency_key: str | None = None,
+                             timeout: float | None = None, delay: float | None = None,
+                             dedup_key: str | None = None) -> tuple[uuid.UUID, bool]:
+        """:meth:`submit`, returning the execution's id and whether this call started it:
+        the id is chosen here, so any other id returned is an execution started before
+        (the same idempotency key, or a live one holding the dedup key)."""
+        params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
+                                     delay, None, dedup_key, "return")
+        params["id"] = chosen = uuid.uuid4()
+        eid = await self._run(db.value(self._q.submit, params, key=idempotency_key))
+        if eid == chosen:
+            count_submitted(params["workflow"])
+        return eid, eid == chosen
 
 
 def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,

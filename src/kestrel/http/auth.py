@@ -25,6 +25,10 @@ from kestrel.errors import ConfigError
 
 SCOPES = ("read", "operate", "submit")
 TOKEN = re.compile(r"kst_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
+TOKEN_ID = re.compile(r"[0-9a-f]{16}")
+SESSION = re.compile(r"kss_([A-Za-z0-9_-]{43})")
+"""A web UI session cookie: ``kss_<secret>`` (256 random bits), never a token: the API does
+not take it, and the server keeps only its SHA-256 (``ui_sessions``)."""
 _DUMMY_HASH = hashlib.sha256(b"no such token").digest()
 
 
@@ -80,7 +84,22 @@ def check_name(name: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.:@-]{1,128}", name):
         raise ConfigError(f"token name {codec.printable(name, 80)!r}: use 1-128 of "
                           "A-Z a-z 0-9 _ . : @ -")
+    if TOKEN_ID.fullmatch(name):
+        raise ConfigError(f"token name {name!r} looks like a token id (16 hex digits), "
+                          "which `token revoke` would take for one; choose another")
     return name
+
+
+def new_session() -> tuple[str, bytes]:
+    """A fresh UI session: the cookie value (``kss_…``) and the hash the server stores."""
+    secret = secrets.token_urlsafe(32)
+    return f"kss_{secret}", _hash(secret)
+
+
+def session_hash(cookie: str | None) -> bytes | None:
+    """The stored hash of a session cookie, or None when *cookie* is not one."""
+    match = SESSION.fullmatch(cookie or "")
+    return _hash(match.group(1)) if match else None
 
 
 def split(header: str | None) -> tuple[str, str] | None:

@@ -13,6 +13,13 @@ SCOPE_NOTE = {
     "submit": "Bearer token with the `submit` scope.",
 }
 
+HEADER_NOTE = {
+    "Idempotency-Key": ("Makes the request idempotent: sent again with the same key and the "
+                        "same body, it answers with what the first request did (200) "
+                        "instead of doing it again; the same key with another body is "
+                        "refused (409). The key covers every field of the body."),
+}
+
 _ERROR = {"description": "Refused; nothing was written.", "content": {"application/json": {
     "schema": {"type": "object", "properties": {"error": {"type": "string"}},
                "required": ["error"]}}}}
@@ -26,7 +33,8 @@ def document(endpoints: Iterable[Any]) -> dict[str, Any]:
             "summary": e.summary,
             "description": f"{(e.handler.__doc__ or '').strip()}\n\n{SCOPE_NOTE[e.scope]}",
             "tags": list(e.tags),
-            "responses": {"200": {"description": "OK", "content": {"application/json": {}}},
+            "responses": {**{code: {"description": text, "content": {"application/json": {}}}
+                             for code, text in e.answers},
                           **{code: _ERROR for code in _codes(e)}},
         }
         if e.scope is not None:
@@ -36,6 +44,7 @@ def document(endpoints: Iterable[Any]) -> dict[str, Any]:
         params += [{"name": name, "in": "query", "required": False,
                     "schema": {"type": "string"}} for name in e.query]
         params += [{"name": name, "in": "header", "required": False,
+                    "description": HEADER_NOTE.get(name, ""),
                     "schema": {"type": "string"}} for name in e.headers]
         if params:
             op["parameters"] = params

@@ -52,6 +52,34 @@ def get_token(q: Queries, *, id: str) -> Stmt[tuple[str, list[str], bytes] | Non
                 else None)
 
 
+def create_session(q: Queries, *, secret_hash: bytes, token_id: str,
+                   ttl_s: float) -> Stmt[datetime | None]:
+    """Store a UI session of live token *token_id* (its secret only as a hash) lasting
+    *ttl_s* seconds; when it expires, or None when the token is no longer live."""
+    return Stmt(q.create_session, {"secret_hash": secret_hash, "token_id": token_id,
+                                   "ttl_s": ttl_s},
+                lambda rows: rows[0][0] if rows else None)
+
+
+def get_session(q: Queries, *, secret_hash: bytes,
+                ) -> Stmt[tuple[str, str, list[str]] | None]:
+    """A live session by the hash of its secret: its token's (id, name, scopes), or None
+    (no such session, expired, logged out, or its token revoked)."""
+    return Stmt(q.get_session, {"secret_hash": secret_hash},
+                lambda rows: (rows[0][0], rows[0][1], list(rows[0][2])) if rows else None)
+
+
+def end_session(q: Queries, *, secret_hash: bytes) -> Stmt[None]:
+    """Delete a UI session (logout); nothing when it is already gone."""
+    return Stmt(q.end_session, {"secret_hash": secret_hash}, lambda rows: None)
+
+
+def fork_source(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[uuid.UUID, int] | None]:
+    """What fork *id* copied: (execution, from_step), or None when there is no such fork."""
+    return Stmt(q.fork_source, {"id": id},
+                lambda rows: (rows[0][0], rows[0][1]) if rows else None)
+
+
 def _summary(r: Sequence[Any]) -> Row:
     return {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
             "claims": r[4], "created_at": _iso(r[5]), "finished_at": _iso(r[6]),

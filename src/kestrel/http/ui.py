@@ -8,12 +8,15 @@ client, so the same SQL functions and rules as at every other door.
 
 Sessions. The login page takes an API token (``kestrel-runtime token create``); the server
 checks it exactly as the API checks a bearer token (:func:`kestrel.http.auth.verify`) and
-stores it in an ``HttpOnly; SameSite=Strict`` cookie (``Secure`` over TLS), checked again on
-every request, so revoking the token ends its sessions at once. Pages need ``read``; forms
-need ``operate``. Each form carries a CSRF token: an HMAC keyed with the session's secret,
-which only the cookie's holder knows and the server never stores, so it needs no server
-secret shared between processes; it is compared in constant time, and a POST whose
-``Origin`` is another site is refused too.
+starts a session: a row in ``ui_sessions`` holding the SHA-256 of a fresh random secret, the
+token's id and an expiry (:data:`SESSION_TTL_S`). The cookie (``HttpOnly; SameSite=Strict``,
+``Secure`` over TLS) holds that secret, never the token, so it is no bearer token on the API.
+Every request looks the session up with its token, so a logout (which deletes the row), the
+expiry or revoking the token ends it at once, whatever the browser keeps. Pages need
+``read``; forms need ``operate``. Each form carries a CSRF token: an HMAC keyed with the
+session's secret, so each session has its own, which only the cookie's holder knows and the
+server never stores; it is compared in constant time, and a POST whose ``Origin`` is another
+site is refused too.
 
 Bad input (unknown parameters, NUL, lone surrogates, over-long values, ids that are not
 UUIDs, unknown ids) gets a 4xx page with a one-line reason before anything is written.
@@ -27,6 +30,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,6 +42,7 @@ from urllib.parse import parse_qsl, urlencode
 
 import jinja2
 import psycopg
+from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -69,6 +74,8 @@ log = logging.getLogger("kestrel.http.ui")
 
 HERE = Path(__file__).parent
 COOKIE = "kestrel_session"
+SESSION_TTL_S = 12 * 3600
+"""How long a UI session lasts from its login (the cookie's max-age too)."""
 PAGE = 50
 MAX_QUERY_BYTES = 4096
 MAX_FORM_BYTES = 256 * 1024
@@ -111,10 +118,12 @@ class UiError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Session:
-    """A logged-in operator: the token's caller and the CSRF token of this session."""
+    """A logged-in operator: the token's caller, the CSRF token of this session and the hash
+    that finds its row (for logout)."""
 
     caller: auth.Caller
     csrf: str
+    secret_hash: bytes = b""
 
     def can(self, scope: str) -> bool:
         """Whether the session's token holds *scope*."""
@@ -154,11 +163,33 @@ def _ms(value: float | None) -> str:
     return f"{value / 60_000:.1f} min"
 
 
+# Bidirectional controls (embeddings, overrides, isolates, marks): shown raw, one in a name
+# or a payload reorders the text around it on the page (a right-to-left override makes
+# "evil\u202egnp.exe" read "evilexe.png"). Every value a page shows has them written as
+# visible escapes instead.
+_BIDI = re.compile("[\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+class Verbatim(str):
+    """A value a page must hold exactly as it is (a form field sent back to the server),
+    exempt from :func:`visible`; still HTML-escaped."""
+
+
+def visible(value: Any) -> Any:
+    """*value* with every bidirectional control character written as ``\\uXXXX``: every
+    value a template prints goes through this (Jinja2's finalize), before HTML escaping.
+    Markup (already safe HTML made here) and :class:`Verbatim` values are left alone."""
+    if isinstance(value, str) and not isinstance(value, Verbatim | Markup) \
+            and _BIDI.search(value):
+        return _BIDI.sub(lambda m: f"\\u{ord(m.group()):04x}", value)
+    return value
+
+
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
-                             trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms)
+                             trim_blocks=True, lstrip_blocks=True, finalize=visible)
+    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms, verbatim=Verbatim)
     return env
 
 
@@ -185,29 +216,29 @@ def error_page(request: Request, status: int, reason: str,
 
 
 def csrf_token(cookie: str) -> str:
-    """The CSRF token of the session whose cookie is *cookie*: an HMAC keyed with it."""
+    """The CSRF token of the session whose cookie is *cookie*: an HMAC keyed with its
+    secret, so a new session (each login) has a new one."""
     return hmac.new(cookie.encode(), b"kestrel-ui-csrf-v1", hashlib.sha256).hexdigest()
 
 
 async def current_session(request: Request) -> Session | None:
-    """The session of *request*'s cookie if it holds a live token, else None.
-
-    The token is checked by the API's own checker (``app.state.check_token``), so a cookie
-    is exactly as good as the bearer token it holds, and no better.
+    """The session of *request*'s cookie if it is live (logged in, not expired, its token
+    not revoked), else None.
 
     Raises:
-        UiError: 403 when the token is live but lacks ``read``.
+        UiError: 403 when the session's token lacks ``read``.
     """
     cookie = request.cookies.get(COOKIE)
-    if not cookie:
+    secret_hash = auth.session_hash(cookie)
+    if cookie is None or secret_hash is None:
         return None
-    try:
-        caller = await request.app.state.check_token(request.app, cookie, "read")
-    except ApiError as exc:
-        if exc.status == 401:
-            return None
-        raise UiError(exc.status, exc.reason) from None
-    return Session(caller, csrf_token(cookie))
+    row = await _read(request, store.get_session(_q(request), secret_hash=secret_hash))
+    if row is None:
+        return None
+    caller = auth.Caller(token_id=row[0], name=row[1], scopes=frozenset(row[2]))
+    if "read" not in caller.scopes:
+        raise UiError(403, "this token lacks the 'read' scope")
+    return Session(caller, csrf_token(cookie), secret_hash)
 
 
 def _same_origin(request: Request) -> bool:
@@ -544,17 +575,24 @@ async def login(request: Request) -> Response:
         form = await read_form(request, cap=8192)
         token = (_checked(form, "token", what="token", max_chars=200) or "").strip()
         caller = await request.app.state.check_token(request.app, token, "read")
+        cookie, secret_hash = auth.new_session()
+        started = await _read(request, store.create_session(
+            _q(request), secret_hash=secret_hash, token_id=caller.token_id,
+            ttl_s=SESSION_TTL_S))
+        if started is None:  # revoked between the check and the insert
+            raise UiError(401, "invalid or revoked token")
     except Exception as exc:
         return _refusal(request, exc, None)
     log.info("UI login by %s", auth.describe(caller))
     response = RedirectResponse(_safe_next(form.get("next")), 303)
-    response.set_cookie(COOKIE, token, max_age=12 * 3600, path="/ui", httponly=True,
+    response.set_cookie(COOKIE, cookie, max_age=SESSION_TTL_S, path="/ui", httponly=True,
                         samesite="strict", secure=request.url.scheme == "https")
     return response
 
 
 async def logout(request: Request) -> Response:
-    """End the session: clear the cookie (the token itself stays valid)."""
+    """End the session: delete it on the server and clear the cookie (the token itself
+    stays valid)."""
     try:
         try:
             session = await current_session(request)
@@ -566,6 +604,9 @@ async def logout(request: Request) -> Response:
             form = await read_form(request, cap=8192)
             if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
                 raise UiError(403, "the form's CSRF token does not match this session")
+            await _read(request, store.end_session(_q(request),
+                                                   secret_hash=session.secret_hash))
+            log.info("UI logout by %s", auth.describe(session.caller))
     except Exception as exc:
         return _refusal(request, exc, None)
     response = RedirectResponse("/ui/login", 303)
