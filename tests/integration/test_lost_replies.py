@@ -550,6 +550,58 @@ def hook_submit(env: Env) -> None:
     assert q(env.dsn, env.schema, "SELECT id FROM {s}.workflow_executions") == [(again,)]
 
 
+def _ui_session(env: Env, stmt_of: Callable[[bytes], Any], lose_first: bool) -> Any:
+    from kestrel.http import store
+
+    async def go(pool: Any) -> Any:
+        async with pool.connection() as conn:
+            await db.run(conn, store.create_token(env.q, id="kst_sweep0001", name="ops",
+                                                  scopes=["read"], secret_hash=b"t" * 32))
+        return None
+
+    env.run_async(go)
+
+    async def send(pool: Any, secret: bytes) -> Any:
+        async with pool.connection() as conn:
+            return await db.run(conn, stmt_of(secret))
+
+    if lose_first:
+        with pytest.raises(psycopg.OperationalError):
+            env.run_async(lambda pool: send(pool, b"a" * 32))
+    return lambda secret: env.run_async(lambda pool: send(pool, secret))
+
+
+def ui_login(env: Env) -> None:
+    # A login's session row commits and its reply is lost: the browser got no cookie, so the
+    # user logs in again and gets a session of their own; the orphan's secret reached nobody
+    # (only its hash is stored) and it expires unused.
+    from kestrel.http import store
+
+    make = lambda secret: store.create_session(  # noqa: E731
+        env.q, secret_hash=secret, token_id="kst_sweep0001", ttl_s=60.0)
+    send = _ui_session(env, make, lose_first=True)
+    assert send(b"b" * 32) is not None
+    assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.ui_sessions") == 2
+
+
+def ui_logout(env: Env) -> None:
+    # A logout's DELETE commits and its reply is lost: sent again it deletes nothing and the
+    # session is gone all the same.
+    from kestrel.http import store
+
+    failpoints.disarm()  # the session is made first, with its reply
+    send = _ui_session(env, lambda secret: store.create_session(
+        env.q, secret_hash=secret, token_id="kst_sweep0001", ttl_s=60.0), lose_first=False)
+    assert send(b"c" * 32) is not None
+    lose("end_session")
+    end = _ui_session(env, lambda secret: store.end_session(env.q, secret_hash=secret),
+                      lose_first=False)
+    with pytest.raises(psycopg.OperationalError):
+        end(b"c" * 32)
+    end(b"c" * 32)
+    assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.ui_sessions") == 0
+
+
 def migrate_again(env: Env, *, test_clock: bool = False) -> None:
     # One transaction; run again after its reply was lost, migrate finds everything applied.
     schema = f"t_{uuid.uuid4().hex[:12]}"
@@ -712,6 +764,10 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
     "hook_submit": Lost((hook_submit,)),
+    "create_session": Lost((ui_login,)),
+    "end_session": Lost((ui_logout,)),
+    "get_session": Read("reads a UI session"),
+    "fork_source": Read("reads what a fork copied"),
     "applied_migrations": Read("reads the migration record"),
     "current_migration": Read("reads the migration record"),
     # kestrel.testing: a lost reply fails the test that sent it; nothing resends these.
