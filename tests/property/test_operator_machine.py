@@ -14,9 +14,9 @@ statements, and time passing (sleeps end).
 
 The workflow (``opm.flow``): a step; a step the machine can make fail, caught, with a
 fallback step on another branch; a wait for the signal ``go``; in v2 only, behind
-``ctx.patched("opm.audit")``, a durable sleep and an audit step; a child (``opm.leaf``, which
-waits for its own ``go``) whose failure (a cancel) is caught; a durable sleep; a final step
-the machine can make fail, uncaught. The result names every choice the run made, and a pure
+``ctx.patched("opm.audit")``, a durable sleep and an audit step; a child (``opm.leaf``: a
+durable sleep, then a step) whose failure (a cancel) is caught; a final step the machine can
+make fail, uncaught. The result names every choice the run made, and a pure
 Python model (:meth:`OperatorMachine.expected_flow`) recomputes it from the arguments and the
 facts that may legitimately vary: which committed signal a wait took, which branch, whether
 the patch marker is there (only ever written by v2), how its own child ended.
@@ -34,18 +34,22 @@ client transaction commits, every worker rolls forward to v2, time passes, every
 Profiles: ``operator-ci`` (default, derandomized, about two minutes) and ``operator-soak``
 (``KESTREL_HYPOTHESIS_PROFILE=soak``, run by ``make soak``).
 
-Showing that it finds what it is for. Issue 22 rows 1-4 were open when this machine was
-written, and it found each of them (shrunk examples in the commit that added it). To see it
-again on code that fixed them, revert one fix locally (never commit it), run
-``.venv/bin/pytest -q -p no:cacheprovider tests/property/test_operator_machine.py`` and expect
-a falsifying example, e.g.:
+Showing that it finds what it is for. On the code before issue 22's fixes (b36b934) it
+finds rows 1-4 of that issue, each shrunk to a handful of rules (the commit that added it
+lists them). To see it again, restore the pre-fix code locally (never commit it), run
+``.venv/bin/pytest -q -p no:cacheprovider tests/property/test_operator_machine.py`` and
+expect a falsifying example, then ``git checkout`` the file:
 
-* row 2 (retry after a consumed wait): drop the fix of ``retry`` in
-  ``sql/functions/functions.sql``. Expected: "a consumed signal is in no checkpoint" right
-  after a ``retry`` of an execution that took the fallback branch and then waited for ``go``.
-* row 4 (an old worker over a new marker): drop the marker check of ``kestrel.workflow``.
-  Expected: ``deploy`` v2, a ``crash`` right after the marker, v1 completes it with
-  ``audit: None`` ("the result is not the model's").
+* rows 1-3 (lost reply to consume_signal, retry after a consumed wait, cancel of a parent
+  then retry, fork after start_child or past a caught failure):
+  ``git show b36b934:sql/functions/functions.sql > sql/functions/functions.sql`` (every
+  migrate re-applies it). Expected, e.g.: ``setup(fails=['none', 'risky'])``,
+  ``fleet()``, ``fork(e=0, k=3)``, ``fleet()``: the fork fails with NonDeterminismError.
+* row 4 (an old worker runs its old path over a new marker):
+  ``git show b36b934:src/kestrel/workflow.py > src/kestrel/workflow.py``. Expected:
+  ``setup(versions=['v2', 'v1', 'v1'])``, a ``go`` signal, ``fleet(first=0, fault='crash',
+  at=4)`` (v2 dies after the marker, before its sleep), ``fleet(first=1)``: v1 runs its
+  old path: "no child started at 5" (the model's path has the audit there).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ from kestrel.workflow import Context, current_step
 # No explain phase: it re-runs a failing example once per step, minutes here.
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink]
 settings.register_profile(
-    "operator-ci", max_examples=100, stateful_step_count=40, deadline=None,
+    "operator-ci", max_examples=120, stateful_step_count=40, deadline=None,
     derandomize=True, suppress_health_check=list(HealthCheck), phases=PHASES)
 settings.register_profile(
     "operator-soak", max_examples=300, stateful_step_count=60, deadline=None,
@@ -200,6 +204,7 @@ class GatePool:
         sim = self.sim
         gate: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         sim.gates.append(gate)
+        sim.moved.set()
         try:
             lose = await gate
         finally:
@@ -242,6 +247,7 @@ class Sim:
     inflight: int = 0
     lease: Lease | None = None
     reports: list[tuple[uuid.UUID, int, str]] = field(default_factory=list)
+    moved: asyncio.Event = field(default_factory=asyncio.Event)  # the machine's (settle)
 
     def live(self) -> bool:
         return self.lease is not None and self.lease.task is not None and \
@@ -327,6 +333,7 @@ class OperatorMachine(RuleBasedStateMachine):
         self.tx = self.run(self.chan("tx", autocommit=False))
         self.sweeper = self.run(self.chan("sweeper", autocommit=True))
         self.generation = 0
+        self.moved = asyncio.Event()  # a worker reached its gate, a call or execution ended
         self.sims = [self.run(self.start_sim(i, v)) for i, v in enumerate(versions)]
         # The model.
         self.execs: dict[uuid.UUID, Ex] = {}
@@ -391,7 +398,8 @@ class OperatorMachine(RuleBasedStateMachine):
         runner = SimRunner(cfg, APPS[version], pool=pool, q=self.q,  # type: ignore[arg-type]
                            leases=Leases(), executor=executor, stats=WorkerStats(),
                            worker_id=name, stopping=asyncio.Event(), slot_freed=asyncio.Event())
-        sim = Sim(slot, version, f"{self.tag}-{name}", conn, runner, executor)
+        sim = Sim(slot, version, f"{self.tag}-{name}", conn, runner, executor,
+                  moved=self.moved)
         pool.sim = sim
         runner.sim = sim
         sim.services = [asyncio.create_task(runner.checkpoints.run()),
@@ -454,7 +462,14 @@ class OperatorMachine(RuleBasedStateMachine):
         others, for a lock the open client transaction holds: those wait until it ends."""
         deadline = time.monotonic() + limit
         while True:
-            await asyncio.sleep(0.002)
+            # Woken as soon as a worker reaches its gate or a call or an execution ends;
+            # the timeout covers what sends no word (a backoff, a lock wait).
+            try:
+                await asyncio.wait_for(self.moved.wait(), 0.005)
+            except TimeoutError:
+                pass
+            self.moved.clear()
+            await asyncio.sleep(0)  # let whatever was woken with it run first
             self.reap()
             sims = [s for s in self.sims if not s.at_rest()]
             chans = [c for c in self.chans if c.busy()]
@@ -531,6 +546,7 @@ class OperatorMachine(RuleBasedStateMachine):
             done(value)
 
         c.task = self.loop.create_task(go())
+        c.task.add_done_callback(lambda _: self.moved.set())
         self.settled()
 
     def effect(self, c: Chan, fn: Callable[[], None]) -> None:
@@ -572,6 +588,8 @@ class OperatorMachine(RuleBasedStateMachine):
         sim.lease = Lease(c, trusted_until=now + 1e9, claimed_at=now,
                           cancel_requested=c.cancel_requested)
         sim.runner.start(sim.lease)
+        assert sim.lease.task is not None
+        sim.lease.task.add_done_callback(lambda _: self.moved.set())
         return True
 
     def advance_sim(self, sim: Sim, lose: bool) -> bool:
@@ -783,13 +801,35 @@ class OperatorMachine(RuleBasedStateMachine):
 
     async def aobserve_new(self) -> None:
         """Children the workers started join the model (in the order they were created)."""
-        rows = await self.asql(
-            "SELECT id, workflow, args, parent_id, created_at FROM {s}.workflow_executions"
-            " UNION ALL SELECT id, workflow, args, parent_id, created_at"
-            " FROM {s}.workflow_history ORDER BY created_at, id")
-        for eid, workflow, args, parent, _ in rows:
-            if eid in self.execs:
-                continue
+        hot, hist, _, _ = await self.snapshot(steps=False)
+        self.observe_new(hot, hist)
+
+    async def snapshot(self, *, steps: bool = True) -> tuple[Any, Any, Any, Any]:
+        """Live and finished executions, checkpoints and signals, in one round trip."""
+        text = (
+            "SELECT id, status, waiting_for, wait_step, wake_at, cancel_requested, parent_id,"
+            " workflow, args, created_at FROM {s}.workflow_executions;"
+            " SELECT id, status, lease_epoch, finished_at, result, error->>'type',"
+            " error->>'message', parent_id, workflow, args, created_at"
+            " FROM {s}.workflow_history")
+        if steps:
+            text += ("; SELECT execution_id, step_id, step_name, output, error"
+                     " FROM {s}.workflow_steps;"
+                     " SELECT execution_id, name, payload, consumed_step FROM {s}.signals")
+        cur = self.admin.cursor()
+        await cur.execute(pgsql.SQL(text).format(s=pgsql.Identifier(self.schema)))
+        sets = [await cur.fetchall()]
+        while cur.nextset():
+            sets.append(await cur.fetchall())
+        hot = {r[0]: r[1:] for r in sets[0]}
+        hist = {r[0]: r[1:] for r in sets[1]}
+        return hot, hist, sets[2] if steps else [], sets[3] if steps else []
+
+    def observe_new(self, hot: dict[uuid.UUID, tuple[Any, ...]],
+                    hist: dict[uuid.UUID, tuple[Any, ...]]) -> None:
+        rows = sorted((r[-1], str(eid), eid, r[-4], r[-3], r[-2])
+                      for eid, r in [*hot.items(), *hist.items()] if eid not in self.execs)
+        for *_, eid, parent, workflow, args in rows:
             assert parent in self.execs and workflow == LEAF, (
                 f"an execution nobody submitted: {eid} {workflow} parent {parent}")
             assert args == [self.execs[parent].n], args
@@ -801,18 +841,11 @@ class OperatorMachine(RuleBasedStateMachine):
             self.run(self.acheck())
 
     async def acheck(self) -> None:
-        await self.aobserve_new()
-        hot = {r[0]: r[1:] for r in await self.asql(
-            "SELECT id, status, waiting_for, wait_step, wake_at, cancel_requested, parent_id"
-            " FROM {s}.workflow_executions")}
-        hist = {r[0]: r[1:] for r in await self.asql(
-            "SELECT id, status, lease_epoch, finished_at, result, error->>'type',"
-            " error->>'message' FROM {s}.workflow_history")}
+        hot, hist, step_rows, signals = await self.snapshot()
+        self.observe_new(hot, hist)
         assert not set(hot) & set(hist), "an execution is live and finished at once"
         steps: dict[uuid.UUID, dict[int, tuple[str, Any, Any]]] = {}
-        for eid, k, name, out, err in await self.asql(
-                "SELECT execution_id, step_id, step_name, output, error"
-                " FROM {s}.workflow_steps"):
+        for eid, k, name, out, err in step_rows:
             assert k not in steps.setdefault(eid, {}), f"two checkpoints at {k} of {eid}"
             steps[eid][k] = (name, out, err)
             # A checkpoint never changes, unless a retry since dropped it.
@@ -822,8 +855,6 @@ class OperatorMachine(RuleBasedStateMachine):
                 self.first[(eid, k)] = (ex.retries, (name, out, err))
             else:
                 assert seen[1] == (name, out, err), f"checkpoint {k} of {eid} changed"
-        signals = await self.asql("SELECT execution_id, name, payload, consumed_step"
-                                  " FROM {s}.signals")
         # Finishes: each one seen once, counted once, and the model's.
         new = []
         for eid, row in hist.items():
@@ -850,7 +881,7 @@ class OperatorMachine(RuleBasedStateMachine):
 
     def check_finish(self, ex: Ex, row: tuple[Any, ...], steps: dict[int, tuple[str, Any, Any]]
                      ) -> None:
-        status, _epoch, _at, result, etype, message = row
+        status, _epoch, _at, result, etype, message = row[:6]
         if status == "completed":
             want = (self.expected_leaf(ex, steps) if ex.workflow == LEAF
                     else self.expected_flow(ex, steps))
@@ -957,7 +988,7 @@ class OperatorMachine(RuleBasedStateMachine):
                     steps: dict[uuid.UUID, dict[int, tuple[str, Any, Any]]]) -> None:
         """Everything live ends, or waits for something that can still arrive."""
         pending = {(eid, name) for eid, name, _p, consumed in signals if consumed is None}
-        for eid, (status, waiting_for, wait_step, wake_at, cancelling, _parent) in hot.items():
+        for eid, (status, waiting_for, wait_step, wake_at, cancelling, *_) in hot.items():
             if status != "waiting":
                 continue
             assert not cancelling, f"{eid} parked with its cancel requested"
@@ -1005,7 +1036,6 @@ class OperatorMachine(RuleBasedStateMachine):
                 progress = True
                 self.settled()
                 self.run_out(worker)
-                self.check()
             # Whatever waits for go gets one.
             for (eid,) in self.sql(
                     "SELECT id FROM {s}.workflow_executions AS e WHERE status = 'waiting'"
