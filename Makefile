@@ -26,7 +26,7 @@ test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again throug
 
 SOAK_MINUTES ?= 30
 
-soak: $(STAMP) ## faults at length (~50 min): Hypothesis soak profiles (~20 min), then SOAK_MINUTES (30) of the nemesis with the ledger audit
+soak: $(STAMP) ## faults at length (~60 min): Hypothesis soak profiles (~30 min), then SOAK_MINUTES (30) of the nemesis with the ledger audit
 	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/property
 	$(BIN)/python -m tests.chaos.soak --minutes $(SOAK_MINUTES) --out .soak
 
