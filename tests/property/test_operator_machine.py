@@ -785,8 +785,13 @@ class OperatorMachine(RuleBasedStateMachine):
         if ex is None:
             return
 
+        # The fork's id is chosen by the caller, as the client does, and derived from what
+        # was drawn: a resend after a lost reply returns the same fork.
+        new_id = uuid.uuid5(ex.id, f"fork:{k}:{len(self.order)}")
+
         async def stmt(c: psycopg.AsyncConnection[Any]) -> Any:
-            return await db.run(c, db.value(self.q.fork, {"id": ex.id, "from_step": k}))
+            return await db.run(c, db.value(self.q.fork, {
+                "id": ex.id, "from_step": k, "new_id": new_id, "idempotency_key": None}))
 
         def forked(new: Any) -> None:
             self.add(new, ex.workflow, ex.n, origin=ex.id)
@@ -960,13 +965,20 @@ class OperatorMachine(RuleBasedStateMachine):
         """Every committed go is stored once (or left with its finished execution) and none
         other; no signal is lost: a consumed one is in a checkpoint of its execution, or
         pending again (a copy)."""
-        stored: dict[int, uuid.UUID] = {}
+        stored: dict[int, set[uuid.UUID]] = {}
         for eid, name, payload, _consumed in signals:
             if name == "go":
-                assert payload not in stored, f"signal {payload} stored twice"
-                assert self.sent.get(payload) == (eid, "go"), (
-                    f"signal {payload} of {eid} was never committed: {self.sent.get(payload)}")
-                stored[payload] = eid
+                # A fork gets a copy of its source's signals not consumed below its
+                # position (fork() copies them as pending): one per execution of a lineage.
+                assert eid not in stored.get(payload, set()), (
+                    f"signal {payload} stored twice in {eid}")
+                sent = self.sent.get(payload)
+                lineage = {x.id for x in self.lineage(self.execs[eid])} if (
+                    eid in self.execs) else {eid}
+                assert sent is not None and sent[1] == "go" and sent[0] in lineage, (
+                    f"signal {payload} of {eid} was never committed to it or to what it was "
+                    f"forked from: {sent}")
+                stored.setdefault(payload, set()).add(eid)
         for payload, (eid, _) in self.sent.items():
             assert payload in stored or self.execs[eid].finishes, (
                 f"committed signal {payload} of live {eid} is not stored")
