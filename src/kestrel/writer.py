@@ -230,9 +230,20 @@ class GroupCommit(Generic[In, Out]):
             live = [w for w in live if not w[1].done()]
             if not live:
                 return
+            # Waiting for the gate behind this flight's other legs is not this leg's stall
+            # (those legs are measured while they hold it): a batch split under contention
+            # queues many legs, and counting their queueing tripped the watchdog (FAULTS O6).
+            leg.backing_off = True
             try:
-                async with gate:
+                await gate.acquire()
+            finally:
+                leg.backing_off = False
+            leg.since = time.monotonic()
+            try:
+                try:
                     results = await self._flush([item for item, _ in live])
+                finally:
+                    gate.release()
             except Exception as exc:
                 pool = db.is_pool_timeout(exc) and not OUTAGE.down
                 if db.is_transient(exc) and not pool:
@@ -248,6 +259,7 @@ class GroupCommit(Generic[In, Out]):
                     contended += 1
                     if (contended >= SPLIT_AFTER and len(live) > 1
                             and getattr(exc, "sqlstate", None) in _SPLIT_ON):
+                        leg.backing_off = True  # its halves are measured instead
                         await self._split(live, gate)
                         return
                     if pool:
@@ -259,6 +271,7 @@ class GroupCommit(Generic[In, Out]):
                         await self._back_off(leg, backoff)
                     continue
                 if len(live) > 1:
+                    leg.backing_off = True  # its halves are measured instead
                     await self._split(live, gate)
                     return
                 self.rejected += 1

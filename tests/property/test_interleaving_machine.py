@@ -862,7 +862,9 @@ class InterleavingMachine(RuleBasedStateMachine):
             async def python() -> Any:
                 return await self.pyclient.retry(ex.id)
 
-        self.client_call(t, lambda c: _call(c, self.q.retry, {"id": ex.id}), done, failed,
+        self.client_call(t, lambda c: _call(c, self.q.retry,
+                                            {"id": ex.id, "idempotency_key": None}),
+                         done, failed,
                          python)
 
     # No precondition on what the database's timing decides (a statement still blocked,

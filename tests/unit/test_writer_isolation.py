@@ -275,3 +275,38 @@ def test_a_pool_timeout_counts_as_a_stall_and_a_contended_batch_does_not() -> No
             await asyncio.gather(runner, return_exceptions=True)
 
     asyncio.run(main())
+
+
+def test_legs_queued_behind_the_flights_gate_are_not_a_stall() -> None:
+    """A batch split under contention queues its legs behind the flight's gate (two
+    statements at a time). Only the legs holding it are measured by the watchdog: before,
+    every queued leg's clock ran while it waited its turn, and 32 executions behind a 5 s
+    operator lock tripped the watchdog, which gave their leases up (FAULTS O6)."""
+    release = asyncio.Event()
+    two_held = asyncio.Event()
+    held = 0
+
+    async def flush(items: list[int]) -> list[int]:
+        nonlocal held
+        if len(items) > 1 and not release.is_set():
+            raise errors.LockNotAvailable("canceling statement due to lock timeout")
+        held += 1
+        if held == 2:
+            two_held.set()
+        await release.wait()  # each leg's single statement hangs until the lock goes
+        return [i * 2 for i in items]
+
+    async def body(writer: GroupCommit[int, int]) -> None:
+        import time
+
+        futures = [asyncio.ensure_future(writer.submit(i)) for i in range(8)]
+        await two_held.wait()
+        await asyncio.sleep(0.05)
+        legs = list(writer._legs)
+        measured = [leg for leg in legs if not leg.backing_off]
+        assert len(legs) > 2 and len(measured) == 2, (len(legs), len(measured))
+        assert writer.stall(time.monotonic())[0] < 1000  # finite: only the holders count
+        release.set()
+        assert await asyncio.gather(*futures) == [i * 2 for i in range(8)]
+
+    run_writer(flush, body)
