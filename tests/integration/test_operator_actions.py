@@ -21,8 +21,10 @@ from kestrel import db, failpoints
 from kestrel.errors import (
     ChildFailed,
     ConfigError,
+    ExecutionNotFound,
     IdempotencyConflict,
     InvalidState,
+    SerializationError,
     StepFailed,
 )
 from kestrel.testing import KestrelTestEnv
@@ -509,3 +511,53 @@ def test_the_migration_moves_what_finished_executions_left_behind(
     assert q1(dsn, schema, "SELECT count(*) FROM {s}.events") == 0  # the orphan went
     assert signals_of(kestrel_env, h.id) == [(1, 1)]
     assert kestrel_env.client.get_event(h.id, "k", timeout=0) == 1
+
+
+# -- hostile input at the operator doors --------------------------------------------------------
+
+HOSTILE_KEYS = ["", "nul\x00key", "lone \ud800 surrogate", "k" * 1025, "é" * 1025]
+
+
+@pytest.mark.parametrize("key", HOSTILE_KEYS, ids=["empty", "nul", "surrogate", "long",
+                                                   "wide"])
+def test_hostile_retry_and_fork_keys_are_refused_with_nothing_written(
+        kestrel_env: KestrelTestEnv, key: str) -> None:
+    """retry() and fork() take idempotency keys (issue 22): a key no door may store is a
+    typed refusal before anything is written, from Python as from SQL."""
+    client = kestrel_env.client
+    h = client.submit(one_approval)
+    assert client.cancel(h.id) == "cancelled"
+    before = q(kestrel_env.dsn, kestrel_env.schema,
+               "SELECT (SELECT count(*) FROM {s}.executions), "
+               "(SELECT count(*) FROM {s}.idempotency_keys)")
+    with pytest.raises(SerializationError):
+        client.retry(h.id, idempotency_key=key)
+    with pytest.raises(SerializationError):
+        client.fork(h.id, 0, idempotency_key=key)
+    if "\x00" not in key and "\ud800" not in key:  # libpq cannot even send those
+        for call in ("SELECT {s}.retry(%s, %s)", "SELECT {s}.fork(%s, 0, NULL, %s)"):
+            with pytest.raises(Exception, match="idempotency key"):
+                q(kestrel_env.dsn, kestrel_env.schema, call, (h.id, key))
+    assert q(kestrel_env.dsn, kestrel_env.schema,
+             "SELECT (SELECT count(*) FROM {s}.executions), "
+             "(SELECT count(*) FROM {s}.idempotency_keys)") == before
+    assert status(kestrel_env, h.id) == "cancelled"
+
+
+@pytest.mark.parametrize("step", [-1, 2**31, 2**64])
+def test_hostile_fork_positions_are_refused_with_nothing_written(
+        kestrel_env: KestrelTestEnv, step: int) -> None:
+    client = kestrel_env.client
+    h = client.submit(one_approval)
+    assert client.cancel(h.id) == "cancelled"
+    with pytest.raises(Exception):  # noqa: B017 - KS002 (ConfigError) or a numeric overflow
+        client.fork(h.id, step)
+    assert q1(kestrel_env.dsn, kestrel_env.schema,
+              "SELECT count(*) FROM {s}.executions") == 1
+    unknown = uuid.UUID(int=2**64)
+    with pytest.raises(ExecutionNotFound):
+        client.fork(unknown, 0)
+    with pytest.raises(ExecutionNotFound):
+        client.retry(unknown, idempotency_key="retry-unknown")
+    assert q1(kestrel_env.dsn, kestrel_env.schema,
+              "SELECT count(*) FROM {s}.idempotency_keys") == 0
