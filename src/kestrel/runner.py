@@ -322,7 +322,6 @@ class Runner:
                                       f"{self.id}")
             ran = True
             value = await fn(ctx, *c.args)
-            ctx.check_end()
         except Park:
             self.stats.parked += 1
             m = metrics.get()
@@ -335,11 +334,12 @@ class Runner:
                                        f"{c.deadline}")
         except Exception as exc:
             outcome = exc
-            if ran:
-                # The workflow's own end, also an error it raised, is recorded only if this
-                # code knows every patch its history holds (FAULTS O5).
-                with contextlib.suppress(CodeTooOld):
-                    ctx.check_end()
+        if ran and not lease.deadline_hit:
+            # The workflow's own end, its result or an error it raised, is recorded only if
+            # this code knows every patch its history holds (FAULTS O5): otherwise the
+            # decision is CodeTooOld, and it wins below.
+            with contextlib.suppress(CodeTooOld):
+                ctx.check_end()
         outcome = ctx.decision or outcome
         # From here on: whether the deadline is what ends this attempt (counted in _finish).
         lease.deadline_hit = isinstance(outcome, DeadlineExceeded)
