@@ -267,16 +267,27 @@ WITH given AS (
      WHERE e.id = %(id)s
        AND e.lease_epoch = %(epoch)s
        AND e.status = 'running'
+       AND NOT e.cancel_requested
  RETURNING e.give_backs, e.wake_at
 )
-SELECT give_backs, wake_at FROM given
+SELECT give_backs, wake_at, false AS cancelled FROM given
 UNION ALL
-SELECT e.give_backs, e.wake_at
+SELECT e.give_backs, e.wake_at, false
   FROM __schema__.workflow_executions AS e
  WHERE e.id = %(id)s
    AND e.lease_epoch = %(epoch)s
    AND e.status = 'waiting'
-   AND e.given_back_at IS NOT NULL;
+   AND e.given_back_at IS NOT NULL
+UNION ALL
+-- A cancel requested while this worker decided to give the execution back: it is not
+-- parked for another version (a cancel is done at once, FAULTS X2); the worker finishes it
+-- as cancelled.
+SELECT e.give_backs, NULL, true
+  FROM __schema__.workflow_executions AS e
+ WHERE e.id = %(id)s
+   AND e.lease_epoch = %(epoch)s
+   AND e.status = 'running'
+   AND e.cancel_requested;
 
 -- name: park
 -- Park a running execution at a wait and say what happened: parked, cancelled, signalled or

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
 import psycopg
@@ -502,17 +502,20 @@ async def release_batch(
 async def give_back(
     conn: AnyConn, q: Queries, *, id: uuid.UUID, epoch: int, app_version: str | None,
     base_s: float, cap_s: float,
-) -> tuple[int, datetime] | None:
+) -> tuple[int, datetime] | Literal["cancelled"] | None:
     """Give back an execution this worker's code is too old for (CodeTooOld), unrun: it
     waits until now + ``min(cap_s, base_s * 2**give_backs)``, its give-back counted and
     *app_version* recorded, whose claims skip it from then on. Returns the execution's
     give-back count and when it can be claimed again (also on a retry after a lost reply),
-    or None if it is no longer ours."""
+    ``"cancelled"`` if a cancel was requested meanwhile (nothing given back: the worker
+    finishes it as cancelled), or None if it is no longer ours."""
     cur = await _exec(conn, q.give_back, {"id": id, "epoch": epoch,
                                           "app_version": app_version, "base_s": base_s,
                                           "cap_s": cap_s})
     row = await cur.fetchone()
-    return (int(row[0]), row[1]) if row else None
+    if row is None:
+        return None
+    return "cancelled" if row[2] else (int(row[0]), row[1])
 
 
 async def reenqueue_expired(

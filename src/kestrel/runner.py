@@ -343,15 +343,14 @@ class Runner:
         outcome = ctx.decision or outcome
         # From here on: whether the deadline is what ends this attempt (counted in _finish).
         lease.deadline_hit = isinstance(outcome, DeadlineExceeded)
-        if isinstance(outcome, CodeTooOld):
-            await self._give_back(lease, outcome)
+        if isinstance(outcome, CodeTooOld) and not await self._give_back(lease, outcome):
             return None
         if isinstance(outcome, LeaseLost):
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, outcome)
             return None
-        if isinstance(outcome, Cancelled):
+        if isinstance(outcome, Cancelled | CodeTooOld):  # CodeTooOld: cancelled meanwhile
             return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
                 {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
         if outcome is None:
@@ -363,12 +362,14 @@ class Runner:
             return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
         return self._failure(c, outcome)
 
-    async def _give_back(self, lease: Lease, why: CodeTooOld) -> None:
+    async def _give_back(self, lease: Lease, why: CodeTooOld) -> bool:
         """Give back an execution that newer code ran, unfailed and without counting the
         attempt, for a worker of another version (a rolling deploy, a rollback): it waits
         out a backoff that grows with its give-backs, and the claims of this app version
         skip it from now on (db.give_back). Retried while the database is unreachable and
-        the lease trusted; if that fails, the lease expires and the sweeper re-queues it."""
+        the lease trusted; if that fails, the lease expires and the sweeper re-queues it.
+        True when it was not given back because a cancel was requested meanwhile: the
+        caller finishes it as cancelled."""
         c = lease.claimed
         lease.finish()
         self.stats.extra["given_back"] = self.stats.extra.get("given_back", 0) + 1
@@ -381,14 +382,18 @@ class Runner:
         except Exception as exc:
             log.warning("could not give %s back (%s); its lease will expire", c.id,
                         type(exc).__name__)
-            return
+            return False
         if given is None:
             log.info("giving %s back: no longer ours", c.id)
-            return
+            return False
+        if given == "cancelled":
+            lease.unfinish()  # the completion that cancels it marks it finishing again
+            return True
         count, wake_at = given
         log.warning("giving %s (%s) back (give-back %d; app version %s skips it; others from "
                     "%s): %s", c.id, c.workflow, count, self.cfg.app_version,
                     wake_at.isoformat(timespec="seconds"), why)
+        return False
 
     async def _finish(self, lease: Lease, finish: Finish) -> None:
         c = lease.claimed

@@ -348,3 +348,29 @@ def test_a_give_back_backs_off_counts_learns_its_outcome_and_binds_its_version(
             assert [x.id for x in await claim(conn, "newest")] == [h.id]
 
     asyncio.run(main())
+
+
+def test_a_cancel_requested_before_the_give_back_is_not_parked_for_another_version(
+    pg_dsn: str, schema: str
+) -> None:
+    """Found by the operator machine's soak profile: a cancel of a running execution whose
+    old worker then gave it back left it waiting, cancel requested, for a newer version.
+    give_back now refuses and says so, and the worker finishes it as cancelled at once (the
+    runner's side runs in the operator machine, tests/property/test_operator_machine.py)."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit("replayv.steps_instead", 1)
+    qs = queries(schema)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                     prepare_threshold=None) as conn:
+            [c] = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=5,
+                                       lease_s=30, app_version="old")
+            assert client.cancel(h.id) == "cancelling"
+            for _ in range(2):  # and sent again after a lost reply: the same answer
+                assert await db.give_back(conn, qs, id=c.id, epoch=c.epoch, app_version="old",
+                                          base_s=1.0, cap_s=60.0) == "cancelled"
+            assert q(pg_dsn, schema, "SELECT status, give_backs FROM {s}.workflow_executions "
+                     "WHERE id = %s", [h.id]) == [("running", 0)]
+
+    asyncio.run(main())
