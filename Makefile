@@ -27,7 +27,7 @@ test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again throug
 SOAK_MINUTES ?= 30
 
 soak: $(STAMP) ## faults at length (~60 min): Hypothesis soak profiles (~30 min), then SOAK_MINUTES (30) of the nemesis with the ledger audit
-	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q tests/property
+	KESTREL_HYPOTHESIS_PROFILE=soak $(BIN)/pytest -q --timeout=5400 tests/property
 	$(BIN)/python -m tests.chaos.soak --minutes $(SOAK_MINUTES) --out .soak
 
 bench-soak: $(STAMP) ## a million workflows through the runtime: hot tables stay flat (BENCHMARKS.md)

@@ -138,23 +138,27 @@ class Worker:
         """Run until :meth:`stop` is called, then drain and return. Raises if a service ends."""
         loop = asyncio.get_running_loop()
         await self._pool.open(wait=False)
-        await self._register()
-        await self.registration.run_once()  # live (claimable names known) before claiming
-        self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q, lease_s=self.cfg.lease,
-                                   interval=self.cfg.heartbeat,
-                                   prepared=self.cfg.prepared_statements, loop=loop,
-                                   progressing=self._progressing,
-                                   lock_timeout=self.cfg.statement_lock_timeout,
-                                   session=self.cfg.connection_mode == "direct")
-        self.heartbeat.start()
-        services = self.services()
-        log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
-                 "connections=%s prepared=%s app_version=%s", self.id, self.cfg.concurrency,
-                 self.cfg.batch_size, ",".join(self.cfg.queues),
-                 "LISTEN/NOTIFY + polling" if "listener" in services else "polling only",
-                 self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no",
-                 self.cfg.app_version)
+        # Everything after the pool opens is inside the try: a start that fails (a lost reply
+        # to a registration statement, say) still closes the pool. An unclosed pool's
+        # maintenance worker swallows the cancellation asyncio.run sends it while a
+        # connection attempt is in flight and waits for ever: the embedding program hangs.
         try:
+            await self._register()
+            await self.registration.run_once()  # live (claimable names known) before claiming
+            self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q,
+                                       lease_s=self.cfg.lease, interval=self.cfg.heartbeat,
+                                       prepared=self.cfg.prepared_statements, loop=loop,
+                                       progressing=self._progressing,
+                                       lock_timeout=self.cfg.statement_lock_timeout,
+                                       session=self.cfg.connection_mode == "direct")
+            self.heartbeat.start()
+            services = self.services()
+            log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
+                     "connections=%s prepared=%s app_version=%s", self.id,
+                     self.cfg.concurrency, self.cfg.batch_size, ",".join(self.cfg.queues),
+                     "LISTEN/NOTIFY + polling" if "listener" in services else "polling only",
+                     self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no",
+                     self.cfg.app_version)
             async with asyncio.TaskGroup() as group:
                 tasks = [group.create_task(self._service(name, fn), name=name)
                          for name, fn in services.items()]
@@ -166,7 +170,8 @@ class Worker:
             for lease in self.leases:
                 if lease.task is not None:
                     lease.task.cancel()
-            await self.heartbeat.stop()
+            if self.heartbeat is not None:
+                await self.heartbeat.stop()
             await self.registration.unregister()
             await self._pool.close()
             self._executor.shutdown(wait=False, cancel_futures=True)

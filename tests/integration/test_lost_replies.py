@@ -818,6 +818,26 @@ def test_a_lost_reply_is_learned_or_harmless(
     assert fired(statement) >= 1, f"lost_reply:{statement} never fired: not exercised"
 
 
+@pytest.mark.parametrize("statement", ["upsert_queue_limit", "register_worker"])
+def test_a_worker_whose_start_loses_a_reply_closes_its_pool(
+    pg_dsn: str, schema: str, statement: str,
+) -> None:
+    # The start fails (the supervisor starts a new worker); the pool it had opened must be
+    # closed. Left open, its maintenance worker swallows the cancellation asyncio.run sends
+    # while a connection attempt is in flight and asyncio.run never returns: CI hung here.
+    lose(statement)
+    worker = Worker(config(schema, queues=("ai-model",)), registry(), dsn=pg_dsn)
+
+    async def start() -> None:
+        with pytest.raises(psycopg.OperationalError):
+            await worker.run()
+
+    asyncio.run(start())
+    assert fired(statement) == 1
+    assert worker._pool.closed
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workers") == 0  # unregistered
+
+
 # -- the table is the statement list ---------------------------------------------------------
 
 _WRITES = re.compile(
