@@ -243,11 +243,14 @@ RETURNING e.id;
 -- wake_at = now + least(%(cap_s)s, %(base_s)s * 2^give_backs) (claims read waiting rows in
 -- wake_at order: until then it costs no claim anything), the give-back counted, the giving
 -- %(app_version)s recorded (that version's claims skip the row from now on: migration 0014),
--- and the claim not counted as an attempt. wait_step, waiting_for and wait_deadline stay as
--- they were: a newer worker replays it from where it is, and a signal for the wait it was
--- parked at still wakes it early. Fenced by the epoch. A retry after a lost reply learns the
--- committed outcome: the row is then waiting under the same epoch (no claim since) with
--- given_back_at set, and the same count and wake_at are read back. No row: not ours.
+-- and the claim not counted as an attempt. The wait it was parked at (wait_step, waiting_for,
+-- wait_deadline) stays while that wait's position has no checkpoint: a newer worker replays
+-- up to it, a signal for it still wakes the row early, a re-park keeps its deadline. A wait
+-- whose position has one was passed (the row was claimed from it and replayed beyond): it is
+-- cleared, so neither `show` nor anything else reads the row as parked at a recorded
+-- position. Fenced by the epoch. A retry after a lost reply learns the committed outcome:
+-- the row is then waiting under the same epoch (no claim since) with given_back_at set, and
+-- the same count and wake_at are read back. No row: not ours.
 WITH given AS (
     UPDATE __schema__.workflow_executions AS e
        SET status = 'waiting',
@@ -261,9 +264,17 @@ WITH given AS (
                THEN e.given_back_by
                ELSE coalesce(e.given_back_by, '{}') || %(app_version)s::text END,
            given_back_at = __schema__.kestrel_now(),
+           waiting_for = CASE WHEN p.passed THEN NULL ELSE e.waiting_for END,
+           wait_deadline = CASE WHEN p.passed THEN NULL ELSE e.wait_deadline END,
+           wait_step = CASE WHEN p.passed THEN NULL ELSE e.wait_step END,
            wake_at = __schema__.kestrel_now() + make_interval(secs => least(
                %(cap_s)s::float8, %(base_s)s::float8 * 2 ^ least(e.give_backs, 30))),
            updated_at = __schema__.kestrel_now()
+      FROM (SELECT EXISTS (
+                SELECT 1 FROM __schema__.workflow_executions AS w
+                  JOIN __schema__.operation_outputs AS o
+                    ON o.execution_id = w.id AND o.step_id = w.wait_step
+                 WHERE w.id = %(id)s) AS passed) AS p
      WHERE e.id = %(id)s
        AND e.lease_epoch = %(epoch)s
        AND e.status = 'running'

@@ -374,3 +374,61 @@ def test_a_cancel_requested_before_the_give_back_is_not_parked_for_another_versi
                      "WHERE id = %s", [h.id]) == [("running", 0)]
 
     asyncio.run(main())
+
+
+@kestrel.workflow(name="replayv.v2_patch_after_wait")
+async def v2_patch_after_wait(ctx: kestrel.Context, n: int) -> Any:
+    a = await ctx.step(step_a, n)
+    got = await ctx.wait_for_signal("approve")
+    new = await ctx.step(step_new, a) if await ctx.patched("after-approve") else None
+    return [a, got.payload, new, await ctx.step(step_b, a)]
+
+
+def test_a_give_back_past_a_recorded_wait_is_not_parked_at_that_wait(
+    pg_dsn: str, schema: str
+) -> None:
+    """Found by the operator machine's soak profile: newer code took the signal of the wait
+    it was parked at, wrote its marker after it and crashed; the sweeper put the row back and
+    an old worker gave it back. The row stayed 'waiting' at the wait whose position was
+    recorded (show said it waited for 'approve', which it had). A give-back now clears a
+    passed wait and keeps one not yet reached."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = park(pg_dsn, schema, client, "replayv.v2_patch_after_wait", 1)
+    assert q(pg_dsn, schema, "SELECT wait_step, waiting_for FROM {s}.workflow_executions "
+             "WHERE id = %s", [h.id]) == [(1, "approve")]
+    # What the newer worker left when it crashed after the marker, and the sweeper after it.
+    q(pg_dsn, schema, "INSERT INTO {s}.operation_outputs (execution_id, step_id, step_name, "
+      "output, attempt, lease_epoch, started_at) VALUES "
+      "(%s, 1, 'kestrel.signal:approve', '{{\"received\": true, \"payload\": \"yes\"}}', 1, "
+      "1, now()), (%s, -1, 'kestrel.patch:after-approve', jsonb_build_object('at', 2), 1, 1,"
+      " now())", [h.id, h.id])
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'queued' WHERE id = %s",
+      [h.id])
+    deploy(pg_dsn, schema, h.id, "replayv.waits_for_approve")  # old code: no patch there
+    run_worker_until(pg_dsn, config(schema, app_version="old"), lambda: q1(
+        pg_dsn, schema, "SELECT give_backs FROM {s}.workflow_executions WHERE id = %s",
+        [h.id]) == 1)
+    assert q(pg_dsn, schema, "SELECT status, wait_step, waiting_for, wait_deadline FROM "
+             "{s}.workflow_executions WHERE id = %s", [h.id]) == [("waiting", None, None, None)]
+    assert client.get(h.id).waiting_for is None  # what `show` prints
+    deploy(pg_dsn, schema, h.id, "replayv.v2_patch_after_wait")
+    run_worker_until(pg_dsn, config(schema, app_version="new"),
+                     lambda: status_of(pg_dsn, schema, h.id) == "completed")
+    assert h.result(timeout=1) == [2, "yes", 200, 4]
+
+
+def test_a_give_back_before_the_wait_keeps_the_wait(pg_dsn: str, schema: str) -> None:
+    """The other side: given back before replay reached the parked wait (the marker is
+    before it), the row keeps its wait, so the signal sent for it still wakes it."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = park(pg_dsn, schema, client, "replayv.v2_parks_after_patch", 1)
+    wait = q(pg_dsn, schema, "SELECT wait_step, waiting_for, wait_deadline FROM "
+             "{s}.workflow_executions WHERE id = %s", [h.id])
+    assert wait[0][:2] == (1, "approve")
+    deploy(pg_dsn, schema, h.id, "replayv.waits_for_other")
+    wake(pg_dsn, schema, h.id)
+    run_worker_until(pg_dsn, config(schema, app_version="old"), lambda: q1(
+        pg_dsn, schema, "SELECT give_backs FROM {s}.workflow_executions WHERE id = %s",
+        [h.id]) == 1)
+    assert q(pg_dsn, schema, "SELECT wait_step, waiting_for, wait_deadline FROM "
+             "{s}.workflow_executions WHERE id = %s", [h.id]) == wait
