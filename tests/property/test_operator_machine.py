@@ -880,6 +880,15 @@ class OperatorMachine(RuleBasedStateMachine):
                     f"not the one recorded: {hist.get(eid)}")
             sim.reports.clear()
         for ex in new:
+            if not steps.get(ex.id):  # none through the view: say what the tables hold
+                cur = await self.admin.execute(pgsql.SQL(
+                    "SELECT step_id, step_name, execution_finished_at FROM {s}.step_history"
+                    " WHERE execution_id = %s UNION ALL SELECT step_id, step_name, NULL"
+                    " FROM {s}.operation_outputs WHERE execution_id = %s").format(
+                        s=pgsql.Identifier(self.schema)), (ex.id, ex.id))
+                raw = await cur.fetchall()
+                assert not raw, (f"{ex.id} finished at {hist[ex.id][2]}; its checkpoints "
+                                 f"are not in workflow_steps, the tables hold {raw}")
             self.check_finish(ex, hist[ex.id], steps.get(ex.id, {}))
         self.check_signals(signals, steps)
         self.check_waits(hot, hist, signals, steps)
