@@ -397,7 +397,7 @@ BEGIN
             -- A keyed signal sent again after its reply was lost may find the execution
             -- finished since, maybe on that very signal: already delivered, not an error
             -- (FAULTS R1; a workflow's ctx.signal would otherwise fail its sender).
-            -- Its signals left with it (archive_steps): look in history too.
+            -- Its signals left with it (archive_finished): look in history too.
             IF p_idempotency_key IS NOT NULL AND EXISTS (
                     SELECT 1 FROM __schema__.signals AS s
                      WHERE s.execution_id = p_execution
@@ -443,6 +443,7 @@ DECLARE
     v_more uuid[];
     v_moved uuid[];
     v_parents uuid[];
+    v_finished_at timestamptz;
     v_try integer;
 BEGIN
     -- A second try when the first walk locked nothing: the root's row it waited for may
@@ -485,7 +486,7 @@ BEGIN
                idempotency_key, lease_epoch, attempts, created_at, started_at,
                __schema__.kestrel_now(), parent_id, deadline, app_version
           FROM removed
-        RETURNING id, parent_id, workflow
+        RETURNING id, parent_id, workflow, finished_at
     ), uncounted AS (
         -- No worker sees these finish: the metrics collector counts them
         -- (take_uncounted_finishes) in kestrel_workflows_finished_total, once per finish
@@ -493,13 +494,14 @@ BEGIN
         INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status)
         SELECT id, workflow, 'cancelled' FROM moved
     )
-    SELECT array_agg(id), array_agg(parent_id) INTO v_moved, v_parents FROM moved;
+    SELECT array_agg(id), array_agg(parent_id), min(finished_at)
+      INTO v_moved, v_parents, v_finished_at FROM moved;
     IF v_moved IS NOT NULL THEN
         PERFORM __schema__.child_finished(t.parent, t.child, 'cancelled', NULL,
                     jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'))
            FROM unnest(v_parents, v_moved) AS t(parent, child)
           WHERE t.parent IS NOT NULL;
-        PERFORM __schema__.archive_steps(v_moved);
+        PERFORM __schema__.archive_finished(v_moved, v_finished_at);
     END IF;
     SELECT status INTO v_status FROM __schema__.workflow_executions WHERE id = p_execution;
     IF FOUND THEN
@@ -526,7 +528,7 @@ $$;
 -- pending again, patch markers asked at or after it (output {"at": position}) are dropped,
 -- and each child's end is delivered again from the child's own record (restore_child_outcomes:
 -- a child keeps its id, since its idempotency key is its parent's and the step's). Signals
--- and events come back from history with the execution (archive_steps moved them there).
+-- and events come back from history with the execution (archive_finished moved them there).
 --
 -- With p_idempotency_key (migration 0015), a retry sent again after its reply was lost
 -- returns as the first did instead of finding the execution live (KS005): the key is stored
@@ -842,15 +844,23 @@ BEGIN
 END
 $$;
 
--- name: archive_steps
+-- name: archive_finished
 -- Everything finished executions had, moved by complete/cancel/quarantine/deadline in the
 -- statement that moves them to history: their checkpoints to step_history, their signals
 -- (consumed or not) to signal_history and their events to event_history (migration 0013),
--- each stamped with the finish time that partitions it, so the hot tables hold live work only
--- and retention drops all of it with the execution. retry() brings it back. Returns the
--- number of checkpoints moved. Each DELETE finds its rows by an index that leads with the
--- execution id; an execution that never signalled or published costs two index probes.
-CREATE OR REPLACE FUNCTION __schema__.archive_steps(p_ids uuid[]) RETURNS bigint
+-- each stamped with p_finished_at, the finish time the caller wrote to workflow_history and
+-- that partitions it, so the hot tables hold live work only and retention drops all of it
+-- with the execution. retry() brings it back. Returns the number of checkpoints moved. Each
+-- DELETE finds its rows by an index that leads with the execution id; an execution that
+-- never signalled or published costs two index probes.
+--
+-- The time is passed, never read again here: a second read of the clock can differ from
+-- the first (a test clock moved while the finishing statement waited on a row a client held;
+-- the operator machine's soak found the execution in history with its checkpoints under
+-- another time, so workflow_steps, which joins on it, showed none).
+CREATE OR REPLACE FUNCTION __schema__.archive_finished(p_ids uuid[],
+                                                       p_finished_at timestamptz)
+RETURNS bigint
 LANGUAGE sql AS $$
     WITH moved AS (
         DELETE FROM __schema__.operation_outputs AS o
@@ -861,7 +871,7 @@ LANGUAGE sql AS $$
                (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
                 started_at, finished_at, execution_finished_at)
         SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-               started_at, finished_at, __schema__.kestrel_now()
+               started_at, finished_at, p_finished_at
           FROM moved
         RETURNING 1
     ), signals_moved AS (
@@ -873,7 +883,7 @@ LANGUAGE sql AS $$
                (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
                 consumed_at, execution_finished_at)
         SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
-               consumed_at, __schema__.kestrel_now()
+               consumed_at, p_finished_at
           FROM signals_moved
     ), events_moved AS (
         DELETE FROM __schema__.events AS v
@@ -882,10 +892,18 @@ LANGUAGE sql AS $$
     ), events_archived AS (
         INSERT INTO __schema__.event_history
                (execution_id, key, value, updated_at, execution_finished_at)
-        SELECT execution_id, key, value, updated_at, __schema__.kestrel_now()
+        SELECT execution_id, key, value, updated_at, p_finished_at
           FROM events_moved
     )
     SELECT count(*) FROM archived
+$$;
+
+-- name: archive_steps
+-- archive_finished at the current time, for the statements of workers one version older
+-- during a rolling deploy (this version's statements pass the time they wrote).
+CREATE OR REPLACE FUNCTION __schema__.archive_steps(p_ids uuid[]) RETURNS bigint
+LANGUAGE sql AS $$
+    SELECT __schema__.archive_finished(p_ids, __schema__.kestrel_now())
 $$;
 
 -- name: consume_signal

@@ -20,7 +20,7 @@ SELECT __schema__.fork(%(id)s, %(from_step)s, %(new_id)s, %(idempotency_key)s);
 
 -- name: get_event
 -- A live execution's events are in events; a finished one's moved to event_history with it
--- (archive_steps). It is in exactly one of them in any snapshot.
+-- (archive_finished). It is in exactly one of them in any snapshot.
 SELECT value FROM __schema__.events WHERE execution_id = %(id)s AND key = %(key)s
 UNION ALL
 SELECT value FROM __schema__.event_history WHERE execution_id = %(id)s AND key = %(key)s;

@@ -193,7 +193,7 @@ WITH finished(id, epoch, status, result, error) AS (
            idempotency_key, lease_epoch, attempts, created_at, started_at,
            __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
-    RETURNING id
+    RETURNING id, finished_at
 ), told AS (
     -- A parent finishing in this same statement needs no word (and its row, deleted here,
     -- must not also be updated by the same command). Reading all of `removed` first also
@@ -203,8 +203,9 @@ WITH finished(id, epoch, status, result, error) AS (
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
-    -- Their checkpoints follow them into step_history (one statement for the whole batch).
-    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
+    -- Their checkpoints follow them into step_history (one statement for the whole batch),
+    -- under the finish time written above (one value: the same kestrel_now() for the batch).
+    SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM moved
 )
 -- Identical notifications in one transaction collapse into one: a waiting result() wakes
 -- once per batch, not once per execution.

@@ -40,7 +40,7 @@ WITH expired AS (
            idempotency_key, lease_epoch, attempts, created_at, started_at,
            __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM poisoned
-    RETURNING id, parent_id, error
+    RETURNING id, parent_id, error, finished_at
 ), told AS (
     -- Not to a parent quarantined by this same statement (its row is deleted here).
     SELECT __schema__.child_finished(parent_id, id, 'quarantined', NULL, error)
@@ -48,7 +48,7 @@ WITH expired AS (
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM poisoned)
 ), archived AS (
-    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM quarantined
+    SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM quarantined
 )
 SELECT (SELECT count(*) FROM requeued) AS requeued,
        (SELECT count(*) FROM quarantined) AS quarantined,
@@ -85,7 +85,7 @@ WITH late AS (
            idempotency_key, lease_epoch, attempts, created_at, started_at,
            __schema__.kestrel_now(), parent_id, deadline, app_version
       FROM removed
-    RETURNING id, parent_id, error, workflow
+    RETURNING id, parent_id, error, workflow, finished_at
 ), uncounted AS (
     INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status, deadline)
     SELECT id, workflow, 'failed', true FROM moved
@@ -96,7 +96,7 @@ WITH late AS (
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
-    SELECT __schema__.archive_steps(array_agg(id)) AS n FROM moved
+    SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told), (SELECT n FROM archived);
 

@@ -137,3 +137,53 @@ def test_the_runtime_role_cannot_change_time(direct_dsn: str, production_schema:
             for role in roles:
                 conn.execute(pgsql.SQL("DROP OWNED BY {}").format(pgsql.Identifier(role)))
                 conn.execute(pgsql.SQL("DROP ROLE {}").format(pgsql.Identifier(role)))
+
+
+def test_a_finish_held_by_a_client_lock_across_a_clock_move_keeps_its_checkpoints(
+        pg_dsn: str, schema: str) -> None:
+    """Found by the operator machine's soak profile: a completion waited on a row a
+    client's open transaction held while the clock moved; the history row took the finish
+    time planned before the wait and its checkpoints the time after, so workflow_steps
+    (which joins them on that time) showed a completed execution with no steps. The finish
+    time is now written once and carried to everything archived with it."""
+    import asyncio
+
+    from kestrel import db
+    from kestrel.sql import queries
+    from kestrel.types import Finish, Status, StepWrite
+
+    qs = queries(schema)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit("clock.two_steps", 1)
+
+    async def run() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            [c] = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
+                                       lease_s=60)
+            await db.save_steps(conn, qs, [StepWrite(c.id, c.epoch, 0, "clock.a", "1", None,
+                                                     1, 0.0)])
+            with psycopg.connect(pg_dsn, autocommit=False) as client_tx:
+                client_tx.execute(pgsql.SQL("SELECT 1 FROM {}.workflow_executions WHERE id = %s"
+                                            " FOR UPDATE").format(pgsql.Identifier(schema)),
+                                  [c.id])  # a client's open transaction holds the row
+                done = asyncio.ensure_future(db.complete_batch(conn, qs, [
+                    Finish(c.id, c.epoch, Status.COMPLETED, "7", None)]))
+                pid = conn.info.backend_pid
+                with psycopg.connect(pg_dsn, autocommit=True) as admin:
+                    for _ in range(3000):  # until it is planned and waits on the row
+                        if admin.execute("SELECT wait_event_type FROM pg_stat_activity "
+                                         "WHERE pid = %s", [pid]).fetchone() == ("Lock",):
+                            break
+                        await asyncio.sleep(0.01)
+                    else:
+                        raise AssertionError("the completion never waited on the row")
+                with psycopg.connect(pg_dsn, autocommit=True) as admin:
+                    db.run_sync(admin, db.advance_clock(qs, seconds=3600))
+                client_tx.commit()
+            assert await done == {c.id}
+
+    asyncio.run(run())
+    assert q(pg_dsn, schema, "SELECT step_id, step_name FROM {s}.workflow_steps WHERE "
+             "execution_id = %s", [h.id]) == [(0, "clock.a")]
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.step_history AS s JOIN "
+              "{s}.workflow_history AS h ON h.id = s.execution_id AND h.finished_at = "
+              "s.execution_finished_at WHERE h.id = %s", [h.id]) == 1

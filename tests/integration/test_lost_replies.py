@@ -40,7 +40,7 @@ from kestrel.workflow import registry
 from tests.apps import ledger_app as app
 from tests.helpers import config, finished_count, q, q1
 
-# A finished execution's signals left with it (archive_steps): read both tables.
+# A finished execution's signals left with it (archive_finished): read both tables.
 ALL_SIGNALS = ("(SELECT id, payload, consumed_step FROM {s}.signals UNION ALL "
                "SELECT id, payload, consumed_step FROM {s}.signal_history) AS s")
 
@@ -843,7 +843,7 @@ def test_a_worker_whose_start_loses_a_reply_closes_its_pool(
 _WRITES = re.compile(
     r"\b(INSERT|DELETE|TRUNCATE|ALTER|CREATE|DROP|LISTEN|NOTIFY)\b"
     r"|\b(pg_notify|submit|signal|cancel|retry|fork|consume_signal|park_execution"
-    r"|child_finished|archive_steps|pg_advisory\w*)\s*\("
+    r"|child_finished|archive_finished|archive_steps|pg_advisory\w*)\s*\("
     r"|\bUPDATE\b|\bFOR\s+SHARE\b", re.IGNORECASE)
 """What makes a statement more than a read: a write, a call of a writing function, a row
 lock (``FOR UPDATE`` matches UPDATE), session state."""
