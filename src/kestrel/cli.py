@@ -101,6 +101,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
                    namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """Parse *args*; an unknown option exits 2 with its command's usage and a hint."""
         ns, extras = self.parse_known_args(args, namespace)
         if extras:
             parser: argparse.ArgumentParser = self
