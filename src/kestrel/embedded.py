@@ -102,6 +102,9 @@ def resolve_dsn(cfg: Config, *, create: bool = True) -> tuple[str, Any]:
     if dsn_from_environment():
         return "", None  # libpq reads PGHOST/PGDATABASE/… itself
     dsn, server = start(cfg.data_dir, create=create)
-    log.warning("no --dsn given: using the embedded PostgreSQL (development only) with its "
-                "data in %s; pass --dsn for your own server", Path(cfg.data_dir).absolute())
+    # Said once where the runtime starts (run, serve, demo, migrate); an operator command
+    # would repeat it before every answer.
+    log.log(logging.WARNING if create else logging.DEBUG,
+            "no --dsn given: using the embedded PostgreSQL (development only) with its data "
+            "in %s; pass --dsn for your own server", Path(cfg.data_dir).absolute())
     return dsn, server

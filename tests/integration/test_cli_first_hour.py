@@ -217,3 +217,20 @@ def test_the_demo_prints_commands_that_run_from_here(monkeypatch: pytest.MonkeyP
     assert shown != "kestrel-runtime" and Path(shown).resolve() == mine.resolve()
     monkeypatch.setenv("PATH", str(mine.parent))
     assert demo.command_name() == "kestrel-runtime"
+
+
+@pytest.mark.usefixtures("no_server")
+def test_operator_commands_on_the_embedded_database_answer_without_the_startup_warning(
+    pg_dsn: str, schema: str, tmp_path_factory: pytest.TempPathFactory,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if "KESTREL_TEST_DSN" in os.environ:  # CI never sets it: the suite's own embedded server
+        pytest.skip("needs the suite's embedded server")
+    data = tmp_path_factory.getbasetemp() / "pg0" / "data"  # tests/conftest.py's
+    assert main(["stats", "--data-dir", str(data), "--schema", schema]) == 0
+    out, err = capsys.readouterr()
+    assert "queue" in out and err == ""  # the runtime's start says it; a command does not
+    assert main(["dsn", "--data-dir", str(data)]) == 0
+    dsn = capsys.readouterr().out.strip()
+    with psycopg.connect(dsn) as conn:  # what a script or psql would connect to
+        assert conn.execute("SELECT 1").fetchone() == (1,)
