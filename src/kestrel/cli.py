@@ -8,12 +8,14 @@ exits 1; an invalid setting exits 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import json
 import logging
 import os
 import re
 import sys
+import textwrap
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
@@ -92,6 +94,47 @@ def version() -> str:
         return "unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """An unknown option is reported by the command it was typed for, with that command's
+    usage and the closest options it has (argparse reports it at the top level, whose usage
+    lists every runtime setting)."""
+
+    def parse_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                   namespace: argparse.Namespace | None = None) -> argparse.Namespace:
+        """Parse *args*; an unknown option exits 2 with its command's usage and a hint."""
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser: argparse.ArgumentParser = self
+            for dest in ("command", "token_command"):
+                found = _subcommand(parser, getattr(ns, dest, None))
+                if found is None:
+                    break
+                parser = found
+            options = [o for a in parser._actions for o in a.option_strings]
+            close = [m for x in extras if x.startswith("-")
+                     for m in difflib.get_close_matches(x.partition("=")[0], options, n=2)]
+            hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return ns
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None,
+                ) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return None
+
+
+def _epilog(*examples: str) -> str:
+    """Examples, then where settings come from, for a command's --help (pre-wrapped)."""
+    text = ""
+    if examples:
+        text = "examples:\n" + "\n".join(f"  {e}" for e in examples) + "\n\n"
+    return text + textwrap.fill(PRECEDENCE, width=88)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the ``kestrel-runtime`` argument parser.
 
@@ -99,35 +142,54 @@ def build_parser() -> argparse.ArgumentParser:
     only its own options and the connection settings (:data:`CONNECTION`), so its ``--help``
     shows what applies to it.
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kestrel-runtime",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         # A subcommand's option (submit --queue) must never be read as an abbreviation of
         # a setting (--queues, --queue-limits).
         allow_abbrev=False,
-        description="Durable workflows on PostgreSQL. Without a subcommand, run the "
-                    "supervisor and --procs worker processes (e.g. kestrel-runtime --procs 16 "
-                    "--app myapp.workflows).",
-        epilog=PRECEDENCE,
+        description=textwrap.fill(
+            "Durable workflows on PostgreSQL. Without a COMMAND, run the supervisor and "
+            "--procs worker processes with the runtime settings (all of them: "
+            "`kestrel-runtime run --help`).", width=88),
+        epilog=_epilog("kestrel-runtime --app myapp.workflows --procs 4",
+                       "kestrel-runtime submit greet --args '[\"Ada\"]' --wait 30",
+                       "kestrel-runtime show EXECUTION_ID",
+                       "kestrel-runtime COMMAND --help"),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
                         help="Print the version and exit.")
-    _settings(parser, title="runtime settings (when no COMMAND is given)")
+    # The runtime's settings parse here too (no COMMAND means run), listed by `run --help`.
+    for action in _settings(parser, title="runtime settings (when no COMMAND is given)"):
+        action.help = argparse.SUPPRESS
+    parser._action_groups[-1].description = "Every one is listed by `kestrel-runtime run " \
+                                            "--help`."
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     later: list[tuple[argparse.ArgumentParser, list[argparse.Action]]] = []
 
     def add(name: str, help: str, settings: Sequence[str] | None = CONNECTION,
-            ) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help, description=help, epilog=PRECEDENCE,
-                           allow_abbrev=False)
+            examples: Sequence[str] = ()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=textwrap.fill(help, width=88),
+                           epilog=_epilog(*examples), allow_abbrev=False,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
         later.append((p, _settings(p, settings)))
         return p
 
-    add("run", "Run the supervisor and its workers (the default command).", None)
+    add("run", "Run the supervisor and its workers (the default command).", None,
+        ("kestrel-runtime run --app myapp.workflows --procs 4 --dsn postgresql://app@db/app",
+         "KESTREL_APP=myapp.workflows kestrel-runtime --http-port 8080"))
     add("migrate", "Create or upgrade the schema (as its owner), then exit.",
-        CONNECTION + HISTORY)
+        CONNECTION + HISTORY, ("kestrel-runtime migrate --dsn postgresql://owner@db/app",))
 
-    s = add("submit", "Submit an execution; print its id.", CONNECTION + PAYLOAD)
-    s.add_argument("workflow", help="Registered workflow name.")
+    s = add("submit", "Submit an execution; print its id.", CONNECTION + PAYLOAD,
+            ("kestrel-runtime submit greet --args '[\"Ada\"]'",
+             "kestrel-runtime submit deploy --args '[\"api\", 42]' --idempotency-key "
+             "deploy-api-42 --wait 60"))
+    s.add_argument("workflow", help="Registered workflow name (refused when live workers "
+                                    "run and none runs it; see --allow-unknown).")
+    s.add_argument("--allow-unknown", action="store_true",
+                   help="Submit even if no live worker runs this workflow (one deployed "
+                        "later will).")
     s.add_argument("--args", default="[]", help="JSON array of arguments (default: []).")
     s.add_argument("--queue", default="default", help="Queue to run it on (default: default).")
     s.add_argument("--priority", type=int, default=0, help="Higher runs first (default: 0).")
@@ -151,7 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "finished by then).")
     _json_flag(s)
 
-    ls = add("list", "List executions, newest first.")
+    ls = add("list", "List executions, newest first.", examples=(
+        "kestrel-runtime list --status waiting", "kestrel-runtime list --workflow deploy "
+        "--since 6h --json"))
     ls.add_argument("--status", help="queued, running, waiting, completed, failed, "
                                      "cancelled or quarantined.")
     ls.add_argument("--workflow", help="Only this workflow.")
@@ -166,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_version_commands(add)
 
     show = add("show", "Show an execution: what it waits for, its deadline, its steps as a "
-                       "timeline.")
+                       "timeline.", examples=("kestrel-runtime show EXECUTION_ID",
+                                              "kestrel-runtime show EXECUTION_ID --wait 30"))
     _id_arg(show)
     show.add_argument("--wait", type=float, default=None, metavar="SECONDS",
                       help="First wait up to this long for it to finish (exit 3 if it has "
@@ -174,12 +239,14 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(show)
 
     cancel = add("cancel", "Cancel a live execution and its children (exit 1 if it already "
-                           "finished otherwise).")
+                           "finished otherwise).", examples=("kestrel-runtime cancel "
+                                                             "EXECUTION_ID",))
     _id_arg(cancel)
     _json_flag(cancel)
 
     retry = add("retry", "Re-run a failed, cancelled or quarantined execution from its last "
-                         "checkpoint (exit 1 otherwise).")
+                         "checkpoint (exit 1 otherwise).",
+                examples=("kestrel-runtime retry EXECUTION_ID --idempotency-key fix-1",))
     _id_arg(retry)
     retry.add_argument("--idempotency-key", default=None, metavar="KEY",
                        help="Run again with the same key after a connection error: a retry "
@@ -187,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(retry)
 
     fork = add("fork", "Start a new execution of the same workflow and arguments that reuses "
-                       "the first N checkpoints of another; print its id.")
+                       "the first N checkpoints of another; print its id.",
+               examples=("kestrel-runtime fork EXECUTION_ID --from-step 2",))
     _id_arg(fork)
     fork.add_argument("--from-step", type=int, required=True, metavar="N",
                       help="How many of its checkpoints (steps 0..N-1) to reuse; the new "
@@ -198,7 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(fork)
 
     sig = add("signal", "Send a signal to an execution (e.g. an approval).",
-              CONNECTION + PAYLOAD)
+              CONNECTION + PAYLOAD, ("kestrel-runtime signal EXECUTION_ID approval --payload "
+                                     "'{\"approved\": true, \"by\": \"ada\"}'",))
     _id_arg(sig)
     sig.add_argument("name", help="The signal's name, as the workflow waits for it.")
     sig.add_argument("--payload", default="null", help="JSON payload (default: null).")
@@ -207,7 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(sig)
 
     stats = add("stats", "Queue depth by queue and status, oldest queued age, running by "
-                         "worker, totals.")
+                         "worker, totals.", examples=("kestrel-runtime stats --json",))
+    dsn = add("dsn", "Print the DSN the commands use (with no --dsn: the embedded database in "
+                     "--data-dir, while `kestrel-runtime run` keeps it up), for psql or Python.",
+              examples=("psql \"$(kestrel-runtime dsn)\"",))
+    dsn.add_argument("--json", action="store_true", help="Print JSON instead of a line.")
     _json_flag(stats)
 
     parts = add("partitions", "Create history partitions ahead and drop those past the "
@@ -222,7 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config; "
                  "with --metrics-port, its HTTP metrics on /metrics there.",
         None)
-    tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.")
+    tok = add("token", "Manage HTTP API tokens: create (printed once), list, revoke.",
+              examples=("kestrel-runtime token create --name ci --scopes submit,read",
+                        "kestrel-runtime token revoke ci"))
     tsub = tok.add_subparsers(dest="token_command", metavar="ACTION", required=True)
 
     def add_token(name: str, help: str) -> argparse.ArgumentParser:
@@ -282,7 +357,11 @@ def import_app(modules: str) -> dict[str, WorkflowFn]:
         except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name
             top = name.partition(".")[0]
             hint = ""
-            if isinstance(exc, ModuleNotFoundError) and exc.name in (top, name):
+            if name.endswith(".py") or os.sep in name or "/" in name:
+                module = name.removesuffix(".py").replace(os.sep, ".").replace("/", ".")
+                hint = (f"; --app takes a module name, as `python -m` does, not a file: "
+                        f"--app {module.strip('.')} (run from the folder that holds it)")
+            elif isinstance(exc, ModuleNotFoundError) and exc.name in (top, name):
                 hint = (f"; run kestrel-runtime from the folder that holds {top!r} (now "
                         f"{here}), or add that folder to PYTHONPATH")
             raise ConfigError(f"invalid setting --app / KESTREL_APP={name!r}: cannot import "
@@ -308,13 +387,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     ns = parser.parse_args(argv)
+    command = ns.command or "run"
     try:
         cfg = config_from_args(ns)
     except ConfigError as exc:
-        print(f"kestrel-runtime: {exc}", file=sys.stderr)
+        print(f"kestrel-runtime {command}: {exc}", file=sys.stderr)
         return 2
     kestrel_log.setup(cfg.log_level, cfg.log_format)
-    command = ns.command or "run"
     try:
         return COMMANDS[command](cfg, ns)
     except ConfigError as exc:
@@ -501,7 +580,7 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
     from kestrel import db
     from kestrel.sql import queries
 
-    dsn, _server = resolve_dsn(cfg)
+    dsn, _server = resolve_dsn(cfg, create=False)
     ran, created, dropped = upkeep(dsn, cfg, detach=ns.detach)
     with psycopg.connect(dsn, autocommit=True) as conn:
         parts = db.run_sync(conn, db.list_partitions(queries(cfg.schema)))
@@ -540,7 +619,7 @@ def cmd_migrate(cfg: Config, ns: argparse.Namespace) -> int:
 def _client(cfg: Config) -> tuple[Any, Any]:
     from kestrel.client import SyncClient
 
-    dsn, server = resolve_dsn(cfg)
+    dsn, server = resolve_dsn(cfg, create=False)
     # One command, one or two statements: no pool to keep open.
     client = SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes,
                         pool_size=0, connection_mode=cfg.connection_mode,
@@ -599,10 +678,13 @@ def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
         raise ConfigError("--args must be a JSON array, e.g. '[1, \"two\"]'")
     start_at = _iso(ns.start_at, "--start-at") if ns.start_at is not None else None
     client, _server = _client(cfg)
+    note = None if ns.allow_unknown else _check_workflow(client, ns.workflow)
     handle = client.submit(ns.workflow, *args, queue=ns.queue, priority=ns.priority,
                            idempotency_key=ns.idempotency_key, timeout=ns.timeout,
                            delay=ns.delay, start_at=start_at, dedup_key=ns.dedup_key,
                            on_duplicate="reject" if ns.reject_duplicate else "return")
+    if note is not None and _interactive():
+        print(f"kestrel-runtime submit: note: {note}", file=sys.stderr)
     if ns.wait is None:
         return _emit(ns, {"id": str(handle.id)}, lambda: print(handle.id))
     if not ns.json:
@@ -613,6 +695,34 @@ def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
         print(json.dumps(result))
 
     return _emit(ns, {"id": str(handle.id), "result": result}, table)
+
+
+def _check_workflow(client: Any, name: str) -> str | None:
+    """Refuse *name* when workers are live and none runs it: a typo would queue for ever
+    (the HTTP door answers 404). With no live worker at all, return a note saying what it
+    will wait for (workers may be deployed after the submit).
+
+    Raises:
+        ConfigError: live workers run other workflows only.
+    """
+    live = client.workers()
+    known = sorted({w for worker in live for w in worker.workflows})
+    if name in known:
+        return None
+    if not live:
+        return f"no worker is running; the execution waits until one that runs {name!r} " \
+               "claims it"
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = (f"did you mean {' or '.join(map(repr, close))}?" if close else
+            f"they run {', '.join(map(repr, known[:12]))}{' …' if len(known) > 12 else ''}")
+    raise ConfigError(f"no live worker runs workflow {name!r}, so it would wait for ever: "
+                      f"{hint} (--allow-unknown submits it anyway, for workers deployed "
+                      "later)")
+
+
+def _interactive() -> bool:
+    """Whether a person reads stderr (notes are for them; scripts get one line or none)."""
+    return sys.stderr.isatty()
 
 
 def _wait_for(client: Any, eid: uuid.UUID, seconds: float, *, json_id: bool) -> Any:
@@ -709,8 +819,11 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         except KestrelError:
             pass  # it ended failed, cancelled or quarantined: shown below
     ex = client.get(eid)
-    steps = client.steps(ex.id)
+    # Patch markers (negative ids) in the place they mark: before the position in "at".
+    steps = sorted(client.steps(ex.id), key=lambda s: (
+        _marked_at(s) if s.step_id < 0 else s.step_id, 0 if s.step_id < 0 else 1))
     waits = waits_for(ex)
+    forked = client.forked_from(ex.id)
     data = {
         "id": ex.id, "workflow": ex.workflow, "status": ex.status.value, "queue": ex.queue,
         "claims": ex.attempts, "args": ex.args, "result": ex.result, "error": ex.error,
@@ -718,6 +831,7 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         "finished_at": ex.finished_at, "deadline": ex.deadline, "waits_for": waits,
         "give_backs": ex.give_backs, "given_back_by": ex.given_back_by,
         "given_back_at": ex.given_back_at,
+        "forked_from": ({"id": forked[0], "from_step": forked[1]} if forked else None),
         "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
                    "duration_ms": _ms(s.finished_at - s.started_at), "output": s.output,
                    "error": s.error} for s in steps],
@@ -727,6 +841,9 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         print(f"execution {ex.id}")
         print(f"  workflow  {ex.workflow}   queue {ex.queue}   status {ex.status.value}")
         print(f"  args      {_short(ex.args)}")
+        if forked is not None:
+            print(f"  forked from {forked[0]} (its steps 0..{forked[1] - 1} reused)"
+                  if forked[1] else f"  forked from {forked[0]} (from the start)")
         if waits is not None:
             print(f"  waits for {waits['what']}"
                   + (f"   until {_when(waits['until'])}" if waits.get("until") else ""))
@@ -743,9 +860,13 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
             print(f"  error     {ex.error.get('type')}: {ex.error.get('message')}")
         print(f"  steps ({len(steps)}):")
         for s in steps:
+            at = s.started_at - ex.created_at
+            if s.step_id < 0:  # a patch marker: where new code took its new path
+                print(f"    patch +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} new code's path "
+                      f"from step {_marked_at(s)} on")
+                continue
             outcome = (f"error {s.error.get('type')}: {s.error.get('message')}" if s.error
                        else _short(s.output, 60))
-            at = s.started_at - ex.created_at
             print(f"    #{s.step_id:<3} +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} "
                   f"try {s.attempt}  {_ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
 
@@ -753,6 +874,12 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
     if late is not None:
         raise late
     return 0
+
+
+def _marked_at(step: Any) -> int:
+    """The position a patch marker (a step with a negative id) was recorded at."""
+    at = step.output.get("at") if isinstance(step.output, dict) else None
+    return at if isinstance(at, int) else 0
 
 
 def waits_for(ex: Execution) -> dict[str, Any] | None:
@@ -788,7 +915,8 @@ def waits_for(ex: Execution) -> dict[str, Any] | None:
         return {"kind": "child", "what": f"child execution {on.removeprefix('kestrel.child:')}",
                 "until": ex.wait_deadline}
     return {"kind": "signal", "what": f"signal {on!r} (kestrel-runtime signal {ex.id} "
-                                      f"{_shell_word(on)})", "until": ex.wait_deadline}
+                                      f"{_shell_word(on)} --payload 'JSON')",
+            "until": ex.wait_deadline}
 
 
 def _shell_word(text: str) -> str:
@@ -863,7 +991,18 @@ def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
     sent = client.signal(eid, ns.name, payload, idempotency_key=ns.idempotency_key)
     msg = (f"{eid}: signal {ns.name!r} delivered" if sent else
            f"{eid}: signal {ns.name!r} with key {ns.idempotency_key!r} was already delivered")
-    return _emit(ns, {"id": eid, "signal": ns.name, "delivered": sent}, lambda: print(msg))
+    ex = client.get(eid)
+    waiting = (ex.waiting_for if ex.status.value == "waiting" and ex.waiting_for
+               and not ex.waiting_for.startswith("kestrel.") else None)
+    if ex.status.terminal:
+        print(f"kestrel-runtime signal: note: execution {eid} has {ex.status.value}; "
+              "nothing will take this signal", file=sys.stderr)
+    elif waiting is not None and waiting != ns.name:
+        print(f"kestrel-runtime signal: note: execution {eid} waits for signal "
+              f"{waiting!r}, not {ns.name!r}; this one is kept for a later "
+              f"wait_for_signal({ns.name!r}), if the workflow has one", file=sys.stderr)
+    return _emit(ns, {"id": eid, "signal": ns.name, "delivered": sent,
+                      "status": ex.status.value, "waiting_for": waiting}, lambda: print(msg))
 
 
 def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
@@ -969,6 +1108,20 @@ def cmd_patches(cfg: Config, ns: argparse.Namespace) -> int:
     return _emit(ns, data, table)
 
 
+def cmd_dsn(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime dsn``: print the DSN the other commands use.
+
+    With no ``--dsn``, that of the embedded database in ``--data-dir`` (which must exist); it
+    stays up while a process holds it (``kestrel-runtime run``). Python code can start it
+    itself: ``kestrel.embedded.start(".kestrel/pgdata")`` returns the DSN and the handle
+    that keeps it up.
+    """
+    dsn, _server = resolve_dsn(cfg, create=False)
+    if not dsn:
+        dsn = "(libpq's PG* environment variables)"
+    return _emit(ns, {"dsn": dsn}, lambda: print(dsn))
+
+
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime demo``: run the incident-response demo; return its exit status.
 
@@ -1017,7 +1170,7 @@ def cmd_token(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime token create|list|revoke``: manage HTTP API tokens."""
     from kestrel.http.commands import token_command
 
-    dsn, _server = resolve_dsn(cfg)
+    dsn, _server = resolve_dsn(cfg, create=False)
     data, text = token_command(cfg, dsn, ns.token_command, vars(ns))
     return _emit(ns, data, lambda: print(text))
 
@@ -1033,6 +1186,7 @@ COMMANDS: dict[str, Callable[[Config, argparse.Namespace], int]] = {
     "fork": cmd_fork,
     "signal": cmd_signal,
     "stats": cmd_stats,
+    "dsn": cmd_dsn,
     "partitions": cmd_partitions,
     "demo": cmd_demo,
     "unclaimable": cmd_unclaimable,

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import codec, db
+from kestrel import codec, db, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -206,6 +206,14 @@ class SyncClient(ClientBase):
             "id": ident(execution_id), "from_step": from_step, "new_id": uuid.uuid4(),
             "idempotency_key": idempotency_key}, key=idempotency_key))
         return SyncHandle(self, new)
+
+    def forked_from(self, execution_id: uuid.UUID | str
+                          ) -> tuple[uuid.UUID, int] | None:
+        """The execution this one was forked from and the step the fork started at, or None
+        when it was not made by :meth:`fork`."""
+        source: tuple[uuid.UUID, int] | None = self._run(
+            statements.fork_source(self._q, id=ident(execution_id)))
+        return source
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:
         """Return the execution, live or finished.

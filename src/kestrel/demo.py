@@ -25,6 +25,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import kestrel
@@ -110,6 +111,7 @@ def run(cfg: Config, *, incidents: int) -> int:
         subprocess.run([sys.executable, "-m", "kestrel", *argv], check=True)
 
     incidents = max(incidents, 3)
+    prog = command_name()
     dsn, server = resolve_dsn(cfg)
     print(f"kestrel demo: PostgreSQL at {dsn or '(PG* environment)'}, schema {cfg.schema}")
     migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
@@ -158,7 +160,7 @@ def run(cfg: Config, *, incidents: int) -> int:
         print(f"   - from SQL: SELECT {cfg.schema}.signal('{sql_one.id}', 'approval', "
               "'{\"approved\": true, \"by\": \"bob (SQL)\"}')")
         base = ["--dsn", dsn, "--schema", cfg.schema, "--log-level", "warning"]
-        print(f"   - from the CLI: kestrel-runtime signal {rejected.id} approval "
+        print(f"   - from the CLI: {prog} signal {rejected.id} approval "
               "--payload '{\"approved\": false, \"by\": \"carol (CLI)\"}'")
         print("     ", end="", flush=True)
         cli("signal", str(rejected.id), "approval", "--payload",
@@ -171,9 +173,9 @@ def run(cfg: Config, *, incidents: int) -> int:
                   f"by {r.get('by')!s:<16} {where}")
         if len(results) > 4:
             print(f"   … and {len(results) - 4} more")
-        print("\n$ kestrel-runtime stats")
+        print(f"\n$ {prog} stats")
         cli("stats", *base)
-        print(f"\n$ kestrel-runtime show {approver.id}")
+        print(f"\n$ {prog} show {approver.id}")
         cli("show", str(approver.id), *base)
         opened = sum(1 for r in results if r["outcome"] == "pr_opened")
         print(f"\ndemo done: {opened} pull requests opened, "
@@ -193,12 +195,12 @@ def run(cfg: Config, *, incidents: int) -> int:
         print(f"   incident:  {ui}/ui/executions/{left.id}")
         print(f"   token:     {token}")
         print("              (scopes read,operate; paste it on the login page; "
-              f"`kestrel-runtime token revoke demo-operator-{run_id}` ends it)")
+              f"`{prog} token revoke demo-operator-{run_id}` ends it)")
         if sys.stdin is not None and sys.stdin.isatty():
             _serve_until_interrupted(client, left.id)
         else:
             print("   not attached to a terminal: stopping now. The incident stays waiting in "
-                  "PostgreSQL; run `make run` in a terminal, or `kestrel-runtime --app "
+                  f"PostgreSQL; run `make run` in a terminal, or `{prog} --app "
                   "kestrel.demo --http-port 8080`, to approve it.")
         client.close()
         return 0
@@ -208,11 +210,31 @@ def run(cfg: Config, *, incidents: int) -> int:
         del server
 
 
+def command_name() -> str:
+    """How the person at the keyboard runs kestrel-runtime from here: the bare name when it
+    is this installation's on PATH, else its path (``make run`` does not activate .venv, so
+    the demo's follow-up commands would not be found as printed)."""
+    import shutil
+
+    mine = Path(sys.executable).parent / "kestrel-runtime"
+    found = shutil.which("kestrel-runtime")
+    if not mine.exists() or (found is not None and Path(found).resolve() == mine.resolve()):
+        return "kestrel-runtime"
+    try:
+        return str(mine.relative_to(Path.cwd()))
+    except ValueError:
+        return str(mine)
+
+
 def http_port(host: str, wanted: int) -> int:
-    """*wanted*, or 8080 when 0, if it is free on *host*; otherwise a free port there."""
+    """*wanted*, or 8080 when 0, if it is free on *host*; otherwise a free port there.
+
+    The probe sets SO_REUSEADDR as the server's own listening socket does: a port left in
+    TIME_WAIT by the last run is free to the server, and must be to the probe too."""
     port = wanted or 8080
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
             return port

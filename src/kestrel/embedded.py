@@ -46,18 +46,36 @@ def dsn_from_environment(environ: dict[str, str] | None = None) -> bool:
     return any(env.get(k) for k in ("PGHOST", "PGSERVICE", "PGDATABASE"))
 
 
-def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
+def exists(data_dir: str | os.PathLike[str]) -> bool:
+    """Whether *data_dir* holds an embedded database (a PostgreSQL data directory)."""
+    return (Path(data_dir) / "PG_VERSION").is_file()
+
+
+def start(data_dir: str | os.PathLike[str], *, create: bool = True) -> tuple[str, Any]:
     """Start (or join) the embedded server in *data_dir*; return its DSN and handle.
 
     Keep the handle alive as long as the server is needed: the server stops when every
-    process holding one has exited.
+    process holding one has exited. From Python (a script, a notebook)::
+
+        from kestrel.embedded import start
+        dsn, server = start(".kestrel/pgdata")  # the folder `kestrel-runtime run` uses
+
+    *create*: make a new database when *data_dir* holds none (``run``, ``migrate``,
+    ``serve``, ``demo``). The operator commands pass False: run from another folder they
+    would otherwise make an empty database there and report an unmigrated schema.
 
     Raises:
-        ConfigError: the ``embedded`` extra is not installed.
+        ConfigError: the ``embedded`` extra is not installed, or *data_dir* holds no
+            database and *create* is False.
     """
     if not available():
         raise ConfigError(NO_DATABASE)
     path = Path(data_dir).absolute()
+    if not create and not exists(path):
+        raise ConfigError(
+            f"no embedded database in {path}: `kestrel-runtime run` (or `migrate`) creates "
+            "it there, in your project folder; run this command from that folder, point "
+            "--data-dir / KESTREL_DATA_DIR at it, or pass --dsn for your own server")
     path.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("XDG_RUNTIME_DIR", str(path.parent))
     with warnings.catch_warnings():
@@ -70,17 +88,23 @@ def start(data_dir: str | os.PathLike[str]) -> tuple[str, Any]:
     return dsn, server
 
 
-def resolve_dsn(cfg: Config) -> tuple[str, Any]:
+def resolve_dsn(cfg: Config, *, create: bool = True) -> tuple[str, Any]:
     """Return the DSN to use and, when embedded, the server handle to keep alive.
 
+    *create*: see :func:`start`.
+
     Raises:
-        ConfigError: no DSN is given and the ``embedded`` extra is not installed.
+        ConfigError: no DSN is given and the ``embedded`` extra is not installed, or (not
+            *create*) there is no embedded database in ``--data-dir``.
     """
     if cfg.dsn:
         return cfg.dsn, None
     if dsn_from_environment():
         return "", None  # libpq reads PGHOST/PGDATABASE/… itself
-    dsn, server = start(cfg.data_dir)
-    log.warning("no --dsn given: using the embedded PostgreSQL (development only) with its "
-                "data in %s; pass --dsn for your own server", Path(cfg.data_dir).absolute())
+    dsn, server = start(cfg.data_dir, create=create)
+    # Said once where the runtime starts (run, serve, demo, migrate); an operator command
+    # would repeat it before every answer.
+    log.log(logging.WARNING if create else logging.DEBUG,
+            "no --dsn given: using the embedded PostgreSQL (development only) with its data "
+            "in %s; pass --dsn for your own server", Path(cfg.data_dir).absolute())
     return dsn, server

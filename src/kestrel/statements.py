@@ -317,3 +317,9 @@ def waiting_stats(q: Queries, *, workflows: Sequence[str],
     """Waiting executions of *workflows* by (workflow, what they wait for), largest first."""
     return Stmt(q.waiting_stats, {"workflows": list(workflows), "limit": limit},
                 lambda rows: [(r[0], r[1], int(r[2])) for r in rows])
+
+
+def fork_source(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[uuid.UUID, int] | None]:
+    """What fork *id* copied: (execution, from_step), or None when there is no such fork."""
+    return Stmt(q.fork_source, {"id": id},
+                lambda rows: (rows[0][0], rows[0][1]) if rows else None)

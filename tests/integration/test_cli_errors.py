@@ -217,7 +217,8 @@ def test_show_says_what_a_live_execution_waits_for_and_its_deadline(
         client.get(h.id).status.value == "waiting" for h in (sig, sleeping, child_parent)))
     code, out, _ = run(pg_dsn, schema, "show", str(sig.id))
     assert code == 0
-    assert f"waits for signal 'never' (kestrel-runtime signal {sig.id} never)   until " in out
+    assert (f"waits for signal 'never' (kestrel-runtime signal {sig.id} never --payload "
+            "'JSON')   until ") in out
     assert "deadline  " in out and "(fails then unless finished)" in out
     data = json.loads(run(pg_dsn, schema, "show", str(sig.id), "--json")[1])
     until = datetime.fromisoformat(data["waits_for"]["until"])

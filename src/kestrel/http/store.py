@@ -16,6 +16,7 @@ from psycopg.types.json import Jsonb
 
 from kestrel.db import Stmt
 from kestrel.sql import Queries
+from kestrel.statements import fork_source as fork_source  # the client reads it too
 
 Row = dict[str, Any]
 
@@ -72,12 +73,6 @@ def get_session(q: Queries, *, secret_hash: bytes,
 def end_session(q: Queries, *, secret_hash: bytes) -> Stmt[None]:
     """Delete a UI session (logout); nothing when it is already gone."""
     return Stmt(q.end_session, {"secret_hash": secret_hash}, lambda rows: None)
-
-
-def fork_source(q: Queries, *, id: uuid.UUID) -> Stmt[tuple[uuid.UUID, int] | None]:
-    """What fork *id* copied: (execution, from_step), or None when there is no such fork."""
-    return Stmt(q.fork_source, {"id": id},
-                lambda rows: (rows[0][0], rows[0][1]) if rows else None)
 
 
 def _summary(r: Sequence[Any]) -> Row:
