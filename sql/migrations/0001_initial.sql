@@ -1,3 +1,6 @@
+-- HISTORICAL FUNCTION BODIES: the functions this migration creates were replaced since;
+-- sql/functions/functions.sql holds every function as it is now and is applied on every
+-- migrate, and sql/schema.sql holds the tables, indexes and views as they are now.
 -- 0001_initial: the hot queue, step checkpoints, history, idempotency keys, submit().
 --
 -- `__schema__` is replaced by the quoted, validated schema name (kestrel/sql.py).

@@ -1,3 +1,6 @@
+-- HISTORICAL FUNCTION BODIES: the functions this migration creates were replaced since;
+-- sql/functions/functions.sql holds every function as it is now and is applied on every
+-- migrate, and sql/schema.sql holds the tables, indexes and views as they are now.
 -- 0002: durable waits, signals, events, cancellation, retry, fork, child workflows, deadlines.
 --
 -- A waiting execution is one row with status 'waiting': no lease, no worker slot, no

@@ -1,3 +1,6 @@
+-- HISTORICAL FUNCTION BODIES: the functions this migration creates were replaced since;
+-- sql/functions/functions.sql holds every function as it is now and is applied on every
+-- migrate, and sql/schema.sql holds the tables, indexes and views as they are now.
 -- 0003: step checkpoints follow their execution into history; observability views.
 --
 -- A finished execution's checkpoints leave operation_outputs in the same statement that

@@ -1,3 +1,6 @@
+-- HISTORICAL FUNCTION BODIES: the functions this migration creates were replaced since;
+-- sql/functions/functions.sql holds every function as it is now and is applied on every
+-- migrate, and sql/schema.sql holds the tables, indexes and views as they are now.
 -- 0004: queue limits (global concurrency, rate), deduplication, delayed start, schedules.
 
 -- One row per limited queue. Claims from a limited queue lock its row first (SKIP LOCKED:

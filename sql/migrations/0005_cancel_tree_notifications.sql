@@ -1,3 +1,6 @@
+-- HISTORICAL FUNCTION BODIES: the functions this migration creates were replaced since;
+-- sql/functions/functions.sql holds every function as it is now and is applied on every
+-- migrate, and sql/schema.sql holds the tables, indexes and views as they are now.
 -- 0005: cancel() told parents about cancelled children inside the same statement that
 -- deleted them. When the parent was in the cancelled tree too, the notification's UPDATE
 -- of the parent row and the statement's own DELETE of it collided ("tuple to be deleted was
