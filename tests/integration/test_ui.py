@@ -506,6 +506,9 @@ def test_the_alert_comes_first_and_a_failure_shows_its_traceback_as_text(
     assert (body.index(b'id="failure"') < body.index(b'<dl class="facts">')
             < body.index(b'<ol class="timeline">'))
     alert = inside(body, "failure")
+    # Its answer (Retry) in the alert, above the tracebacks, and nowhere else.
+    assert body.count(b'id="retry"') == 1
+    assert alert.index(b'id="retry"') < alert.index(b'id="step-traceback"')
     assert b"<two>" not in body and "\u202e".encode() not in body and b"\x00" not in body
     raised = "line one\nline <two> \\u202e\\x00\\ud800"  # as stored, then shown
     assert text_of(alert).startswith("Failed: kestrel.errors.StepFailed step 'ui.breaks_badly'"

@@ -1,10 +1,13 @@
 """The web UI of the HTTP door: server-rendered pages under ``/ui`` (Jinja2, no JS build).
 
-Pages: executions (filters and live counts), one execution (step timeline, what it waits
-for with approve/reject/send forms, events, child tree, cancel and retry), queues, schedules
-and a search over history. Every read is a statement of :mod:`kestrel.http.store` (shared
-with the JSON API) or of ``sql/queries/ui.sql``; every change goes through the kestrel
-client, so the same SQL functions and rules as at every other door.
+Pages: executions (filters and live counts; what each waiting row waits for and since
+when), one execution (first its alert: what it waits for with approve/reject/send forms, or
+its failure with the traceback as text; then the step timeline, events, child tree, cancel
+and retry; a form redirects back to it saying what it sent, and its script reloads it when
+the execution's state changes), queues, schedules and a search over history. Every read is
+a statement of :mod:`kestrel.http.store` (shared with the JSON API) or of
+``sql/queries/ui.sql``; every change goes through the kestrel client, so the same SQL
+functions and rules as at every other door.
 
 Sessions. The login page takes an API token (``kestrel-runtime token create``); the server
 checks it exactly as the API checks a bearer token (:func:`kestrel.http.auth.verify`) and

@@ -30,7 +30,7 @@
   var state = document.querySelector("[data-state-url]");
   if (state) {
     var shown = state.getAttribute("data-state");
-    var timer = poll(state.getAttribute("data-state-url"), 2000, function (data) {
+    var timer = poll(state.getAttribute("data-state-url"), 3000, function (data) {
       if (data.state === shown) { return; }
       // Not while someone types into a form: the next tick tries again.
       var active = document.activeElement;
