@@ -31,3 +31,31 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
         OR args::text ILIKE %(pattern)s ESCAPE '\')
  ORDER BY finished_at DESC, id DESC
  LIMIT %(limit)s;
+
+-- name: ui_waits
+-- Of the live executions %(ids)s (one page of the executions list, or one execution), the
+-- waiting ones: what each waits for, since when, and whether what it waits for has arrived
+-- (a signal of the name it waits for, not consumed yet: it resumes at its next claim), with
+-- the database's clock for "since 12 min". A waiting row's updated_at is when it was parked
+-- (park_execution) or given back (give_back), or created (a delayed start): nothing else
+-- writes a waiting row's updated_at, and its next claim makes it running.
+SELECT e.id, e.waiting_for, e.wait_deadline, e.wake_at, e.updated_at, e.given_back_at,
+       e.given_back_by, e.give_backs,
+       EXISTS (SELECT 1 FROM __schema__.signals AS s
+                WHERE s.execution_id = e.id AND s.name = e.waiting_for
+                  AND s.consumed_step IS NULL) AS arrived,
+       __schema__.kestrel_now()
+  FROM __schema__.workflow_executions AS e
+ WHERE e.id = ANY (%(ids)s::uuid[]) AND e.status = 'waiting';
+
+-- name: ui_sent_signal
+-- The signal a form of the execution page sent, by its idempotency key (live or finished
+-- execution): its name, payload and time, for the notice the page shows after the form's
+-- redirect (POST/redirect/GET). NULL payloads read back as JSON null.
+SELECT name, payload, created_at
+  FROM (SELECT name, payload, created_at FROM __schema__.signals
+         WHERE execution_id = %(id)s AND idempotency_key = %(key)s
+        UNION ALL
+        SELECT name, payload, created_at FROM __schema__.signal_history
+         WHERE execution_id = %(id)s AND idempotency_key = %(key)s) AS s
+ LIMIT 1;

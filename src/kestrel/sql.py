@@ -114,6 +114,8 @@ class Queries:
     # The web UI (sql/queries/ui.sql).
     ui_counts: str
     search_history: str
+    ui_waits: str
+    ui_sent_signal: str
     signal_sent: str
     hook_submit: str
 

@@ -14,6 +14,7 @@ directory, and are still checked to be PNG images.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -121,6 +122,38 @@ def shot(browser: Any, name: str, tmp: Path) -> None:
     (folder / f"{name}.png").write_bytes(png)
 
 
+def before(browser: Any, first: str, then: str) -> bool:
+    """Whether the element *first* comes before *then* in the page (CSS selectors)."""
+    return bool(browser.execute_script(
+        "const a = document.querySelector(arguments[0]), b = document.querySelector(arguments[1]);"
+        "return a !== null && b !== null && "
+        "(a.compareDocumentPosition(b) & Node.DOCUMENT_POSITION_FOLLOWING) !== 0;",
+        first, then))
+
+
+def on_first_screen(browser: Any, selector: str) -> bool:
+    """Whether *selector* is seen without scrolling (above the fold) at the window's size."""
+    browser.execute_script("window.scrollTo(0, 0)")
+    return bool(browser.execute_script(
+        "const r = document.querySelector(arguments[0]).getBoundingClientRect();"
+        "return r.height > 0 && r.top >= 0 && r.bottom <= window.innerHeight;", selector))
+
+
+def shows(browser: Any, selector: str) -> bool:
+    """Whether the page now shows *selector* (a page reloading may answer nothing yet)."""
+    try:
+        return bool(browser.find_elements(By.CSS_SELECTOR, selector))
+    except WebDriverException:
+        return False
+
+
+def hold(server: UiServer, eid: str, queue: str) -> None:
+    """Move a waiting execution to *queue*: one no worker serves holds it (a signal then
+    waits unconsumed), "default" releases it."""
+    q(server.dsn, server.schema,
+      "UPDATE {s}.workflow_executions SET queue = %s WHERE id = %s", [queue, eid])
+
+
 ALERT = {"alert": "KubePodCrashLooping", "namespace": "prod"}
 
 
@@ -166,15 +199,25 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     follow(driver, driver.find_element(By.CSS_SELECTOR, "a.count.st-waiting"))
     assert driver.current_url.endswith("/ui/?status=waiting")
     assert_page_ok(driver)
-    follow(driver, driver.find_element(By.CSS_SELECTOR, f"a[href='/ui/executions/{eid}']"))
+    # Each waiting row says what it waits for and since when (relative and absolute).
+    link = driver.find_element(By.CSS_SELECTOR, f"a[href='/ui/executions/{eid}']")
+    row = link.find_element(By.XPATH, "./ancestor::tr")
+    assert re.fullmatch(r"waiting for signal approval · since \d+ s "
+                        r"\(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)",
+                        row.find_element(By.CSS_SELECTOR, ".wait").text)
+    follow(driver, link)
     assert_page_ok(driver)
     waiting = driver.find_element(By.ID, "waiting").text
-    assert "Waiting for signal approval" in waiting
+    assert "Waiting for signal approval" in waiting and "Since " in waiting
     steps = driver.find_elements(By.CSS_SELECTOR, "ol.timeline > li")
     assert len(steps) >= 2 and "analyze_root_cause" in steps[0].text
+    # The alert comes first: before the timeline, its Approve on the first screen.
+    assert before(driver, "#waiting", "ol.timeline") and before(driver, "#waiting", "dl.facts")
+    assert on_first_screen(driver, "#approve")
     shot(driver, "execution-waiting", tmp_path)
     driver.set_window_size(390, 844)
     shot(driver, "execution-phone", tmp_path)
+    assert on_first_screen(driver, "#approve")
     for path in ("/ui/executions/" + eid, "/ui/", "/ui/queues", "/ui/search"):
         driver.get(server.base + path)  # readable on a phone: nothing wider than the screen
         assert driver.execute_script(
@@ -182,16 +225,25 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     driver.set_window_size(1280, 900)
     driver.get(f"{server.base}/ui/executions/{eid}")
 
+    # Approve: POST, then redirect back to the page read again, which says what was sent and
+    # shows the new state. The execution is held on a queue no worker serves meanwhile, so
+    # the page is seen between the approval and the resume, whatever the workers' speed.
+    hold(server, eid, "ui-held")
     follow(driver, driver.find_element(By.ID, "approve"))
-    assert driver.find_element(By.CSS_SELECTOR, ".notice").text == "Approval sent."
     assert_page_ok(driver)
-
-    def completed() -> bool:
-        driver.refresh()
-        return bool(driver.find_elements(By.CSS_SELECTOR, "h1 .st-completed"))
-
-    wait_until(completed, timeout=60, interval=0.5, what="the incident completed")
+    assert driver.current_url.startswith(
+        f"{server.base}/ui/executions/{eid}?done=approve&sent=approve%3A")
+    notice = driver.find_element(By.ID, "notice").text
+    assert notice.startswith("Approval sent. Signal approval, sent ")
+    assert '"approved": true' in notice and '"by": "ana"' in notice
+    assert driver.find_elements(By.ID, "approve") == []
+    assert "Signal approval received" in driver.find_element(By.ID, "arrived").text
+    # Released, it resumes and completes; the page reloads itself (no refresh here).
+    hold(server, eid, "default")
+    wait_until(lambda: shows(driver, "h1 .st-completed"), timeout=60, interval=0.5,
+               what="the page reloading to the completed incident")
     assert_page_ok(driver)
+    assert driver.find_element(By.ID, "notice").text.startswith("Approval sent. Signal approval")
     result = driver.find_element(By.ID, "result").text
     assert '"outcome": "pr_opened"' in result and '"by": "ana"' in result
     assert driver.find_elements(By.ID, "approve") == []
@@ -221,6 +273,21 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     driver.get(f"{server.base}/ui/executions/{failed}")
     assert_page_ok(driver)
     assert "exploded on purpose" in driver.find_element(By.CSS_SELECTOR, "pre.err").text
+    # The failure is the alert: first, its message and the failed step's traceback as text
+    # with real line breaks (the workflow's traceback and the raw JSON folded below).
+    assert before(driver, "#failure", "ol.timeline") and before(driver, "#failure", "dl.facts")
+    assert "exploded on purpose" in driver.find_element(By.ID, "failure-message").text
+    for ident in ("step-traceback", "traceback"):  # the workflow's folded, as the JSON
+        lines = driver.find_element(By.ID, ident).get_attribute("textContent").splitlines()
+        assert lines[0] == "Traceback (most recent call last):", ident
+        assert any(line.startswith('  File "') for line in lines), ident
+        assert "exploded on purpose" in lines[-1], ident
+    assert driver.find_element(By.ID, "step-traceback").is_displayed()
+    assert not driver.find_element(By.ID, "traceback").is_displayed()
+    raw = driver.find_element(By.ID, "raw-error")
+    assert not raw.is_displayed()  # folded in its <details>
+    assert "Traceback (most recent call last):\\n" in raw.get_attribute("textContent")
+    shot(driver, "execution-failed", tmp_path)
     follow(driver, driver.find_element(By.CSS_SELECTOR, "button.link"))  # log out
     assert "/ui/login" in driver.current_url
     driver.get(server.base + "/ui/queues")

@@ -749,6 +749,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "signal_sent": Read("reads whether a keyed signal arrived"),
     "ui_counts": Read("counts for the web UI"),
     "search_history": Read("searches history"),
+    "ui_waits": Read("reads what listed executions wait for"),
+    "ui_sent_signal": Read("reads the signal a UI form sent"),
     "live_workers": Read("lists live workers"),
     "unclaimable_total": Read("counts unclaimable executions"),
     "unclaimable_by_workflow": Read("lists unclaimable executions"),

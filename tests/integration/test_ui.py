@@ -119,10 +119,11 @@ def test_an_operator_approves_a_waiting_execution_through_the_form(
     form = {"csrf": ui.csrf(page), "key": key.group(1).decode(), "name": "approval"}
     sent = ui.post_form(f"/ui/executions/{eid}/approve", form)
     assert sent.status == 303 and sent.headers["location"] == (
-        f"/ui/executions/{eid}?done=approve")
+        f"/ui/executions/{eid}?done=approve&sent=approve%3A{form['key']}")
     again = ui.post_form(f"/ui/executions/{eid}/approve", form)  # a double press
     if again.status == 303:  # still waiting: the form's key makes it the same signal
-        assert again.headers["location"].endswith("?done=duplicate")
+        assert again.headers["location"].endswith(
+            f"?done=duplicate&sent=approve%3A{form['key']}")
     else:  # the first press already completed it
         assert "already finished" in one_line_refusal(again, 409)
     assert client.result(eid, timeout=60) == {"outcome": "approved", "by": "ana"}
@@ -385,7 +386,8 @@ def test_approve_answers_the_wait_it_shows_whatever_line_breaks_its_name_has(
         as_sent = name.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\r\n")
         form = {"csrf": ui.csrf(page), "key": key.group(1).decode(), "name": as_sent}
         sent = ui.post_form(f"/ui/executions/{eid}/approve", form)
-        assert sent.status == 303 and sent.headers["location"].endswith("?done=approve")
+        assert sent.status == 303 and "?done=approve&sent=approve%3A" in sent.headers[
+            "location"]
         assert q1(server.dsn, server.schema, "SELECT name FROM {s}.signals WHERE "
                   "execution_id = %s UNION ALL SELECT name FROM {s}.signal_history WHERE "
                   "execution_id = %s", [eid, eid]) == name
@@ -398,3 +400,203 @@ def test_approve_answers_the_wait_it_shows_whatever_line_breaks_its_name_has(
         ui.post_form(f"/ui/executions/{eid}/approve", stale), 409)
     assert signals_sent(server, eid) == 0
     client.cancel(eid)
+
+
+# -- what on-call sees first (issue 27) -------------------------------------------------------
+
+
+def text_of(fragment: bytes) -> str:
+    """The text a browser shows of an HTML *fragment* whose tags are inline ones (or
+    separated by white space): tags dropped, entities decoded, white space collapsed."""
+    return " ".join(html.unescape(re.sub(rb"<[^>]*>", b"", fragment).decode()).split())
+
+
+def listed_waits(body: bytes) -> dict[str, str]:
+    """What the executions list says each row waits for (the text a browser shows), by
+    execution id; "" for a row that does not wait."""
+    rows = re.finditer(rb'<tr>\s*<td><a class="mono" href="/ui/executions/([0-9a-f-]{36})"'
+                       rb'(.*?)</tr>', body, re.S)
+    return {m.group(1).decode(): text_of(w.group(1)) if (
+        w := re.search(rb'<div class="wait">(.*?)</div>', m.group(2), re.S)) else ""
+        for m in rows}
+
+
+def inside(body: bytes, ident: str, tag: str = "section") -> bytes:
+    """What the element with id *ident* holds (up to its first closing *tag*)."""
+    found = re.search(rb'id="%s"[^>]*>(.*?)</%s>' % (ident.encode(), tag.encode()), body,
+                      re.S)
+    assert found, f"no element {ident!r} on the page"
+    return found.group(1)
+
+
+def hold(server: UiServer, eid: str, queue: str = "ui-held") -> None:
+    """Move a waiting execution to a queue no worker claims (and back with "default"): a
+    signal then arrives and stays unconsumed, whatever the workers' speed."""
+    q(server.dsn, server.schema,
+      "UPDATE {s}.workflow_executions SET queue = %s WHERE id = %s", [queue, eid])
+
+
+def test_the_list_says_what_each_waiting_row_waits_for_and_since_when(
+        server: UiServer, client: SyncClient) -> None:
+    hostile = "<script>alert(1)</script>\u202egnp.exe"
+    signal = waiting_incident(server, client)  # http.approval: signal "approval"
+    named = str(client.submit("ui.waits_for", hostile).id)
+    given = str(client.submit("ui.waits_for", "later").id)
+    sleeping = str(client.submit("ui.sleeps", 3600).id)
+    parent = str(client.submit("ui.parent", "go").id)
+    delayed = str(client.submit("http.echo", 1, delay=3600).id)
+    finished = str(client.submit("http.echo", 2).id)
+    assert client.result(finished, timeout=60) == 2
+    for eid in (named, given, sleeping, parent, delayed):
+        wait_until(lambda eid=eid: status_of(client, eid) == "waiting", timeout=60,
+                   what="the wait")
+    wait_until(lambda: q1(server.dsn, server.schema, "SELECT waiting_for FROM "
+                          "{s}.workflow_executions WHERE id = %s", [parent]) is not None,
+               timeout=60, what="the parent at its child")
+    child = str(q1(server.dsn, server.schema,
+                   "SELECT id FROM {s}.workflow_executions WHERE parent_id = %s", [parent]))
+    wait_until(lambda: status_of(client, child) == "waiting", timeout=60, what="the child")
+    # Parked twelve minutes ago as the database records it (park and give_back write
+    # updated_at, nothing else does while it waits); and one given back by v1 twice.
+    q(server.dsn, server.schema, "UPDATE {s}.workflow_executions "
+      "SET updated_at = {s}.kestrel_now() - interval '12 minutes' WHERE id = %s", [signal])
+    q(server.dsn, server.schema, "UPDATE {s}.workflow_executions SET given_back_at = "
+      "{s}.kestrel_now(), given_back_by = %s, give_backs = 2 WHERE id = %s", [["v1"], given])
+    since = q1(server.dsn, server.schema, "SELECT to_char(updated_at AT TIME ZONE 'UTC', "
+               "'YYYY-MM-DD HH24:MI') FROM {s}.workflow_executions WHERE id = %s", [signal])
+
+    ui = server.client("reader")
+    page = ui.get("/ui/?status=waiting")
+    assert page.status == 200
+    rows = listed_waits(page.body)
+    assert rows[signal] == f"waiting for signal approval · since 12 min ({since} UTC)"
+    assert re.search(r"waiting for signal <script>alert\(1\)</script>\\u202egnp\.exe · "
+                     r"since \d+ s \(\d{4}-\d\d-\d\d \d\d:\d\d UTC\)$", rows[named]), rows[named]
+    assert b"<script>alert(1)" not in page.body and "\u202e".encode() not in page.body
+    assert ("waiting for a worker of a newer app version (given back by v1, 2 times; at "
+            "signal later) · since") in rows[given]
+    assert re.fullmatch(r"sleeping until \d{4}-\d\d-\d\d \d\d:\d\d UTC · since \d+ s "
+                        r"\(.* UTC\)", rows[sleeping]), rows[sleeping]
+    assert f"waiting for child {child[:8]} · since" in rows[parent]
+    assert f'href="/ui/executions/{child}"'.encode() in page.body
+    assert "waiting for signal go · since" in rows[child]
+    assert "waiting for its delayed start at " in rows[delayed]
+    everything = listed_waits(ui.get("/ui/").body)  # the same on the unfiltered list
+    assert everything[signal] == rows[signal] and everything[finished] == ""
+    for eid in (signal, named, given, sleeping, parent, delayed):
+        client.cancel(eid)
+
+
+def test_the_alert_comes_first_and_a_failure_shows_its_traceback_as_text(
+        server: UiServer, client: SyncClient) -> None:
+    ui = server.client("operator")
+    eid = waiting_incident(server, client)
+    body = ui.get(f"/ui/executions/{eid}").body
+    # The wait and its answer come before the facts and the step timeline.
+    assert (body.index(b'id="waiting"') < body.index(b'id="approve"')
+            < body.index(b'<dl class="facts">') < body.index(b'<ol class="timeline">'))
+    assert re.search(r"Waiting for signal approval Since \d+ s \(\d{4}-\d\d-\d\d "
+                     r"\d\d:\d\d:\d\d UTC\); times out at ",
+                     text_of(inside(body, "waiting")))
+    client.cancel(eid)
+
+    failed = str(client.submit("ui.breaks", "line one\nline <two> \u202e").id)
+    wait_until(lambda: status_of(client, failed) == "failed", timeout=60, what="failed")
+    body = ui.get(f"/ui/executions/{failed}").body
+    assert (body.index(b'id="failure"') < body.index(b'<dl class="facts">')
+            < body.index(b'<ol class="timeline">'))
+    alert = inside(body, "failure")
+    # Its answer (Retry) in the alert, above the tracebacks, and nowhere else.
+    assert body.count(b'id="retry"') == 1
+    assert alert.index(b'id="retry"') < alert.index(b'id="step-traceback"')
+    assert b"<two>" not in body and "\u202e".encode() not in body and b"\x00" not in body
+    raised = "line one\nline <two> \\u202e\\x00\\ud800"  # as stored, then shown
+    assert text_of(alert).startswith("Failed: kestrel.errors.StepFailed step 'ui.breaks_badly'"
+                                     " failed: builtins.RuntimeError: line one line <two>")
+    message = re.search(rb'id="failure-message">(.*?)</p>', alert, re.S)
+    assert message and html.unescape(message.group(1).decode()) == (
+        f"step 'ui.breaks_badly' failed: builtins.RuntimeError: {raised}")
+
+    def lines_of(ident: str) -> list[str]:
+        found = re.search(rb'<pre class="traceback" id="%s">(.*?)</pre>' % ident.encode(),
+                          alert, re.S)
+        assert found, ident
+        return html.unescape(found.group(1).decode()).splitlines()
+
+    # Real line breaks, not the JSON string's \n: one line per frame, the exception last;
+    # the step's own (where the code raised) and the workflow's.
+    step, workflow = lines_of("step-traceback"), lines_of("traceback")
+    for lines in (step, workflow):
+        assert lines[0] == "Traceback (most recent call last):"
+        assert sum(line.startswith('  File "') for line in lines) >= 2
+    assert any("ui_app.py" in line for line in step)
+    assert "\n".join(step).endswith(f"RuntimeError: {raised}")
+    assert "\n".join(workflow).endswith(
+        f"kestrel.errors.StepFailed: step 'ui.breaks_badly' failed: builtins.RuntimeError: "
+        f"{raised}")
+    assert re.search(r"Raised at step #\d+ ui\.breaks_badly \(attempt \d+\) Traceback",
+                     text_of(alert))
+    raw = re.search(rb'<details><summary>Raw error \(JSON\)</summary><pre id="raw-error">'
+                    rb'(.*?)</pre></details>', alert, re.S)
+    assert raw and '"type": "kestrel.errors.StepFailed"' in html.unescape(
+        raw.group(1).decode())
+    assert b"Traceback (most recent call last):\\n" in raw.group(1)  # the JSON, as stored
+
+
+def test_after_approve_the_page_shows_what_was_sent_and_the_new_state(
+        server: UiServer, client: SyncClient) -> None:
+    """POST/redirect/GET: the page read again after the form says what was sent (read back
+    from the database) and shows the new state: the signal received, no Approve button,
+    and a state that changes (for the page's script to reload) when the execution moves."""
+    eid = waiting_incident(server, client)
+    hold(server, eid)
+    ui = server.client("operator")
+    page = ui.get(f"/ui/executions/{eid}")
+    key = FORM_KEY.search(page.body)
+    assert key
+    csrf = ui.csrf(page)
+    state_url = f"/ui/executions/{eid}/state"
+    state = ui.get(state_url).json()
+    assert state["status"] == "waiting" and f'data-state="{state["state"]}"'.encode() in (
+        page.body)
+
+    # A signal of another name, hostile: told back escaped; the wait is still open.
+    other = ui.post_form(f"/ui/executions/{eid}/signal", {
+        "csrf": csrf, "key": key.group(1).decode(), "name": "<i>note</i>\u202e",
+        "payload": '{"<b>": "\u202e"}'})
+    assert other.status == 303
+    told = ui.get(other.headers["location"])
+    assert told.status == 200
+    assert b"<i>note" not in told.body and b"<b>" not in told.body
+    assert "\u202e".encode() not in told.body
+    notice = text_of(inside(told.body, "notice", "div"))
+    assert notice.startswith("Signal sent. Signal <i>note</i>\\u202e, sent ")
+    assert notice.endswith('UTC, with payload: { "<b>": "\\u202e" }')
+    assert b'id="approve"' in told.body
+
+    sent = ui.post_form(f"/ui/executions/{eid}/approve",
+                        {"csrf": csrf, "key": key.group(1).decode(), "name": "approval"})
+    assert sent.status == 303
+    assert sent.headers["location"] == (
+        f"/ui/executions/{eid}?done=approve&sent=approve%3A{key.group(1).decode()}")
+    after = ui.get(sent.headers["location"])
+    assert after.status == 200
+    notice = text_of(inside(after.body, "notice", "div"))
+    assert notice.startswith("Approval sent. Signal approval, sent ")
+    assert notice.endswith('UTC, with payload: { "by": "ana", "via": "web UI", '
+                           '"approved": true }')  # as stored (jsonb orders keys)
+    assert b'id="approve"' not in after.body and b'id="reject"' not in after.body
+    assert "Signal approval received: the execution resumes when a worker claims it" in (
+        text_of(after.body))
+    moved = ui.get(state_url).json()
+    assert moved["status"] == "waiting" and moved["state"] != state["state"]
+    assert f'data-state="{moved["state"]}"'.encode() in after.body
+
+    hold(server, eid, "default")
+    assert client.result(eid, timeout=60) == {"outcome": "approved", "by": "ana"}
+    assert ui.get(state_url).json() == {"state": None, "status": "completed"}
+    done = ui.get(sent.headers["location"])  # the notice still says what was sent
+    assert b"Approval sent. Signal <code>approval</code>" in done.body
+    assert b"data-state" not in done.body
+    assert ui.get(f"/ui/executions/{eid}?done=approve&sent=" + "x" * 81).status == 400
+    assert Browserless(server.api).get(state_url).status == 303  # no session: login

@@ -41,3 +41,32 @@ def test_values_are_cut_with_a_note_and_escaped_by_the_templates() -> None:
     assert "more characters not shown" in ui._short_json(["y" * 5000])
     html = ui.TEMPLATES.from_string("{{ v | json }}").render(v="<script>")
     assert "<script>" not in html and "&lt;script&gt;" in html
+
+
+@pytest.mark.parametrize(("seconds", "shown"), [
+    (-3, "0 s"), (0, "0 s"), (89, "89 s"), (90, "1 min"), (12 * 60 + 59, "12 min"),
+    (89 * 60 + 59, "89 min"), (90 * 60, "1 h"), (47 * 3600, "47 h"), (48 * 3600, "2 days")])
+def test_how_long_ago_reads_in_whole_units_down(seconds: float, shown: str) -> None:
+    assert ui.ago(seconds) == shown
+
+
+def test_a_traceback_keeps_its_lines_and_is_bounded() -> None:
+    trace = "Traceback (most recent call last):\n  File \"x.py\", line 1\nE: <b>" + "e" * 5000
+    shown = ui._traceback(trace)
+    assert shown.splitlines()[:2] == ["Traceback (most recent call last):", '  File "x.py", line 1']
+    assert "e" * (ui.SHOWN_CHARS + 1) not in shown and "more)" in shown
+    huge = "\n".join(f"line {n}" for n in range(100_000))  # a megabyte of frames: its end
+    cut = ui._traceback(huge)
+    assert len(cut) < ui.TRACEBACK_CHARS + 100 and cut.endswith("line 99999")
+    assert cut.startswith("… (") and "earlier characters not shown" in cut
+    html = ui.TEMPLATES.from_string("<pre>{{ t | traceback }}</pre>").render(t="a\n<b>\u202e")
+    assert html == "<pre>a\n&lt;b&gt;\\u202e</pre>"
+
+
+def test_an_error_that_is_not_an_object_is_still_shown() -> None:
+    assert ui.failure_view(None) is None
+    view = ui.failure_view("boom")
+    assert view is not None and view["message"] == "boom" and view["traceback"] is None
+    view = ui.failure_view({"type": "T", "message": "m", "traceback": "tb"})
+    assert view is not None and (view["type"], view["traceback"], view["step"]) == (
+        "T", "tb", None)

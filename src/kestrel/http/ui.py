@@ -1,10 +1,13 @@
 """The web UI of the HTTP door: server-rendered pages under ``/ui`` (Jinja2, no JS build).
 
-Pages: executions (filters and live counts), one execution (step timeline, what it waits
-for with approve/reject/send forms, events, child tree, cancel and retry), queues, schedules
-and a search over history. Every read is a statement of :mod:`kestrel.http.store` (shared
-with the JSON API) or of ``sql/queries/ui.sql``; every change goes through the kestrel
-client, so the same SQL functions and rules as at every other door.
+Pages: executions (filters and live counts; what each waiting row waits for and since
+when), one execution (first its alert: what it waits for with approve/reject/send forms, or
+its failure with the traceback as text; then the step timeline, events, child tree, cancel
+and retry; a form redirects back to it saying what it sent, and its script reloads it when
+the execution's state changes), queues, schedules and a search over history. Every read is
+a statement of :mod:`kestrel.http.store` (shared with the JSON API) or of
+``sql/queries/ui.sql``; every change goes through the kestrel client, so the same SQL
+functions and rules as at every other door.
 
 Sessions. The login page takes an API token (``kestrel-runtime token create``); the server
 checks it exactly as the API checks a bearer token (:func:`kestrel.http.auth.verify`) and
@@ -33,7 +36,7 @@ import logging
 import re
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -87,8 +90,12 @@ TREE_NODES = 200
 TIMELINE_STEPS = 500
 """Most steps the execution page draws (a long loop of steps would make a page of megabytes)."""
 TREE_DEPTH = 5
+TRACEBACK_CHARS = 16_000
+"""How much of a failure's traceback the execution page shows (its end: the frame that
+raised is there)."""
 TERMINAL = tuple(s.value for s in Status if s.terminal)
 ACTIONS = ("approve", "reject", "signal", "cancel", "retry")
+SIGNAL_ACTIONS = ("approve", "reject", "signal")
 NOTICES = {"approve": "Approval sent.", "reject": "Rejection sent.", "signal": "Signal sent.",
            "cancel": "Cancelled.", "retry": "Queued again from its last checkpoint.",
            "duplicate": "Already sent from this form; nothing sent twice."}
@@ -153,6 +160,38 @@ def _when(value: Any) -> str:
     return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S"))
 
 
+def _minute(value: Any) -> str:
+    """*value* to the minute in UTC ("2026-12-01 18:02"), for "since … (…)"."""
+    if value is None:
+        return "—"
+    if isinstance(value, str):
+        value = datetime.fromisoformat(value)
+    return str(value.astimezone(UTC).strftime("%Y-%m-%d %H:%M"))
+
+
+def ago(seconds: float) -> str:
+    """A duration as a person reads it at a glance, whole units down: "40 s", "12 min",
+    "5 h", "3 days"."""
+    s = max(int(seconds), 0)
+    if s < 90:
+        return f"{s} s"
+    if s < 90 * 60:
+        return f"{s // 60} min"
+    if s < 48 * 3600:
+        return f"{s // 3600} h"
+    return f"{s // 86400} days"
+
+
+def _traceback(value: Any, limit: int = TRACEBACK_CHARS) -> str:
+    """A traceback as text to show: each line cut at :data:`SHOWN_CHARS` (the exception's
+    line may quote a huge message), then its end, at most *limit* characters (the frame that
+    raised and the exception are at the end)."""
+    text = "\n".join(_cut(line) for line in str(value).splitlines())
+    if len(text) <= limit:
+        return text
+    return f"… ({len(text) - limit} earlier characters not shown)\n{text[-limit:]}"
+
+
 def _ms(value: float | None) -> str:
     if value is None:
         return "—"
@@ -189,7 +228,8 @@ def _environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, finalize=visible)
-    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms, verbatim=Verbatim)
+    env.filters.update(json=_short_json, cut=_cut, when=_when, ms=_ms, verbatim=Verbatim,
+                       minute=_minute, traceback=_traceback)
     return env
 
 
@@ -423,6 +463,58 @@ async def counts(request: Request) -> dict[str, Any]:
     return {"live": live, "finished_24h": finished}
 
 
+def _wait_view(row: tuple[Any, ...]) -> dict[str, Any]:
+    """A ``ui_waits`` row as the pages show it: *kind* (``signal``, ``child``, ``sleep``,
+    ``start`` for a delayed start, ``version`` for a give-back to a newer app version),
+    the signal's name or the child's id, *until* (a sleep's end, a wait's timeout, a
+    give-back's retry), *since* when it waits and how long ago that is by the database's
+    clock, and whether what it waits for has *arrived* (it resumes at its next claim)."""
+    (_id, waiting_for, wait_deadline, wake_at, since, given_back_at, given_back_by,
+     give_backs, arrived, now) = row
+    view: dict[str, Any] = {"signal": None, "child_id": None, "until": wait_deadline,
+                            "since": since, "ago": ago((now - since).total_seconds()),
+                            "arrived": bool(arrived),
+                            "versions": ", ".join(given_back_by or []) or "an older version",
+                            "give_backs": int(give_backs or 0)}
+    if waiting_for is None:
+        view.update(kind="start", until=wake_at)
+    elif waiting_for == "kestrel.sleep":
+        view.update(kind="sleep", until=wake_at)
+    elif waiting_for.startswith("kestrel.child:"):
+        view.update(kind="child", child_id=waiting_for.removeprefix("kestrel.child:"))
+    else:
+        view.update(kind="signal", signal=waiting_for)
+    if given_back_at is not None:  # it waits for a worker of another version first
+        view.update(kind="version", retry_at=wake_at)
+    return view
+
+
+def _waits(request: Request, ids: list[uuid.UUID]) -> Awaitable[dict[str, dict[str, Any]]]:
+    """What each waiting execution of *ids* waits for and since when, by id."""
+    return _read(request, Stmt(_q(request).ui_waits, {"ids": ids}, lambda rows: {
+        str(r[0]): _wait_view(r) for r in rows}))
+
+
+def failure_view(error: Any, steps: Sequence[Any] = ()) -> dict[str, Any] | None:
+    """A stored error (``{"type", "message", "traceback"}``) as the execution page shows
+    it: the three as text (the traceback with its line breaks), the raw JSON, and the last
+    failed step of *steps* with its own traceback (where the code raised, when the
+    execution failed with :class:`~kestrel.errors.StepFailed`); None when there is none."""
+    if error is None:
+        return None
+    step = next((s for s in reversed(steps) if s.error), None)
+    if not isinstance(error, dict):
+        return {"type": "error", "message": str(error), "traceback": None, "raw": error,
+                "step": step, "step_traceback": None}
+    trace = error.get("traceback")
+    step_trace = step.error.get("traceback") if step and isinstance(step.error, dict) \
+        else None
+    return {"type": str(error.get("type") or "error"),
+            "message": str(error.get("message") or ""),
+            "traceback": str(trace) if trace else None, "raw": error, "step": step,
+            "step_traceback": str(step_trace) if step_trace else None}
+
+
 async def executions(request: Request, session: Session) -> Response:
     """Executions newest first, filtered by status, workflow, queue and creation time."""
     params = _params(request, ("status", "workflow", "queue", "since", "until", "cursor"))
@@ -440,13 +532,16 @@ async def executions(request: Request, session: Session) -> Response:
         since=_time(params, "since"), until=_time(params, "until"), after=after,
         limit=PAGE + 1))
     page_rows = rows[:PAGE]
+    waiting = [uuid.UUID(r["id"]) for r, _ in page_rows if r["status"] == "waiting"]
+    waits = await _waits(request, waiting) if waiting else {}
     next_url = None
     if len(rows) > PAGE and page_rows:
         nxt = {k: v for k, v in params.items() if k != "cursor"}
         nxt["cursor"] = encode_cursor(page_rows[-1][1], page_rows[-1][0]["id"])
         next_url = f"/ui/?{urlencode(nxt)}"
     return render(request, "executions.html", session=session, filters=params,
-                  rows=[r for r, _ in page_rows], next_url=next_url,
+                  rows=[{**r, "wait": waits.get(r["id"])} for r, _ in page_rows],
+                  next_url=next_url,
                   counts=await counts(request))
 
 
@@ -475,13 +570,14 @@ async def _tree(request: Request, root: uuid.UUID) -> list[dict[str, Any]]:
 
 async def execution(request: Request, session: Session) -> Response:
     """One execution: its state, wait, step timeline, events, signals and child tree."""
-    params = _params(request, ("done",))
-    notice = NOTICES.get(params.get("done", ""))
+    params = _params(request, ("done", "sent"))
     eid = _execution_id(request.path_params["id"])
     client = request.app.state.client
     ex = await client.get(eid)
+    notice = await _notice(request, eid, params)
     steps = await client.steps(eid)
     wait = await _read(request, store.get_wait(_q(request), id=eid)) or {}
+    waits = await _waits(request, [eid]) if ex.status.value == "waiting" else {}
     end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
     span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
     timeline = []
@@ -494,10 +590,52 @@ async def execution(request: Request, session: Session) -> Response:
             "width": min(max(duration / span_ms * 100, 0.5), 100)})
     return render(
         request, "execution.html", session=session, ex=ex, wait=wait, timeline=timeline,
+        waits=waits.get(str(eid)), failure=failure_view(ex.error, steps)
+        if ex.status.value in ("failed", "quarantined") else None,
+        state=None if ex.status.terminal else _state(ex, waits.get(str(eid))),
         events=await _read(request, store.list_events(_q(request), id=eid)),
         signals=await _read(request, store.pending_signals(_q(request), id=eid)),
         tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
         hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
+
+
+async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str],
+                  ) -> dict[str, Any] | None:
+    """The notice after a form's redirect (``?done=ACTION``): for a signal, what was sent
+    (``&sent=ACTION:KEY``, the form's idempotency key: the signal is read back from the
+    database, so the notice shows what arrived, name and payload, not what a link says)."""
+    done = params.get("done")
+    if done not in NOTICES:
+        return None
+    notice: dict[str, Any] = {"text": NOTICES[done], "signal": None}
+    sent = _checked(params, "sent", what="sent", max_chars=80, required=False)
+    if sent and sent.partition(":")[0] in SIGNAL_ACTIONS:
+        notice["signal"] = await _read(request, Stmt(
+            _q(request).ui_sent_signal, {"id": eid, "key": f"ui:{sent}"},
+            lambda rows: {"name": rows[0][0], "payload": rows[0][1], "at": rows[0][2]}
+            if rows else None))
+    return notice
+
+
+def _state(ex: Any, wait: dict[str, Any] | None) -> str:
+    """What the execution page shows of a live execution, in a few words: the page's script
+    reloads the page when the state endpoint answers something else."""
+    parts = [ex.status.value, str(ex.waiting_for), str(ex.given_back_at is not None),
+             str(bool(wait and wait["arrived"])), str(ex.finished_at is not None)]
+    return hashlib.sha256("\x1f".join(parts).encode("utf-8", "backslashreplace")
+                          ).hexdigest()[:16]
+
+
+async def execution_state(request: Request, session: Session) -> Response:
+    """The state of one execution (as :func:`_state`), for the execution page's reload
+    after an approval: ``{"state": …}``, or null once it has finished."""
+    _params(request, ())
+    eid = _execution_id(request.path_params["id"])
+    ex = await request.app.state.client.get(eid)
+    waits = await _waits(request, [eid]) if ex.status.value == "waiting" else {}
+    state = None if ex.status.terminal else _state(ex, waits.get(str(eid)))
+    return JSONResponse({"state": state, "status": ex.status.value},
+                        headers={"Cache-Control": "no-store"})
 
 
 async def queues(request: Request, session: Session) -> Response:
@@ -641,7 +779,13 @@ async def act(request: Request) -> Response:
     except Exception as exc:
         return _refusal(request, exc, session)
     log.info("UI %s on an execution by %s", action, auth.describe(session.caller))
-    return RedirectResponse(f"/ui/executions/{eid}?done={done}", 303)
+    # POST/redirect/GET: the page is read again, showing the new state; a signal's form key
+    # goes along so that its notice shows what was sent.
+    back = {"done": done}
+    key = form.get("key")
+    if action in SIGNAL_ACTIONS and key:
+        back["sent"] = f"{action}:{key}"
+    return RedirectResponse(f"/ui/executions/{eid}?{urlencode(back)}", 303)
 
 
 async def _perform(request: Request, session: Session, action: str, eid: uuid.UUID,
@@ -720,6 +864,7 @@ def routes() -> list[BaseRoute]:
             Route("/", page(executions), methods=["GET"]),
             Route("/counts", page(counts_json), methods=["GET"]),
             Route("/executions/{id}", page(execution), methods=["GET"]),
+            Route("/executions/{id}/state", page(execution_state), methods=["GET"]),
             Route("/executions/{id}/{action}", act, methods=["POST"]),
             Route("/queues", page(queues), methods=["GET"]),
             Route("/schedules", page(schedules), methods=["GET"]),
