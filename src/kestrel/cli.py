@@ -860,14 +860,17 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
             print(f"  error     {ex.error.get('type')}: {ex.error.get('message')}")
         print(f"  steps ({len(steps)}):")
         for s in steps:
-            at = s.started_at - ex.created_at
+            # A fork's copied checkpoints ran before the fork existed: "reused", not a
+            # negative offset.
+            at = _ms(s.started_at - ex.created_at) / 1000
+            when = f"+{at:7.2f}s" if at >= 0 else f"{'reused':>9}"
             if s.step_id < 0:  # a patch marker: where new code took its new path
-                print(f"    patch +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} new code's path "
-                      f"from step {_marked_at(s)} on")
+                print(f"    patch {when}  {s.name[:34]:<34} new code's path from step "
+                      f"{_marked_at(s)} on")
                 continue
             outcome = (f"error {s.error.get('type')}: {s.error.get('message')}" if s.error
                        else _short(s.output, 60))
-            print(f"    #{s.step_id:<3} +{_ms(at) / 1000:7.2f}s  {s.name[:34]:<34} "
+            print(f"    #{s.step_id:<3} {when}  {s.name[:34]:<34} "
                   f"try {s.attempt}  {_ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
 
     _emit(ns, data, table)

@@ -118,6 +118,9 @@ def test_show_places_patch_markers_and_names_the_execution_a_fork_came_from(
     fork = client.fork(h.id, 2)
     _, out, _ = cli("show", str(fork.id))
     assert f"forked from {h.id} (its steps 0..1 reused)" in out
+    copied = [line.strip() for line in out.splitlines() if line.strip().startswith("#")]
+    assert copied[0].startswith("#0      reused") and copied[1].startswith("#1      reused")
+    assert "-" not in "".join(line.split()[1] for line in copied)  # no negative offsets
     _, out, _ = cli("show", str(fork.id), "--json")
     assert json.loads(out)["forked_from"] == {"id": str(h.id), "from_step": 2}
     _, out, _ = cli("show", str(h.id), "--json")

@@ -600,3 +600,30 @@ def test_after_approve_the_page_shows_what_was_sent_and_the_new_state(
     assert b"data-state" not in done.body
     assert ui.get(f"/ui/executions/{eid}?done=approve&sent=" + "x" * 81).status == 400
     assert Browserless(server.api).get(state_url).status == 303  # no session: login
+
+
+def test_a_fork_links_its_source_and_shows_reused_steps_and_markers_in_place(
+        server: UiServer, client: SyncClient) -> None:
+    """Issue 27: a fork's page showed its copied steps at negative offsets, patch markers as
+    step #-1, no link to the execution it came from, and "Claims 0" on one that ran."""
+    source = str(client.submit("ui.many", 3, 10).id)
+    assert client.result(source, timeout=60) == 3
+    fork = str(client.fork(source, 2).id)
+    assert client.result(fork, timeout=60) == 3
+    # A patch marker in the source's history (after the fork: this app knows no patch).
+    q1(server.dsn, server.schema, "INSERT INTO {s}.step_history (execution_id, step_id, "
+       "step_name, output, attempt, lease_epoch, started_at, finished_at, "
+       "execution_finished_at) SELECT id, -1, 'kestrel.patch:p1', '{{\"at\": 1}}', 1, 1, "
+       "finished_at, finished_at, finished_at FROM {s}.workflow_history WHERE id = %s "
+       "RETURNING 1", [source])
+    page = server.client("reader").get(f"/ui/executions/{fork}").body.decode()
+    assert f'id="forked-from" href="/ui/executions/{source}"' in page
+    assert "reused from the execution it was forked from" in page
+    assert "+-" not in page  # no negative offset anywhere
+    shown = server.client("reader").get(f"/ui/executions/{source}").body.decode()
+    assert 'id="forked-from"' not in shown and "#-1" not in shown
+    steps = re.findall(r'<span class="num">([^<]+)</span>', shown)
+    assert steps[:3] == ["#0", "patch", "#1"], steps  # the marker where it marks
+    assert "new code&#39;s path from step 1 on" in shown or "new code's path from step 1 on" \
+        in shown
+    assert "<dt>Attempts</dt><dd>1 <small" in shown and "Claims" not in shown

@@ -581,11 +581,13 @@ async def execution(request: Request, session: Session) -> Response:
     end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
     span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
     timeline = []
-    for s in steps[:TIMELINE_STEPS]:
+    for s in sorted(steps, key=_timeline_order)[:TIMELINE_STEPS]:
         offset = (s.started_at - ex.created_at).total_seconds() * 1000
         duration = (s.finished_at - s.started_at).total_seconds() * 1000
         timeline.append({
             "step": s, "offset_ms": offset, "duration_ms": duration,
+            # A fork's copied checkpoints ran before the fork existed: no negative offset.
+            "reused": offset < 0, "marker": _marker_at(s),
             "left": min(max(offset / span_ms * 100, 0), 100),
             "width": min(max(duration / span_ms * 100, 0.5), 100)})
     return render(
@@ -596,7 +598,22 @@ async def execution(request: Request, session: Session) -> Response:
         events=await _read(request, store.list_events(_q(request), id=eid)),
         signals=await _read(request, store.pending_signals(_q(request), id=eid)),
         tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
+        forked=await client.forked_from(eid),
         hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
+
+
+def _marker_at(step: Any) -> int | None:
+    """For a patch marker (a negative step id), the position it marks; else None."""
+    if step.step_id >= 0:
+        return None
+    at = step.output.get("at") if isinstance(step.output, dict) else None
+    return at if isinstance(at, int) else 0
+
+
+def _timeline_order(step: Any) -> tuple[int, int]:
+    """Steps by position, a patch marker just before the position it marks."""
+    at = _marker_at(step)
+    return (step.step_id, 1) if at is None else (at, 0)
 
 
 async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str],
