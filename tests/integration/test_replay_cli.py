@@ -15,10 +15,13 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from psycopg import sql as pgsql
 
 import tests.apps.replay_v1  # noqa: F401  (registers release 1 in this process)
 from kestrel.client import SyncClient
@@ -283,3 +286,35 @@ def test_bad_selections_are_one_typed_line_and_write_nothing(
     no_app = cli("replay", "--dsn", pg_dsn, "--schema", schema)
     assert no_app.returncode == 1 and "--app" in no_app.stderr
     assert snapshot(pg_dsn, schema) == before
+
+
+@pytest.fixture
+def read_only_role(direct_dsn: str, schema: str) -> Iterator[str]:
+    """A login role that may only read *schema* (USAGE, SELECT): its DSN."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    role = f"kestrel_ro_{uuid.uuid4().hex[:8]}"
+    r, s = pgsql.Identifier(role), pgsql.Identifier(schema)
+    with psycopg.connect(direct_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("CREATE ROLE {} LOGIN").format(r))
+        conn.execute(pgsql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, r))
+        conn.execute(pgsql.SQL("GRANT SELECT ON ALL TABLES IN SCHEMA {} TO {}").format(s, r))
+    parts = urlsplit(direct_dsn)
+    yield urlunsplit(parts._replace(netloc=f"{role}@{parts.netloc.rsplit('@', 1)[-1]}"))
+    with psycopg.connect(direct_dsn, autocommit=True) as conn:
+        conn.execute(pgsql.SQL("DROP OWNED BY {}").format(r))
+        conn.execute(pgsql.SQL("DROP ROLE {}").format(r))
+
+
+def test_a_role_that_may_only_read_can_export_and_replay(
+        schema: str, recorded: dict[str, Any], read_only_role: str, tmp_path: Path) -> None:
+    """What the README's CI recipe asks for: export and replay as a role with SELECT only."""
+    out = tmp_path / "h.jsonl"
+    ex = cli("export-histories", "--dsn", read_only_role, "--schema", schema,
+             "--out", str(out))
+    assert ex.returncode == 0, ex.stderr
+    assert "wrote 3 histories" in ex.stderr
+    got = replay_db(read_only_role, schema, "tests.apps.replay_v3", "--workflow",
+                    "replay_app.flow")
+    assert got.returncode == 4, got.stdout + got.stderr
+    assert "diverges at step 2" in line_of(got.stdout, recorded["done"])
