@@ -1031,6 +1031,8 @@ def _add_replay_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     rp = add("replay", "Replay recorded executions through new workflow code before a "
                        "deploy, writing nothing; exit 4 if the new code would break one.",
              (*CONNECTION, "app", "max_history_bytes", "max_payload_bytes"))
+    rp.description = ("Replay recorded executions through new workflow code before a deploy,\n"
+                      "writing nothing; exit 4 if the new code would break one.")
     rp.epilog = _REPLAY_EPILOG
     rp.formatter_class = argparse.RawDescriptionHelpFormatter
     rp.add_argument("--from", dest="source", metavar="FILE", default=None,
@@ -1043,6 +1045,8 @@ def _add_replay_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
     ex = add("export-histories", "Write recorded histories to a JSON-lines file that "
                                  "`replay --from` and kestrel.testing.replay read.",
              (*CONNECTION, "max_history_bytes"))
+    ex.description = ("Write recorded histories to a JSON-lines file that `replay --from` and\n"
+                      "kestrel.testing.replay read.")
     ex.epilog = _EXPORT_EPILOG
     ex.formatter_class = argparse.RawDescriptionHelpFormatter
     ex.add_argument("--out", required=True, metavar="FILE",
