@@ -1057,7 +1057,8 @@ def _add_replay_commands(add: Callable[..., argparse.ArgumentParser]) -> None:
 def _selection(ns: argparse.Namespace) -> Any:
     from kestrel.replay import Selection, check_selection
 
-    sel = Selection(ids=tuple(_parse_id(i) for i in ns.ids), workflow=ns.workflow,
+    sel = Selection(ids=tuple(dict.fromkeys(_parse_id(i) for i in ns.ids)),
+                    workflow=ns.workflow,
                     status=ns.status, since=_since(ns.since), limit=ns.limit)
     check_selection(sel)
     return sel

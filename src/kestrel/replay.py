@@ -441,8 +441,8 @@ def read_histories(source: IO[bytes], *, name: str, max_line_bytes: int,
         except RecursionError:
             raise HistoryFileError(f"{where}: nested too deeply to be a history") from None
         except ValueError as exc:
-            raise HistoryFileError(f"{where}: not JSON ({_one_line(str(exc))[:200]})"
-                                   ) from None
+            raise HistoryFileError(f"{where}: not JSON that reads back unchanged "
+                                   f"({_one_line(str(exc))[:200]})") from None
         try:
             yield _history(obj)
         except (ValueError, TypeError, KeyError) as exc:

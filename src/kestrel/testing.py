@@ -509,7 +509,8 @@ async def areplay(histories: str | os.PathLike[str] | None = None,
 
     if (histories is None) == (dsn is None):
         raise TypeError("kestrel.testing.replay: give a histories file or a dsn (one of them)")
-    sel = rp.Selection(ids=tuple(uuid.UUID(str(i)) for i in ids), workflow=workflow,
+    sel = rp.Selection(ids=tuple(dict.fromkeys(uuid.UUID(str(i)) for i in ids)),
+                       workflow=workflow,
                        status=status, limit=limit)
     rp.check_selection(sel)
     fns = rp.resolve_workflows(workflows)

@@ -34,11 +34,11 @@ from tests.helpers import ROOT, config, q, run_worker_until
 UNREACHABLE = "postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2"
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``kestrel-runtime`` as a user does, from this checkout's sources."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT / "src"), str(ROOT))))
     return subprocess.run([sys.executable, "-m", "kestrel", *args], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, input=stdin)
 
 
 def snapshot(dsn: str, schema: str) -> dict[str, str]:
@@ -163,6 +163,16 @@ def test_exported_histories_replay_without_a_database(
               str(recorded["done"]), "--json")
     assert one.returncode == 0, one.stderr
     assert '"outcome": "new_path"' in one.stdout and '"audit"' in one.stdout
+
+    # A pipe: export to stdout, replay from stdin.
+    piped = cli("export-histories", "--dsn", pg_dsn, "--schema", schema, "--id",
+                str(recorded["done"]), "--id", str(recorded["done"]), "--out", "-")
+    assert piped.returncode == 0, piped.stderr
+    assert len(piped.stdout.splitlines()) == 1  # the same --id twice is one execution
+    again = cli("replay", "--app", "tests.apps.replay_v3", "--dsn", UNREACHABLE, "--from",
+                "-", stdin=piped.stdout)
+    assert again.returncode == 4, again.stdout + again.stderr
+    assert "diverges at step 2" in line_of(again.stdout, recorded["done"])
 
 
 def test_testing_replay_raises_a_readable_error_on_divergence(
