@@ -87,3 +87,27 @@ SELECT m.workflow, m.patch, m.at_step, m.total_with, m.live_with,
                               AND o.step_name = 'kestrel.patch:' || m.patch)) AS live_without
   FROM marked AS m
  ORDER BY m.workflow, m.patch;
+
+-- name: replay_history
+-- For `kestrel-runtime replay` and `export-histories`: one execution, live or finished, as a
+-- replay needs it. Its arguments and checkpoints come back as JSON text, the checkpoints in
+-- the claim's shape ([[step_id, name, output, error], ...], patch markers at negative ids,
+-- from the workflow_steps view, hot and history alike), bounded as history_of() bounds a
+-- claim's: over %(max_history_bytes)s they are {"too_large": bytes}. A parked execution also
+-- gives the position and kind of its wait (the replay checks the call there). Reads only.
+SELECT e.id, e.workflow, e.status, e.args::text, e.wait_step, e.waiting_for, e.app_version,
+       e.created_at,
+       (SELECT CASE WHEN max(h.upto) > %(max_history_bytes)s
+                    THEN '{"too_large": ' || max(h.upto) || '}'
+                    ELSE '[' || string_agg(h.t, ',' ORDER BY h.step_id)
+                                FILTER (WHERE h.upto <= %(max_history_bytes)s) || ']' END
+          FROM (SELECT s.step_id, x.t, sum(octet_length(x.t)) OVER (ORDER BY s.step_id) AS upto
+                  FROM __schema__.workflow_steps AS s,
+                       LATERAL (SELECT jsonb_build_array(s.step_id, s.step_name, s.output,
+                                                         s.error)::text AS t) AS x
+                 WHERE s.execution_id = e.id) AS h) AS steps
+  FROM (SELECT id, workflow, status, args, wait_step, waiting_for, app_version, created_at
+          FROM __schema__.workflow_executions WHERE id = %(id)s
+        UNION ALL
+        SELECT id, workflow, status, args, NULL::integer, NULL::text, app_version, created_at
+          FROM __schema__.workflow_history WHERE id = %(id)s) AS e;

@@ -123,6 +123,9 @@ from kestrel.statements import (
     register_worker as register_worker,
 )
 from kestrel.statements import (
+    replay_history as replay_history,
+)
+from kestrel.statements import (
     reset_for_test as reset_for_test,
 )
 from kestrel.statements import (
@@ -326,6 +329,18 @@ def _claimed(row: Sequence[Any]) -> Claimed:
             steps = _recorded(history)
     return Claimed(row[0], row[1], args, row[3], row[4], steps, row[6], row[7], row[8],
                    row[9], row[10], row[11], row[12], broken, waiting_for=row[13])
+
+
+def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | None,
+                       wait_step: int | None, waiting_for: str | None,
+                       created_at: datetime | None) -> Claimed:
+    """An execution as a claim would hand it to the runner, from its arguments and
+    checkpoints as the database returns them (JSON text, ``history_of``'s shape), decoded as
+    a claim's row is: what cannot be decoded, or a history over the bound, is ``broken``. A
+    replay before deploy (kestrel.replay) loads histories through this, so it sees exactly
+    what a worker would."""
+    return _claimed((id, workflow, args, 0, 1, steps, wait_step, None, 0, None, False, None,
+                     created_at, waiting_for))
 
 
 async def claim_batch(

@@ -76,8 +76,18 @@ class NonDeterminismError(KestrelError):
     """A replay called a different step at a position that already has a checkpoint.
 
     The execution fails with this reason even if workflow code catches the exception: going
-    on would pair checkpoints with the wrong steps.
+    on would pair checkpoints with the wrong steps. Where the replay met another call than
+    the history holds, *position* is that step position, *recorded* what the history holds
+    there and *called* what the code called (step names as checkpoints record them, e.g.
+    ``kestrel.sleep``); ``kestrel-runtime replay`` reports them.
     """
+
+    def __init__(self, message: str, *, position: int | None = None,
+                 recorded: str | None = None, called: str | None = None) -> None:
+        super().__init__(message)
+        self.position = position
+        self.recorded = recorded
+        self.called = called
 
 
 class CodeTooOld(NonDeterminismError):

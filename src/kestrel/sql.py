@@ -95,6 +95,7 @@ class Queries:
     unclaimable_total: str
     unclaimable_by_workflow: str
     patch_summary: str
+    replay_history: str
     # The HTTP door (sql/queries/http.sql).
     create_token: str
     list_tokens: str

@@ -153,6 +153,15 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                               for r in rows])
 
 
+def replay_history(q: Queries, *, id: uuid.UUID, max_history_bytes: int,
+                   ) -> Stmt[tuple[Any, ...] | None]:
+    """One execution as a replay reads it, or None: ``(id, workflow, status, args text,
+    wait_step, waiting_for, app_version, created_at, checkpoints text)`` (the texts as the
+    database holds them; see kestrel.replay)."""
+    return Stmt(q.replay_history, {"id": id, "max_history_bytes": max_history_bytes},
+                lambda rows: tuple(rows[0]) if rows else None)
+
+
 def take_uncounted_finishes(q: Queries, *, workflows: list[str], collector: str,
                             acked: list[int]) -> Stmt[list[tuple[int, str, str, bool]]]:
     """Take the finishes of *workflows* no worker saw (what cancel() finished while queued or

@@ -36,7 +36,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -53,9 +53,10 @@ from kestrel.sql import Queries, queries
 from kestrel.types import Status, StepRow, StepWrite
 
 if TYPE_CHECKING:
+    from kestrel.replay import ReplayResult
     from kestrel.workflow import WorkflowFn
 
-__all__ = ["KestrelTestEnv", "Run", "TimelineEntry", "dsn_for_tests"]
+__all__ = ["KestrelTestEnv", "Run", "TimelineEntry", "areplay", "dsn_for_tests", "replay"]
 
 MAX_ADVANCE_S = 100 * 365.25 * 24 * 3600
 """The most :meth:`KestrelTestEnv.advance_clock` moves the clock at once (100 years)."""
@@ -453,6 +454,95 @@ def _halted(task: asyncio.Task[None]) -> bool:
     if isinstance(exc, BaseExceptionGroup):
         return exc.subgroup(failpoints.Halt) is not None
     return isinstance(exc, failpoints.Halt)
+
+
+# -- replay before deploy ---------------------------------------------------------------------
+
+
+def replay(histories: str | os.PathLike[str] | None = None,
+           workflows: Mapping[str, WorkflowFn] | Iterable[WorkflowFn] | None = None, *,
+           dsn: str | None = None, schema: str = "kestrel",
+           ids: Sequence[uuid.UUID | str] = (), workflow: str | None = None,
+           status: str | None = None, limit: int | None = None, check: bool = True,
+           timeout: float = 30.0, max_history_bytes: int | None = None,
+           ) -> list[ReplayResult]:
+    """Replay recorded histories through *workflows* (the new code) and return one
+    :class:`~kestrel.replay.ReplayResult` per execution; with *check*, raise
+    :class:`~kestrel.replay.ReplayFailed` (an AssertionError, one line per execution the new
+    code would break) if any would break.
+
+    The histories come from a file ``kestrel-runtime export-histories`` wrote (*histories*)
+    or from a database (*dsn*, *schema*: read in one read-only snapshot), not both; *ids*,
+    *workflow*, *status* and *limit* select among them (from a database, the newest 100 by
+    default). *workflows* is a mapping of recorded workflow name to the function that now
+    runs it, or registered workflow functions, or None for every registered workflow. It is
+    the same replay as ``kestrel-runtime replay`` (see :mod:`kestrel.replay`): nothing is
+    written, no step body runs.
+
+    Raises:
+        ReplayFailed: *check* and some execution diverges, needs newer code, raises where it
+            did not fail, or is live under a workflow *workflows* lacks.
+        HistoryFileError: a line of the file is not a history.
+        ExecutionNotFound: an id names no execution.
+        RuntimeError: called inside a running event loop (``await areplay(...)`` there).
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(areplay(histories, workflows, dsn=dsn, schema=schema, ids=ids,
+                                   workflow=workflow, status=status, limit=limit,
+                                   check=check, timeout=timeout,
+                                   max_history_bytes=max_history_bytes))
+    raise RuntimeError("kestrel.testing.replay() inside a running event loop: use "
+                       "`await kestrel.testing.areplay(...)` in an async test")
+
+
+async def areplay(histories: str | os.PathLike[str] | None = None,
+                  workflows: Mapping[str, WorkflowFn] | Iterable[WorkflowFn] | None = None, *,
+                  dsn: str | None = None, schema: str = "kestrel",
+                  ids: Sequence[uuid.UUID | str] = (), workflow: str | None = None,
+                  status: str | None = None, limit: int | None = None, check: bool = True,
+                  timeout: float = 30.0, max_history_bytes: int | None = None,
+                  ) -> list[ReplayResult]:
+    """:func:`replay` in the caller's event loop (an async test)."""
+    from kestrel import replay as rp
+
+    if (histories is None) == (dsn is None):
+        raise TypeError("kestrel.testing.replay: give a histories file or a dsn (one of them)")
+    sel = rp.Selection(ids=tuple(dict.fromkeys(uuid.UUID(str(i)) for i in ids)),
+                       workflow=workflow,
+                       status=status, limit=limit)
+    rp.check_selection(sel)
+    fns = rp.resolve_workflows(workflows)
+    found = await asyncio.to_thread(_load_histories, histories, dsn, schema, sel,
+                                    max_history_bytes)
+    results = await rp.replay_all(found, fns, timeout=timeout)
+    if check and any(r.failed for r in results):
+        raise rp.ReplayFailed(rp.failure_message(results), results)
+    return results
+
+
+def _load_histories(histories: str | os.PathLike[str] | None, dsn: str | None, schema: str,
+                    sel: Any, max_history_bytes: int | None) -> list[Any]:
+    """The selected histories from the file, else from the database (blocking)."""
+    from kestrel import codec
+    from kestrel import replay as rp
+    from kestrel.errors import ExecutionNotFound
+
+    max_history = max_history_bytes or codec.MAX_HISTORY_BYTES
+    if histories is None:
+        assert dsn is not None
+        return list(rp.histories_from_db(dsn, schema, sel, max_history_bytes=max_history))
+    path = os.fspath(histories)
+    limit = rp.line_limit(max_history, codec.DEFAULT_MAX_PAYLOAD_BYTES)
+    with open(path, "rb") as f:
+        found = [h for h in rp.read_histories(f, name=path, max_line_bytes=limit)
+                 if sel.matches(h)]
+    found = found[:sel.limit] if sel.limit else found
+    missing = set(sel.ids) - {h.id for h in found}
+    if missing:
+        raise ExecutionNotFound(f"no execution {min(missing)} in {path}")
+    return found
 
 
 # -- the pytest plugin ------------------------------------------------------------------------

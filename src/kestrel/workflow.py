@@ -133,6 +133,20 @@ class Park(BaseException):
     """
 
 
+class HistoryEnd(BaseException):
+    """Unwinds a read-only replay (``Context.read_only``, ``kestrel-runtime replay``) at the
+    first position its history does not hold, after the checks a claim makes there: from
+    here a worker would run a step body or write, and a replay does neither.
+
+    A BaseException, as :class:`Park` is, so that workflow code cannot swallow it.
+    """
+
+    def __init__(self, position: int, what: str) -> None:
+        super().__init__(f"the history ends at step {position} ({what})")
+        self.position = position
+        self.what = what
+
+
 @dataclass(frozen=True, slots=True)
 class Signal:
     """What :meth:`Context.wait_for_signal` returns: the payload, or ``timed_out``."""
@@ -180,6 +194,12 @@ class Context:
     # Patch ids the workflow declared retired (@workflow(retired_patches=…)): their markers
     # are this code's own, though it no longer asks about them.
     retired_patches: frozenset[str] = frozenset()
+    # A replay before deploy (kestrel.replay): at the first position the history does not
+    # hold, after the same checks a claim makes there, raise HistoryEnd instead of running a
+    # body, parking or recording anything. A new patch marker still goes to the writer (a
+    # read-only one keeps it in memory), so the replay sees the path the code takes.
+    read_only: bool = False
+    history_end: HistoryEnd | None = field(default=None, init=False)
     _next_step: int = field(default=0, init=False)
     # What the runtime decided about this attempt (lease lost, cancelled, non-determinism, a
     # refused write). Sticky: every later ctx call raises it again, so workflow code that
@@ -214,6 +234,11 @@ class Context:
         return self.claimed.id
 
     @property
+    def next_position(self) -> int:
+        """The step position the next step or wait of this run takes."""
+        return self._next_step
+
+    @property
     def attempt(self) -> int:
         """How many times this execution has been claimed since it last parked."""
         return self.claimed.attempt
@@ -242,7 +267,7 @@ class Context:
         if recorded is not None:
             return self._replay(step_id, spec.name, recorded)
         self._check_can_start()
-        self._check_unrecorded(step_id, None, spec.name)
+        self._check_unrecorded(step_id, None, spec.name, spec.name)
         clock = time.perf_counter()
         output: str | None = None
         error: str | None = None
@@ -345,8 +370,8 @@ class Context:
             self._decide(NonDeterminismError(
                 f"workflow {self.workflow!r} called step {name!r} at position {step_id}, "
                 f"but the recorded history has {recorded.name!r} there; the workflow code "
-                "changed under a running execution"
-            ))
+                "changed under a running execution",
+                position=step_id, recorded=recorded.name, called=name))
         if recorded.error is not None:
             raise StepFailed(name, recorded.error.get("type", "Error"),
                              recorded.error.get("message", ""))
@@ -366,21 +391,31 @@ class Context:
             "before it, which this code does not know; leaving the execution to a worker "
             "that runs the newer version"))
 
-    def _check_unrecorded(self, step_id: int, wait: str | None, what: str) -> None:
+    def _check_unrecorded(self, step_id: int, wait: str | None, what: str,
+                          called: str) -> None:
         """Before this run records or parks anything at *step_id*, a position its history
         has no checkpoint for (FAULTS O5): the code must know every patch recorded up to
         here (else the newer code that recorded it must go on: CodeTooOld), and at the
         position the execution was parked at, the call must be the wait it was parked for
-        (*wait*: ``kestrel.sleep`` or a signal's name; None for a step)."""
+        (*wait*: ``kestrel.sleep`` or a signal's name; None for a step). *called* is the
+        call's step name (``kestrel.sleep``, ``kestrel.signal:<name>``).
+
+        A read-only replay ends here (HistoryEnd), having made the same checks."""
         unknown = self._unknown_patches(step_id)
         if unknown:
             self._too_old(unknown, f"reached position {step_id} ({what})")
         c = self.claimed
         if c.wait_step == step_id and c.waiting_for is not None and wait != c.waiting_for:
+            parked = c.waiting_for if c.waiting_for == _SLEEP else _SIGNAL + c.waiting_for
             self._decide(NonDeterminismError(
                 f"workflow {self.workflow!r} called {what} at position {step_id}, but the "
                 f"execution was parked there waiting for {c.waiting_for!r}; the workflow "
-                "code changed under a running execution"))
+                "code changed under a running execution",
+                position=step_id, recorded=parked, called=called))
+        if self.read_only:
+            if self.history_end is None:
+                self.history_end = HistoryEnd(step_id, what)
+            raise self.history_end
 
     def check_end(self) -> None:
         """Before the workflow's own end (its result, or the error it raised) is recorded:
@@ -511,7 +546,7 @@ class Context:
             self._replay(step_id, _SLEEP, recorded)
             return
         self._check_can_start()
-        self._check_unrecorded(step_id, _SLEEP, "a durable sleep")
+        self._check_unrecorded(step_id, _SLEEP, "a durable sleep", _SLEEP)
         c = self.claimed
         if self._wait_is_over(step_id):
             await self._record(step_id, _SLEEP, codec.encode({"slept": True}, what="sleep"),
@@ -561,7 +596,7 @@ class Context:
         recorded = self.claimed.steps.get(step_id)
         if recorded is None:
             self._check_can_start()
-            self._check_unrecorded(step_id, name, f"a wait for signal {name!r}")
+            self._check_unrecorded(step_id, name, f"a wait for signal {name!r}", step_name)
             while True:
                 taken = await self.writer.consume_signal(self.lease, step_id=step_id,
                                                          name=name, step_name=step_name)

@@ -755,6 +755,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "unclaimable_total": Read("counts unclaimable executions"),
     "unclaimable_by_workflow": Read("lists unclaimable executions"),
     "patch_summary": Read("summarizes patch markers"),
+    "replay_history": Read("reads one execution's history for a replay"),
     # migrate: one transaction, run again by whoever saw it fail.
     "migrate_lock": Lost((migrate_again,)),
     "create_schema": Lost((migrate_again,)),
