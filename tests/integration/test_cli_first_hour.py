@@ -136,7 +136,9 @@ def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_server")
 @pytest.mark.parametrize("command", [["list"], ["show", str(uuid.uuid4())], ["stats"],
-                                     ["dsn"], ["token", "list"], ["partitions"]])
+                                     ["dsn"], ["token", "list"], ["partitions"],
+                                     ["export-histories", "--out", "-"],
+                                     ["replay", "--app", "tests.apps.replay_v1"]])
 def test_an_operator_command_from_another_folder_creates_no_database(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
 ) -> None:
