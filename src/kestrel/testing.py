@@ -374,8 +374,9 @@ class KestrelTestEnv:
         what it waits for, a :class:`Waiting`. Then send the signal, or move the clock past
         ``waiting.seconds_left`` for its timeout, and :meth:`run_until_finished`.
 
-        Sleeps on the way are skipped as in :meth:`run_to_completion`; a wait for a child
-        is not a stop (the child runs in the same worker).
+        Sleeps on the way are skipped as in :meth:`run_to_completion`. While it waits for
+        a child, the child runs in the same worker, and the wait returned is the child's
+        (``waiting.id`` says which execution waits).
 
         Raises:
             AssertionError: the execution ended without waiting (its status says how).
@@ -500,7 +501,8 @@ class KestrelTestEnv:
             if ex.status.terminal:
                 return None, skipped
             if stop_at_wait and ex.status is Status.WAITING:
-                parked = _parked(ex, await db.run(conn, db.db_now(q)), skip_sleeps)
+                parked = await _parked(conn, q, ex, await db.run(conn, db.db_now(q)),
+                                       skip_sleeps)
                 if parked is not None:
                     return parked, skipped
             if task.done():
@@ -521,8 +523,10 @@ class KestrelTestEnv:
 class Waiting:
     """Where :meth:`KestrelTestEnv.run_until_waiting` found an execution parked.
 
-    *kind* is ``"signal"`` (a ``wait_for_signal``: *signal* is its name) or ``"sleep"``
-    (only with ``skip_sleeps=False``; *signal* is None). *until* is when the wait ends by
+    *id* is the execution that waits: the one run, or a child it waits for (send the
+    signal there). *kind* is ``"signal"`` (a ``wait_for_signal``: *signal* is its name) or
+    ``"sleep"`` (only with ``skip_sleeps=False``; *signal* is None). *until* is when the wait
+    ends by
     itself, by the database clock: the signal's timeout or the sleep's end (None: a signal
     waited for without a timeout); *seconds_left* is how far that was from the database
     clock when the wait was seen, what :meth:`KestrelTestEnv.advance_clock` must pass.
@@ -550,13 +554,21 @@ def _execution_id(execution: ExecutionRef) -> uuid.UUID:
     return got if isinstance(got, uuid.UUID) else uuid.UUID(str(got))
 
 
-def _parked(ex: Execution, now: datetime, skip_sleeps: bool) -> Waiting | None:
+async def _parked(conn: psycopg.AsyncConnection[Any], q: Queries, ex: Execution,
+                  now: datetime, skip_sleeps: bool, depth: int = 0) -> Waiting | None:
     """The wait *ex* (status waiting) is parked on, if the kit does not end it by itself:
     a signal whose timeout has not passed, or (without *skip_sleeps*) a sleep not yet over.
-    A wait for a child is none (the child runs in the same worker), nor is a delayed start."""
+    A wait for a child is the child's wait, if it is parked on one (the child runs in the
+    same worker: until it parks, the parent's wait is none); a delayed start is none."""
     on = ex.waiting_for
-    if on is None or on.startswith("kestrel.child:"):
+    if on is None:
         return None
+    if on.startswith("kestrel.child:"):
+        child = await db.run(conn, db.get_execution(
+            q, id=uuid.UUID(on.removeprefix("kestrel.child:"))))
+        if child is None or child.status is not Status.WAITING or depth >= 64:
+            return None
+        return await _parked(conn, q, child, now, skip_sleeps, depth + 1)
     if ex.wake_at is not None and ex.wake_at <= now:
         return None  # due: a worker claims it next
     until = ex.wait_deadline or ex.wake_at
