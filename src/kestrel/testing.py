@@ -5,16 +5,21 @@ the fixtures:
 
 * ``kestrel_dsn`` (session): the PostgreSQL to test against: ``--kestrel-dsn``, else
   ``KESTREL_TEST_DSN``, else an embedded server in a temporary folder when
-  ``kestrel-runtime[embedded]`` is installed, else a one-line error saying how to give one.
+  ``kestrel-runtime[embedded]`` is installed, else a one-line error saying how to give one
+  (also for a DSN that does not answer: each test using it fails at setup with that line).
 * ``kestrel_env`` (each test): a :class:`KestrelTestEnv` on a schema migrated once per test
   session (``kestrel_test_<random>``) and emptied before each test, with its clock back at
   the real time and no fault armed.
 
 :meth:`KestrelTestEnv.run_to_completion` submits a workflow, runs a real worker (claims,
 group commits, leases, the sweeper) in the test's process until the execution ends, and
-returns a :class:`Run`: the result and the step timeline. Faults are the runtime's own
-failpoints (:mod:`kestrel.failpoints`) armed for one step: :meth:`KestrelTestEnv.fail_step`
-makes a step body raise, so its retry policy and the workflow's error handling run;
+returns a :class:`Run`: the result and the step timeline (:attr:`Run.user_timeline`: the
+workflow's own steps, without the ones the context records itself, :data:`INTERNAL_STEPS`).
+:meth:`KestrelTestEnv.run_until_waiting` runs one until it is parked on a signal and says
+what it waits for and until when, so a test can move the clock past its timeout. Faults
+are the runtime's own failpoints (:mod:`kestrel.failpoints`) armed for one step:
+:meth:`KestrelTestEnv.fail_step` makes a step body raise, so its retry policy and the
+workflow's error handling run;
 :meth:`KestrelTestEnv.crash_after_checkpoint` kills the worker right after that step's
 checkpoint committed (the writer halts before it hears the commit), and the run goes on the
 way a real crash is recovered: the lease expires, the sweeper re-queues the execution, a new
@@ -39,7 +44,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import psycopg
 import pytest
@@ -57,6 +62,15 @@ if TYPE_CHECKING:
 
 __all__ = ["INTERNAL_STEPS", "KestrelTestEnv", "Run", "TimelineEntry", "Waiting",
            "dsn_for_tests", "is_internal"]
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> uuid.UUID: ...
+
+
+ExecutionRef: TypeAlias = "uuid.UUID | str | _HasId"
+"""An execution as the kit's methods take it: a handle from ``submit`` (anything with its
+``id``: a :class:`Run`, a :class:`Waiting`), a UUID, or an id as text."""
 
 MAX_ADVANCE_S = 100 * 365.25 * 24 * 3600
 """The most :meth:`KestrelTestEnv.advance_clock` moves the clock at once (100 years)."""
@@ -539,18 +553,13 @@ class Waiting:
     seconds_left: float | None
 
 
-ExecutionRef = Any
-"""An execution as the kit's methods take it: a handle from ``submit`` (its ``id``), a UUID,
-or an id as text."""
-
-
 def _execution_id(execution: ExecutionRef) -> uuid.UUID:
     """The id of *execution*: a handle's ``id``, a UUID, or an id as text.
 
     Raises:
         ValueError: text that is not a UUID.
     """
-    got = getattr(execution, "id", execution)
+    got: object = getattr(execution, "id", execution)
     return got if isinstance(got, uuid.UUID) else uuid.UUID(str(got))
 
 
