@@ -15,6 +15,8 @@ interpreter (this suite's, as ``pgserver`` has wheels for CPython 3.11 and 3.12 
 the ``export KESTREL_DSN=…`` line (the suite's PostgreSQL). Then the app file, the runtime,
 ``submit --wait``, ``list`` and the README's tests run from that virtualenv, as in
 tests/integration/test_quickstart.py, with the schema this test made (``KESTREL_SCHEMA``).
+Last, the README's other way, ``pip install`` of the clone's folder, into the same
+virtualenv (``--no-deps``: they are there), and kestrel again finds its SQL and templates.
 
 Marked ``network`` (pip fetches from the index) and ``slow``: about a minute on two cores
 with a warm pip cache, build included; skipped in the suite's PgBouncer pass.
@@ -186,3 +188,15 @@ def test_the_readme_quickstart_from_the_built_wheel_in_a_clean_virtualenv(
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps WHERE step_name "
               "IN ('look_up', 'kestrel.sleep', 'compose')") == 3
     assert "Traceback" not in err, err
+
+    # README "Install"'s other way, from a clone's folder: pip builds the same package there.
+    done = _bash(f"{venv}/bin/python -m pip install -q --no-deps --force-reinstall {ROOT}",
+                 folder, env, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    seen = subprocess.run([str(venv / "bin" / "python"), "-c", probe], cwd=folder, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert seen.returncode == 0, seen.stderr
+    module, sql_dir, migrations, static, direct_url = seen.stdout.splitlines()[:5]
+    assert module.startswith(site) and sql_dir.startswith(site), seen.stdout
+    assert int(migrations) == len(list((ROOT / "sql" / "migrations").glob("*.sql")))
+    assert static == "True" and '"editable"' not in direct_url, direct_url
