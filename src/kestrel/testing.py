@@ -5,16 +5,21 @@ the fixtures:
 
 * ``kestrel_dsn`` (session): the PostgreSQL to test against: ``--kestrel-dsn``, else
   ``KESTREL_TEST_DSN``, else an embedded server in a temporary folder when
-  ``kestrel-runtime[embedded]`` is installed, else a one-line error saying how to give one.
+  ``kestrel-runtime[embedded]`` is installed, else a one-line error saying how to give one
+  (also for a DSN that does not answer: each test using it fails at setup with that line).
 * ``kestrel_env`` (each test): a :class:`KestrelTestEnv` on a schema migrated once per test
   session (``kestrel_test_<random>``) and emptied before each test, with its clock back at
   the real time and no fault armed.
 
 :meth:`KestrelTestEnv.run_to_completion` submits a workflow, runs a real worker (claims,
 group commits, leases, the sweeper) in the test's process until the execution ends, and
-returns a :class:`Run`: the result and the step timeline. Faults are the runtime's own
-failpoints (:mod:`kestrel.failpoints`) armed for one step: :meth:`KestrelTestEnv.fail_step`
-makes a step body raise, so its retry policy and the workflow's error handling run;
+returns a :class:`Run`: the result and the step timeline (:attr:`Run.user_timeline`: the
+workflow's own steps, without the ones the context records itself, :data:`INTERNAL_STEPS`).
+:meth:`KestrelTestEnv.run_until_waiting` runs one until it is parked on a signal and says
+what it waits for and until when, so a test can move the clock past its timeout. Faults
+are the runtime's own failpoints (:mod:`kestrel.failpoints`) armed for one step:
+:meth:`KestrelTestEnv.fail_step` makes a step body raise, so its retry policy and the
+workflow's error handling run;
 :meth:`KestrelTestEnv.crash_after_checkpoint` kills the worker right after that step's
 checkpoint committed (the writer halts before it hears the commit), and the run goes on the
 way a real crash is recovered: the lease expires, the sweeper re-queues the execution, a new
@@ -39,30 +44,69 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import psycopg
 import pytest
 
 from kestrel import db, failpoints
 from kestrel.client import Client, SyncClient
-from kestrel.config import Config
+from kestrel.config import Config, mask_dsn
 from kestrel.definitions import StepInfo, _spec, registry
 from kestrel.errors import ConfigError
 from kestrel.sql import Queries, queries
-from kestrel.types import Status, StepRow, StepWrite
+from kestrel.types import Execution, Status, StepRow, StepWrite
 
 if TYPE_CHECKING:
     from kestrel.replay import ReplayResult
     from kestrel.workflow import WorkflowFn
 
-__all__ = ["KestrelTestEnv", "Run", "TimelineEntry", "areplay", "dsn_for_tests", "replay"]
+__all__ = ["INTERNAL_STEPS", "KestrelTestEnv", "Run", "TimelineEntry", "Waiting", "areplay",
+           "dsn_for_tests", "is_internal", "replay"]
+
+
+class _HasId(Protocol):
+    @property
+    def id(self) -> uuid.UUID: ...
+
+
+ExecutionRef: TypeAlias = "uuid.UUID | str | _HasId"
+"""An execution as the kit's methods take it: a handle from ``submit`` (anything with its
+``id``: a :class:`Run`, a :class:`Waiting`), a UUID, or an id as text."""
 
 MAX_ADVANCE_S = 100 * 365.25 * 24 * 3600
 """The most :meth:`KestrelTestEnv.advance_clock` moves the clock at once (100 years)."""
 
 _DSN_HELP = ("give the tests a PostgreSQL with --kestrel-dsn=postgresql://… or "
              "KESTREL_TEST_DSN, or pip install 'kestrel-runtime[embedded]' for a private one")
+
+
+INTERNAL_STEPS: Mapping[str, str] = {
+    "kestrel.patch:ID": "ctx.patched(ID), ctx.deprecate_patch(ID): a marker, listed before "
+                        "every step (it takes no step position)",
+    "kestrel.sleep": "ctx.sleep(), ctx.sleep_until()",
+    "kestrel.signal:NAME": "ctx.wait_for_signal(NAME), received or timed out",
+    "kestrel.signal:kestrel.child:ID": "ctx.child(), ctx.wait_child(): the end of child ID",
+    "kestrel.start_child:WORKFLOW": "ctx.start_child(), ctx.child(): the child's id",
+    "kestrel.send_signal:NAME": "ctx.signal(other_id, NAME, payload)",
+    "kestrel.set_event:KEY": "ctx.set_event(KEY, value)",
+    "kestrel.now": "ctx.now()",
+    "kestrel.random": "ctx.random()",
+    "kestrel.uuid": "ctx.uuid()",
+}
+"""The steps a workflow's :class:`~kestrel.Context` records by itself, as the timeline names
+them (upper-case parts stand for the actual name, key, id or workflow), and the call that
+records each. Every other step is one of the workflow's own ``@kestrel.step`` functions:
+:attr:`Run.user_timeline` keeps only those."""
+
+_INTERNAL_EXACT = frozenset(k for k in INTERNAL_STEPS if ":" not in k)
+_INTERNAL_PREFIXES = tuple(sorted({k.split(":", 1)[0] + ":" for k in INTERNAL_STEPS if ":" in k}))
+
+
+def is_internal(name: str) -> bool:
+    """Whether the step *name* is one the context records by itself (:data:`INTERNAL_STEPS`),
+    not one of the workflow's own steps."""
+    return name in _INTERNAL_EXACT or name.startswith(_INTERNAL_PREFIXES)
 
 
 class TimelineEntry(NamedTuple):
@@ -81,7 +125,7 @@ class TimelineEntry(NamedTuple):
 class Run:
     """What :meth:`KestrelTestEnv.run_to_completion` saw: how the execution ended, and its
     steps in order (internal ones such as ``kestrel.sleep`` and ``kestrel.signal:approval``
-    included)."""
+    included: :data:`INTERNAL_STEPS`; :attr:`user_timeline` leaves them out)."""
 
     id: uuid.UUID
     workflow: str
@@ -103,6 +147,18 @@ class Run:
         """The names of the steps, in order."""
         return [s.name for s in self.steps]
 
+    @property
+    def user_timeline(self) -> list[TimelineEntry]:
+        """The workflow's own steps as ``(name, attempt, status)``, in order: the
+        :attr:`timeline` without the context's internal records (:data:`INTERNAL_STEPS`:
+        sleeps, signal waits, events, children, ``now()``, patch markers…)."""
+        return [e for e in self.timeline if not is_internal(e.name)]
+
+    @property
+    def user_step_names(self) -> list[str]:
+        """The names of the workflow's own steps, in order (see :attr:`user_timeline`)."""
+        return [e.name for e in self.user_timeline]
+
     def step(self, name: str) -> StepRow:
         """The first recorded step called *name*.
 
@@ -115,19 +171,22 @@ class Run:
                 return s
         raise AssertionError(f"no step {name!r} in the timeline {self.step_names}")
 
-    def assert_timeline(self, expected: Sequence[tuple[str, int, str] | str]) -> None:
-        """Assert the steps, in order: each entry a name, or ``(name, attempt, status)``.
+    def assert_timeline(self, expected: Sequence[tuple[str, int, str] | str], *,
+                        user_only: bool = False) -> None:
+        """Assert the steps, in order: each entry a name, or ``(name, attempt, status)``;
+        with *user_only*, only the workflow's own steps (:attr:`user_timeline`).
 
         Raises:
             AssertionError: naming the first difference and showing both timelines.
         """
         __tracebackhide__ = True  # pytest shows the caller's line, not this one
-        got = self.timeline
+        got = self.user_timeline if user_only else self.timeline
         want = [e if isinstance(e, tuple) else (e,) for e in expected]
         shown = [tuple(g[:len(w)]) for g, w in zip(got, want, strict=False)]
         if len(got) != len(want) or shown != [tuple(w) for w in want]:
+            which = " (its own steps)" if user_only else ""
             raise AssertionError(
-                f"execution {self.id} ({self.workflow}) recorded\n  "
+                f"execution {self.id} ({self.workflow}) recorded{which}\n  "
                 + "\n  ".join(map(str, got)) + "\nexpected\n  "
                 + "\n  ".join(map(str, want)))
 
@@ -306,10 +365,10 @@ class KestrelTestEnv:
         raise RuntimeError("run_to_completion() inside a running event loop: use "
                            "`await kestrel_env.arun_to_completion(...)` in an async test")
 
-    def run_until_finished(self, execution_id: uuid.UUID | str, *, skip_sleeps: bool = True,
+    def run_until_finished(self, execution: ExecutionRef, *, skip_sleeps: bool = True,
                            timeout: float = 60.0) -> Run:
-        """Run a worker in this process until *execution_id* (submitted before, perhaps by
-        an earlier run that timed out) ends; return the :class:`Run`.
+        """Run a worker in this process until *execution* (a handle or an id, submitted
+        before, perhaps by an earlier run that timed out) ends; return the :class:`Run`.
 
         Raises:
             RuntimeError: called inside a running event loop (await
@@ -320,9 +379,35 @@ class KestrelTestEnv:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(self.arun_until_finished(
-                uuid.UUID(str(execution_id)), skip_sleeps=skip_sleeps, timeout=timeout))
+                execution, skip_sleeps=skip_sleeps, timeout=timeout))
         raise RuntimeError("run_until_finished() inside a running event loop: use "
                            "`await kestrel_env.arun_until_finished(...)` in an async test")
+
+    def run_until_waiting(self, execution: ExecutionRef, *, skip_sleeps: bool = True,
+                          timeout: float = 60.0) -> Waiting:
+        """Run a worker in this process until *execution* (a handle or an id) is parked
+        waiting for a signal (with *skip_sleeps* off, also for the end of a sleep); return
+        what it waits for, a :class:`Waiting`. Then send the signal, or move the clock past
+        ``waiting.seconds_left`` for its timeout, and :meth:`run_until_finished`.
+
+        Sleeps on the way are skipped as in :meth:`run_to_completion`. While it waits for
+        a child, the child runs in the same worker, and the wait returned is the child's
+        (``waiting.id`` says which execution waits).
+
+        Raises:
+            AssertionError: the execution ended without waiting (its status says how).
+            RuntimeError: called inside a running event loop (await
+                :meth:`arun_until_waiting` there).
+            TimeoutError: it neither ended nor waited within *timeout* seconds.
+        """
+        __tracebackhide__ = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.arun_until_waiting(
+                execution, skip_sleeps=skip_sleeps, timeout=timeout))
+        raise RuntimeError("run_until_waiting() inside a running event loop: use "
+                           "`await kestrel_env.arun_until_waiting(...)` in an async test")
 
     async def arun_to_completion(self, wf: WorkflowFn | str, *args: Any,
                                  signals: Mapping[str, Any] | None = None,
@@ -337,9 +422,10 @@ class KestrelTestEnv:
         return await self.arun_until_finished(handle.id, skip_sleeps=skip_sleeps,
                                               timeout=timeout)
 
-    async def arun_until_finished(self, execution_id: uuid.UUID, *, skip_sleeps: bool = True,
+    async def arun_until_finished(self, execution: ExecutionRef, *, skip_sleeps: bool = True,
                                   timeout: float = 60.0) -> Run:
-        """Run workers in this event loop until *execution_id* (already submitted) ends.
+        """Run workers in this event loop until *execution* (a handle or an id, already
+        submitted) ends.
 
         A worker killed by :meth:`crash_after_checkpoint` is replaced by a new one after
         the clock moved past its lease, as a restarted process would find it.
@@ -348,6 +434,27 @@ class KestrelTestEnv:
             LookupError: there is no such execution.
             TimeoutError: it has not ended after *timeout* seconds.
         """
+        run = await self._drive(_execution_id(execution), skip_sleeps, timeout,
+                                stop_at_wait=False)
+        assert isinstance(run, Run)
+        return run
+
+    async def arun_until_waiting(self, execution: ExecutionRef, *, skip_sleeps: bool = True,
+                                 timeout: float = 60.0) -> Waiting:
+        """:meth:`run_until_waiting` in the caller's event loop (an async test)."""
+        __tracebackhide__ = True
+        got = await self._drive(_execution_id(execution), skip_sleeps, timeout,
+                                stop_at_wait=True)
+        if isinstance(got, Run):
+            raise AssertionError(f"execution {got.id} ({got.workflow}) ended {got.status.value}"
+                                 " without waiting for a signal; its steps: "
+                                 f"{got.step_names}")
+        return got
+
+    async def _drive(self, execution_id: uuid.UUID, skip_sleeps: bool, timeout: float, *,
+                     stop_at_wait: bool) -> Run | Waiting:
+        """Run workers until the execution ended (a :class:`Run`) or, with *stop_at_wait*,
+        until it is parked on a wait the kit does not end by itself (a :class:`Waiting`)."""
         from kestrel.worker import Worker
 
         await self._check_async()
@@ -364,12 +471,15 @@ class KestrelTestEnv:
                 worker = Worker(self.config([submitted.queue]), registry(), dsn=self.dsn)
                 task = asyncio.create_task(worker.run(), name="kestrel-test-worker")
                 try:
-                    skipped += await self._watch(conn, q, execution_id, task, skip_sleeps,
-                                                 deadline)
+                    seen, jumped = await self._watch(conn, q, execution_id, task, skip_sleeps,
+                                                     deadline, stop_at_wait)
+                    skipped += jumped
                 finally:
                     if not task.done():
                         worker.stop(drain_timeout=5)
                         await asyncio.gather(task, return_exceptions=True)
+                if seen is not None:
+                    return seen
                 if not _halted(task):
                     break
                 # The worker died as a killed process does: its leases lapse, then another
@@ -395,19 +505,25 @@ class KestrelTestEnv:
 
     async def _watch(self, conn: psycopg.AsyncConnection[Any], q: Queries,
                      execution_id: uuid.UUID, task: asyncio.Task[None], skip_sleeps: bool,
-                     deadline: float) -> float:
-        """Poll until the execution ended or the worker *task* did; return the seconds of
-        sleep skipped meanwhile."""
+                     deadline: float, stop_at_wait: bool) -> tuple[Waiting | None, float]:
+        """Poll until the execution ended or the worker *task* did, or (with
+        *stop_at_wait*) until it is parked on a wait (the :class:`Waiting`); return that
+        and the seconds of sleep skipped meanwhile."""
         skipped = 0.0
         while True:
             ex = await db.run(conn, db.get_execution(q, id=execution_id))
             if ex is None:
                 raise LookupError(f"no execution {execution_id} in schema {self.schema}")
             if ex.status.terminal:
-                return skipped
+                return None, skipped
+            if stop_at_wait and ex.status is Status.WAITING:
+                parked = await _parked(conn, q, ex, await db.run(conn, db.db_now(q)),
+                                       skip_sleeps)
+                if parked is not None:
+                    return parked, skipped
             if task.done():
                 if _halted(task):
-                    return skipped
+                    return None, skipped
                 task.result()  # a worker that ended otherwise: its error is the test's
                 raise RuntimeError("the test worker stopped before the execution ended")
             if skip_sleeps:
@@ -417,6 +533,60 @@ class KestrelTestEnv:
                 raise TimeoutError(_describe_wait(execution_id, await db.run(
                     conn, db.waiting_for(q, id=execution_id))))
             await asyncio.sleep(0.05)
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Where :meth:`KestrelTestEnv.run_until_waiting` found an execution parked.
+
+    *id* is the execution that waits: the one run, or a child it waits for (send the
+    signal there). *kind* is ``"signal"`` (a ``wait_for_signal``: *signal* is its name) or
+    ``"sleep"`` (only with ``skip_sleeps=False``; *signal* is None). *until* is when the wait
+    ends by
+    itself, by the database clock: the signal's timeout or the sleep's end (None: a signal
+    waited for without a timeout); *seconds_left* is how far that was from the database
+    clock when the wait was seen, what :meth:`KestrelTestEnv.advance_clock` must pass.
+    """
+
+    id: uuid.UUID
+    kind: str
+    signal: str | None
+    until: datetime | None
+    seconds_left: float | None
+
+
+def _execution_id(execution: ExecutionRef) -> uuid.UUID:
+    """The id of *execution*: a handle's ``id``, a UUID, or an id as text.
+
+    Raises:
+        ValueError: text that is not a UUID.
+    """
+    got: object = getattr(execution, "id", execution)
+    return got if isinstance(got, uuid.UUID) else uuid.UUID(str(got))
+
+
+async def _parked(conn: psycopg.AsyncConnection[Any], q: Queries, ex: Execution,
+                  now: datetime, skip_sleeps: bool, depth: int = 0) -> Waiting | None:
+    """The wait *ex* (status waiting) is parked on, if the kit does not end it by itself:
+    a signal whose timeout has not passed, or (without *skip_sleeps*) a sleep not yet over.
+    A wait for a child is the child's wait, if it is parked on one (the child runs in the
+    same worker: until it parks, the parent's wait is none); a delayed start is none."""
+    on = ex.waiting_for
+    if on is None:
+        return None
+    if on.startswith("kestrel.child:"):
+        child = await db.run(conn, db.get_execution(
+            q, id=uuid.UUID(on.removeprefix("kestrel.child:"))))
+        if child is None or child.status is not Status.WAITING or depth >= 64:
+            return None
+        return await _parked(conn, q, child, now, skip_sleeps, depth + 1)
+    if ex.wake_at is not None and ex.wake_at <= now:
+        return None  # due: a worker claims it next
+    until = ex.wait_deadline or ex.wake_at
+    left = (until - now).total_seconds() if until is not None else None
+    if on == "kestrel.sleep":
+        return None if skip_sleeps else Waiting(ex.id, "sleep", None, until, left)
+    return Waiting(ex.id, "signal", on, until, left)
 
 
 def _describe_wait(execution_id: uuid.UUID, row: tuple[Any, ...] | None) -> str:
@@ -567,6 +737,21 @@ def dsn_for_tests(option: str | None, data_dir: Any) -> tuple[str, Any]:
     return embedded.start(data_dir)
 
 
+def _reachable(dsn: str, source: str) -> None:
+    """Fail the test with one line unless *dsn* (given by *source*) accepts a connection."""
+    __tracebackhide__ = True
+    try:
+        psycopg.connect(dsn, connect_timeout=10).close()
+        return
+    except psycopg.Error as exc:
+        # psycopg's first line says what failed ("connection refused", "password
+        # authentication failed"); the hint lines after it are libpq's, for psql users.
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    # Outside the except: pytest would show the psycopg error as well, "during handling".
+    pytest.fail(f"kestrel.testing cannot connect to the PostgreSQL that {source} names, "
+                f"{mask_dsn(dsn)} ({why}): start it, or {_DSN_HELP}", pytrace=False)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """``--kestrel-dsn``: the PostgreSQL the ``kestrel_env`` fixture tests against."""
     parser.addoption("--kestrel-dsn", default=None, metavar="DSN",
@@ -577,12 +762,23 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def kestrel_dsn(request: pytest.FixtureRequest,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The PostgreSQL of this test session (see :func:`dsn_for_tests`)."""
+    """The PostgreSQL of this test session (see :func:`dsn_for_tests`).
+
+    Without one, or with one that does not answer, each test that needs it fails with one
+    line saying which DSN was tried and how to give another, not a traceback."""
+    option = request.config.getoption("--kestrel-dsn")
+    given = option or os.environ.get("KESTREL_TEST_DSN")
+    data = None if given else tmp_path_factory.mktemp("kestrel-pg") / "data"
     try:
-        dsn, server = dsn_for_tests(request.config.getoption("--kestrel-dsn"),
-                                    tmp_path_factory.mktemp("kestrel-pg") / "data")
+        dsn, server = dsn_for_tests(option, data)
     except ConfigError as exc:
-        raise pytest.UsageError(str(exc)) from None
+        refused = str(exc)
+    else:
+        refused = ""
+    if refused:  # outside the except, so that pytest shows this one line and no chain
+        pytest.fail(refused, pytrace=False)
+    if server is None:
+        _reachable(dsn, "--kestrel-dsn" if option else "KESTREL_TEST_DSN")
     yield dsn
     if server is not None:
         server.cleanup()

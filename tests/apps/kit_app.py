@@ -75,3 +75,37 @@ async def wait_named(ctx: kestrel.Context, signal: str) -> Any:
 async def parent_of_a_sleeper(ctx: kestrel.Context, days: int) -> dict[str, Any]:
     """A child that sleeps *days* days: the parent waits on the child, the child sleeps."""
     return dict(await ctx.child(cooldown, days))
+
+
+@kestrel.workflow(name="kit.every_internal")
+async def every_internal(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[str, Any]:
+    """Every context call that records a step of its own, around two steps of the workflow's
+    (the timeline's internal names: kestrel.testing.INTERNAL_STEPS, README)."""
+    new = await ctx.patched("kit-v2")
+    rca = await ctx.step(analyze, alert)
+    await ctx.now()
+    await ctx.random()
+    await ctx.uuid()
+    await ctx.set_event("stage", "analysed")
+    await ctx.signal(ctx.execution_id, "note", {"new": new})
+    note = await ctx.wait_for_signal("note")
+    await ctx.sleep(60)
+    child = await ctx.start_child(in_a_queue, alert)
+    cause = await ctx.wait_child(child)
+    fix = await ctx.step(generate_fix, alert, rca)
+    return {"note": note.payload, "cause": cause, "fix": fix["patch"], "child": str(child.id)}
+
+
+@kestrel.workflow(name="kit.sleep_then_wait")
+async def sleep_then_wait(ctx: kestrel.Context, days: int) -> str:
+    """Sleep *days* days, then wait a day for "go" (run_until_waiting stops at the wait, or
+    with skip_sleeps=False at the sleep)."""
+    await ctx.sleep(days * 24 * 3600)
+    got = await ctx.wait_for_signal("go", timeout=24 * 3600)
+    return "timed out" if got.timed_out else f"went {got.payload}"
+
+
+@kestrel.workflow(name="kit.parent_of_a_waiter")
+async def parent_of_a_waiter(ctx: kestrel.Context) -> str:
+    """A child that sleeps a day and then waits for "go": the parent waits for the child."""
+    return str(await ctx.child(sleep_then_wait, 1))

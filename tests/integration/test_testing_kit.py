@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 
 import kestrel
-from kestrel.testing import KestrelTestEnv, TimelineEntry
+from kestrel.testing import INTERNAL_STEPS, KestrelTestEnv, TimelineEntry, Waiting
 from tests.apps import kit_app as app
+from tests.helpers import ROOT
 
 ALERT = {"workload": "api"}
 APPROVED = {"approval": {"approved": True}}
@@ -262,6 +264,102 @@ def test_an_async_test_awaits_the_run_in_its_own_event_loop(
     asyncio.run(an_async_test())
 
 
+def test_every_internal_step_is_named_and_the_user_view_leaves_them_out(
+    kestrel_env: KestrelTestEnv,
+) -> None:
+    run = kestrel_env.run_to_completion(app.every_internal, ALERT)
+    result = run.assert_completed()
+    assert result["note"] == {"new": True} and result["cause"] == "api ran out of memory"
+    assert run.step_names == [
+        "kestrel.patch:kit-v2", "kit.analyze", "kestrel.now", "kestrel.random",
+        "kestrel.uuid", "kestrel.set_event:stage", "kestrel.send_signal:note",
+        "kestrel.signal:note", "kestrel.sleep", "kestrel.start_child:kit.in_a_queue",
+        f"kestrel.signal:kestrel.child:{result['child']}", "kit.generate_fix"]
+    # Each name of the README's table (kestrel.testing.INTERNAL_STEPS) was recorded here.
+    for pattern in INTERNAL_STEPS:
+        shape = re.sub(r"[A-Z][A-Z_]*", ".+", re.escape(pattern).replace(r"\:", ":"))
+        assert any(re.fullmatch(shape, n) for n in run.step_names), pattern
+    assert run.user_step_names == ["kit.analyze", "kit.generate_fix"]
+    assert run.user_timeline == [("kit.analyze", 1, "ok"), ("kit.generate_fix", 1, "ok")]
+    run.assert_timeline(["kit.analyze", "kit.generate_fix"], user_only=True)
+    with pytest.raises(AssertionError, match=r"recorded \(its own steps\)"):
+        run.assert_timeline(["kit.analyze"], user_only=True)
+
+
+def test_run_until_waiting_stops_at_the_signal_and_moving_the_clock_times_it_out(
+    kestrel_env: KestrelTestEnv,
+) -> None:
+    handle = kestrel_env.client.submit(app.incident, ALERT)
+    waiting = kestrel_env.run_until_waiting(handle)
+    assert waiting == Waiting(handle.id, "signal", "approval", waiting.until,
+                              waiting.seconds_left)
+    week = 7 * 24 * 3600
+    assert waiting.seconds_left is not None and week - 60 < waiting.seconds_left <= week
+    assert waiting.until is not None and waiting.until - kestrel_env.now() <= timedelta(days=7)
+    assert app.bodies["kit.open_pr"] == 0 and app.bodies["kit.generate_fix"] == 1
+    kestrel_env.advance_clock(waiting.seconds_left + 1)
+    run = kestrel_env.run_until_finished(handle)
+    assert run.assert_completed() == {"outcome": "not approved"}
+    assert run.steps[-1].output == {"received": False, "payload": None}
+
+
+def test_run_until_waiting_then_the_signal(kestrel_env: KestrelTestEnv) -> None:
+    handle = kestrel_env.client.submit(app.incident, ALERT)
+    assert kestrel_env.run_until_waiting(str(handle.id)).signal == "approval"
+    kestrel_env.client.signal(handle.id, "approval", {"approved": True})
+    run = kestrel_env.run_until_finished(handle.id)
+    assert run.assert_completed() == {"outcome": "PR: raise the memory limit of api"}
+
+
+def test_run_until_waiting_skips_sleeps_or_stops_at_them(kestrel_env: KestrelTestEnv) -> None:
+    handle = kestrel_env.client.submit(app.sleep_then_wait, 3)
+    slept = kestrel_env.run_until_waiting(handle, skip_sleeps=False)
+    assert (slept.kind, slept.signal) == ("sleep", None)
+    assert slept.seconds_left is not None and slept.seconds_left > 3 * 24 * 3600 - 60
+    waiting = kestrel_env.run_until_waiting(handle)  # the sleep skipped, on to the signal
+    assert (waiting.kind, waiting.signal) == ("signal", "go")
+    assert waiting.seconds_left is not None and waiting.seconds_left <= 24 * 3600
+    kestrel_env.client.signal(handle.id, "go", "now")
+    assert kestrel_env.run_until_finished(handle).result == "went now"
+
+
+def test_run_until_waiting_on_a_parent_finds_its_waiting_child(
+    kestrel_env: KestrelTestEnv,
+) -> None:
+    parent = kestrel_env.client.submit(app.parent_of_a_waiter)
+    waiting = kestrel_env.run_until_waiting(parent)
+    [child] = [e for e in kestrel_env.client.list() if e.workflow == "kit.sleep_then_wait"]
+    assert (waiting.id, waiting.signal) == (child.id, "go")
+    kestrel_env.client.signal(waiting.id, "go", 1)
+    assert kestrel_env.run_until_finished(parent).result == "went 1"
+
+
+def test_run_until_waiting_on_an_execution_that_never_waits_fails_the_test(
+    kestrel_env: KestrelTestEnv,
+) -> None:
+    handle = kestrel_env.client.submit(app.in_a_queue, ALERT)
+    with pytest.raises(AssertionError, match=r"ended completed without waiting for a signal; "
+                                             r"its steps: \['kit.analyze'\]"):
+        kestrel_env.run_until_waiting(handle)
+    with pytest.raises(TimeoutError, match="it is queued"):
+        kestrel_env.run_until_waiting(kestrel_env.client.submit("kit.nobody"), timeout=1)
+
+
+def test_run_until_waiting_in_an_async_test(kestrel_env: KestrelTestEnv) -> None:
+    async def an_async_test() -> None:
+        handle = await kestrel.Client(kestrel_env.dsn, schema=kestrel_env.schema,
+                                      pool_size=0).submit(app.incident, ALERT)
+        with pytest.raises(RuntimeError, match="arun_until_waiting"):
+            kestrel_env.run_until_waiting(handle)
+        waiting = await kestrel_env.arun_until_waiting(handle)
+        assert waiting.signal == "approval"
+        kestrel_env.advance_clock((waiting.seconds_left or 0) + 1)
+        run = await kestrel_env.arun_until_finished(handle)
+        assert run.result == {"outcome": "not approved"}
+
+    asyncio.run(an_async_test())
+
+
 # -- as a user runs it: the plugin from its entry point, in a project folder of their own ----
 
 USER_APP = textwrap.dedent('''
@@ -297,11 +395,16 @@ USER_TEST = textwrap.dedent('''
 ''')
 
 
+# The kestrel this session imports, for the user's pytest too (a checkout's src/ may not be
+# the one installed in editable mode: another worktree's).
+CODE_UNDER_TEST = {"PYTHONPATH": str(Path(kestrel.__file__).resolve().parents[1])}
+
+
 def _user_pytest(folder: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     (folder / "myapp.py").write_text(USER_APP)
     (folder / "test_myapp.py").write_text(USER_TEST)
     clean = {k: v for k, v in os.environ.items()
-             if k not in ("PYTHONPATH", "KESTREL_TEST_DSN", "PYTEST_ADDOPTS")}
+             if k not in ("PYTHONPATH", "KESTREL_TEST_DSN", "PYTEST_ADDOPTS")} | CODE_UNDER_TEST
     # A basetemp of its own: the inner session never rotates the outer one's temp folders.
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            f"--basetemp={folder / '.tmp'}"],
@@ -318,12 +421,79 @@ def test_a_users_project_gets_the_fixtures_from_the_entry_point(
     assert "TimelineEntry(name='kestrel.sleep'" in done.stdout
 
 
-def test_without_a_database_the_user_is_told_how_to_give_one(tmp_path: Path) -> None:
+def _setup_errors(out: str) -> list[list[str]]:
+    """The lines pytest printed under each "ERROR at setup of …" header."""
+    sections = re.split(r"^_+ ERROR at setup of \w+ _+$", out, flags=re.MULTILINE)[1:]
+    return [section.split("\n=")[0].strip().splitlines() for section in sections]
+
+
+def test_without_a_database_each_test_says_how_to_give_one_in_one_line(tmp_path: Path) -> None:
     # No DSN anywhere and the embedded extra blocked: pgserver is what the extra installs.
     (tmp_path / "conftest.py").write_text("import sys\nsys.modules['pgserver'] = None\n")
     done = _user_pytest(tmp_path, {})
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "kestrel.testing needs a PostgreSQL: give the tests a PostgreSQL with " \
-           "--kestrel-dsn=postgresql://… or KESTREL_TEST_DSN, or pip install " \
-           "'kestrel-runtime[embedded]'" in out, out
+    line = ("kestrel.testing needs a PostgreSQL: give the tests a PostgreSQL with "
+            "--kestrel-dsn=postgresql://… or KESTREL_TEST_DSN, or pip install "
+            "'kestrel-runtime[embedded]' for a private one")
+    assert _setup_errors(done.stdout) == [[line]] * 3, out
+    assert "Traceback" not in out and "3 errors" in done.stdout, out
+
+
+@pytest.mark.parametrize("how", ["env", "option"])
+def test_a_database_that_does_not_answer_is_one_line_naming_the_dsn(
+    tmp_path: Path, how: str
+) -> None:
+    # A closed port on loopback: nothing listens on port 1.
+    dsn = "postgresql://kit:s3cret@127.0.0.1:1/kit_db"
+    if how == "env":
+        done = _user_pytest(tmp_path, {"KESTREL_TEST_DSN": dsn})
+        source = "KESTREL_TEST_DSN"
+    else:
+        done = _user_pytest(tmp_path, {"PYTEST_ADDOPTS": f"--kestrel-dsn={dsn}"})
+        source = "--kestrel-dsn"
+    out = done.stdout + done.stderr
+    errors = _setup_errors(done.stdout)
+    assert len(errors) == 3 and all(len(e) == 1 for e in errors), out
+    [line] = errors[0]
+    assert line.startswith(f"kestrel.testing cannot connect to the PostgreSQL that {source} "
+                           "names, postgresql://kit:***@127.0.0.1:1/kit_db (connection failed"), out
+    assert "Connection refused): start it, or give the tests a PostgreSQL with " \
+           "--kestrel-dsn=postgresql://… or KESTREL_TEST_DSN" in line, out
+    assert "s3cret" not in out and "Traceback" not in out, out
+
+
+# -- the README's own example (section "Testing your workflows"), run as written ------------
+
+TESTING_BLOCK = re.compile(r"<!-- testing:(\w+) ?([^>]*?) ?-->\n```(\w+)\n(.*?)```", re.DOTALL)
+
+
+def readme_testing_example() -> list[tuple[str, str, str]]:
+    """(kind, argument, text) of each marked code block of README "Testing your workflows"."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Testing your workflows"):]
+    section = section[:section.index("\n## ", 1)]
+    return [(m.group(1), m.group(2), m.group(4)) for m in TESTING_BLOCK.finditer(section)]
+
+
+def test_the_readme_testing_example_passes_as_written(pg_dsn: str, tmp_path: Path) -> None:
+    blocks = readme_testing_example()
+    assert [(kind, arg) for kind, arg, _ in blocks] == [
+        ("file", "approvals.py"), ("file", "test_approvals.py"), ("run", "")]
+    for kind, name, text in blocks:
+        if kind == "file":
+            (tmp_path / name).write_text(text)
+    [command] = [text for kind, _, text in blocks if kind == "run"]
+    # KESTREL_CONNECTION_MODE stays: in the suite's PgBouncer pass the kit's worker must
+    # know it goes through one.
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("KESTREL_DSN", "KESTREL_TEST_DSN", "KESTREL_SCHEMA", "PG"))
+           } | CODE_UNDER_TEST
+    # The README's command as written; this suite's interpreter first on PATH (the user's
+    # activated virtualenv) and a basetemp of the inner session's own.
+    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "KESTREL_DSN": pg_dsn,
+            "PYTEST_ADDOPTS": f"-p no:cacheprovider --basetemp={tmp_path / '.tmp'}"}
+    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"^3 passed", done.stdout, re.MULTILINE), done.stdout

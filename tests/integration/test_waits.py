@@ -82,12 +82,14 @@ def test_signal_errors_are_typed(pg_dsn: str, schema: str) -> None:
 
 
 def test_wait_timeout_returns_a_result_not_an_exception(kestrel_env: KestrelTestEnv) -> None:
-    # An hour's timeout, passed by moving the database clock (kestrel.testing).
-    with pytest.raises(TimeoutError, match="still waiting for signal 'never'"):
-        kestrel_env.run_to_completion(app.wait_with_timeout, 3600, timeout=1)
-    [waiting] = kestrel_env.client.list()
-    kestrel_env.advance_clock(3601)
-    run = kestrel_env.run_until_finished(waiting.id)
+    # An hour's timeout, passed by moving the database clock (kestrel.testing): run until
+    # it waits, move the clock past the timeout the wait reports, run to the end.
+    handle = kestrel_env.client.submit(app.wait_with_timeout, 3600)
+    waiting = kestrel_env.run_until_waiting(handle)
+    assert waiting.signal == "never" and waiting.seconds_left is not None
+    assert 3500 < waiting.seconds_left <= 3600
+    kestrel_env.advance_clock(waiting.seconds_left + 1)
+    run = kestrel_env.run_until_finished(handle)
     assert run.assert_completed() == {"timed_out": True, "payload": None}
     assert run.timeline == [("kestrel.signal:never", 1, "ok")]
 
