@@ -155,6 +155,21 @@ def test_a_client_submit_in_a_span_is_the_parent_of_the_attempt_and_its_steps(
     assert dict(steps[0].attributes or {})["kestrel.step.attempt"] == 1
 
 
+def test_a_limited_queues_claim_continues_the_trace_too(pg_dsn: str, schema: str) -> None:
+    """claim_limited returns the context as claim_batch does."""
+    tracer = trace.get_tracer("tests.caller")
+    with SyncClient(pg_dsn, schema=schema) as client:
+        with tracer.start_as_current_span("caller") as caller:
+            eid = client.submit("traces.steps", 1, queue="traced").id
+        run_worker_until(pg_dsn, config(schema, queues=["traced"],
+                                        queue_limits="traced:concurrency=2"),
+                         lambda: _finished(pg_dsn, schema, eid))
+    [attempt] = _attempts(_spans(eid))
+    assert attempt.parent is not None
+    assert attempt.parent.span_id == caller.get_span_context().span_id
+    assert len(_steps(_spans(eid))) == 2
+
+
 def test_a_submit_without_a_span_stores_no_context_and_starts_a_trace_per_attempt(
         pg_dsn: str, schema: str) -> None:
     with SyncClient(pg_dsn, schema=schema) as client:
