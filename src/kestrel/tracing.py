@@ -35,6 +35,7 @@ ignored, never stored and never an error.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
 from types import ModuleType, TracebackType
@@ -44,6 +45,8 @@ from kestrel.errors import StepFailed
 
 if TYPE_CHECKING:
     from kestrel.types import Claimed
+
+log = logging.getLogger("kestrel.tracing")
 
 _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _KEY = re.compile(r"[a-z][a-z0-9_*/-]{0,255}|[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13}")
@@ -130,17 +133,25 @@ _tracer: tuple[Any, Any] | None = None  # (provider, its tracer for kestrel)
 
 def start_attempt(claimed: Claimed, worker_id: str) -> Attempt | None:
     """Start the span of an attempt at *claimed* (not yet current: :meth:`Attempt.attach`),
-    or None when there is no OpenTelemetry or no tracer provider is configured."""
+    or None when there is no OpenTelemetry or no tracer provider is configured.
+
+    Never raises: a provider that fails (the API promises it does not, a custom one may)
+    costs the attempt its span, never the execution."""
     global _tracer
     trace = _trace()
     if trace is None:
         return None
-    provider = trace.get_tracer_provider()
-    if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+    try:
+        provider = trace.get_tracer_provider()
+        if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+            return None
+        if _tracer is None or _tracer[0] is not provider:
+            _tracer = (provider, provider.get_tracer("kestrel"))
+        return Attempt(trace, _tracer[1], claimed, worker_id)
+    except Exception:
+        log.exception("could not start the span of an attempt at %s; running it untraced",
+                      claimed.id)
         return None
-    if _tracer is None or _tracer[0] is not provider:
-        _tracer = (provider, provider.get_tracer("kestrel"))
-    return Attempt(trace, _tracer[1], claimed, worker_id)
 
 
 def _remote_parent(trace: ModuleType, claimed: Claimed) -> Any:
@@ -192,17 +203,21 @@ class Attempt:
         self.span.record_exception(error)
 
     def end(self) -> None:
-        """End the span with its outcome; detach it if :meth:`attach` attached it."""
-        self.span.set_attribute("kestrel.outcome", self.outcome)
-        self.span.set_attribute("kestrel.steps.replayed", self.replayed)
-        if self.outcome == "failed":
-            self.span.set_status(self._trace.StatusCode.ERROR, "the workflow failed")
-        if self._token is not None:
-            from opentelemetry import context
+        """End the span with its outcome; detach it if :meth:`attach` attached it. Never
+        raises (see :func:`start_attempt`)."""
+        try:
+            self.span.set_attribute("kestrel.outcome", self.outcome)
+            self.span.set_attribute("kestrel.steps.replayed", self.replayed)
+            if self.outcome == "failed":
+                self.span.set_status(self._trace.StatusCode.ERROR, "the workflow failed")
+            if self._token is not None:
+                from opentelemetry import context
 
-            context.detach(self._token)
-            self._token = None
-        self.span.end()
+                context.detach(self._token)
+                self._token = None
+            self.span.end()
+        except Exception:
+            log.exception("could not end the span of an attempt")
 
     def step(self, name: str, position: int) -> StepSpan:
         """The span of the step *name* at *position*, as a context manager."""

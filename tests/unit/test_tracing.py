@@ -148,3 +148,27 @@ def _api_modules() -> list[str]:
         capture_output=True, text=True, timeout=120, check=True,
         env={"PATH": "/usr/bin:/bin"})
     return sorted(out.stdout.split())
+
+
+def test_a_failing_provider_costs_the_span_never_the_execution(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import types
+    import uuid
+
+    import opentelemetry.trace as api
+
+    from kestrel.types import Claimed
+
+    class Broken(api.TracerProvider):
+        def get_tracer(self, *args: object, **kwargs: object) -> api.Tracer:
+            raise RuntimeError("a provider that breaks the API's promise")
+
+    fake = types.ModuleType("opentelemetry.trace")
+    fake.__dict__.update(api.__dict__)
+    fake.get_tracer_provider = Broken  # type: ignore[attr-defined]
+    monkeypatch.setattr(tracing, "_api", fake)
+    monkeypatch.setattr(tracing, "_loaded", True)
+    monkeypatch.setattr(tracing, "_tracer", None)
+    claimed = Claimed(uuid.uuid4(), "w", [], 1, 1, {})
+    assert tracing.start_attempt(claimed, "w") is None
+    assert "running it untraced" in caplog.text
