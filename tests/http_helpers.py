@@ -110,13 +110,13 @@ def _up(api: Api) -> bool:
 @contextmanager
 def serve_process(dsn: str, schema: str, *, port: int, log: Path,
                   args: list[str] | None = None, env: dict[str, str] | None = None,
-                  ) -> Iterator[Api]:
+                  app: str = APP) -> Iterator[Api]:
     """``kestrel-runtime serve`` alone (no workers), for the duration of the block."""
     import os
 
     from tests.helpers import stop_runtime
 
-    cmd = [sys.executable, "-m", "kestrel", "serve", "--app", APP, "--dsn", dsn, "--schema",
+    cmd = [sys.executable, "-m", "kestrel", "serve", "--app", app, "--dsn", dsn, "--schema",
            schema, "--http-port", str(port), *(args or [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,

@@ -184,6 +184,59 @@ BEGIN
 END
 $$;
 
+-- name: trace_parent_or_null
+-- p_value when it is a W3C traceparent as the recommendation writes version 00
+-- (https://www.w3.org/TR/trace-context/#traceparent-header): 00-<32 hex>-<16 hex>-<2 hex>,
+-- lowercase, with a trace id and a parent id that are not all zeros; otherwise NULL. Trace
+-- context is advisory: a malformed one is ignored, never stored, never an error.
+-- kestrel.tracing.parse_traceparent holds the same rule.
+CREATE OR REPLACE FUNCTION __schema__.trace_parent_or_null(p_value text) RETURNS text
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT CASE WHEN p_value ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'
+                     AND substr(p_value, 4, 32) <> repeat('0', 32)
+                     AND substr(p_value, 37, 16) <> repeat('0', 16)
+                THEN p_value END
+$$;
+
+-- name: trace_state_or_null
+-- p_value when it is a W3C tracestate (https://www.w3.org/TR/trace-context/#tracestate-header)
+-- of at most 512 characters: list members separated by commas (spaces and tabs around them
+-- and empty members allowed), at most 32 of them, each key=value with the recommendation's
+-- key grammar and a value of 1-256 printable ASCII characters without ',' or '=' that does
+-- not end in a space; otherwise (or with no member at all) NULL.
+-- kestrel.tracing.parse_tracestate holds the same rule.
+CREATE OR REPLACE FUNCTION __schema__.trace_state_or_null(p_value text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_member text;
+    v_key text;
+    v_val text;
+    v_count integer := 0;
+BEGIN
+    IF p_value IS NULL OR char_length(p_value) > 512 THEN
+        RETURN NULL;
+    END IF;
+    FOREACH v_member IN ARRAY string_to_array(p_value, ',') LOOP
+        v_member := btrim(v_member, E' \t');
+        CONTINUE WHEN v_member = '';
+        v_count := v_count + 1;
+        IF v_count > 32 OR strpos(v_member, '=') = 0 THEN
+            RETURN NULL;
+        END IF;
+        v_key := split_part(v_member, '=', 1);
+        v_val := substr(v_member, strpos(v_member, '=') + 1);
+        IF NOT (v_key ~ '^([a-z][a-z0-9_*/-]{0,255}|[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13})$'
+                AND char_length(v_val) BETWEEN 1 AND 256
+                AND v_val ~ '^[ -~]*$'
+                AND strpos(v_val, '=') = 0
+                AND right(v_val, 1) <> ' ') THEN
+            RETURN NULL;
+        END IF;
+    END LOOP;
+    RETURN CASE WHEN v_count > 0 THEN p_value END;
+END
+$$;
+
 -- name: submit
 -- submit(): every argument is checked before anything is written. p_start_at (migration
 -- 0015) is the time before which it is not claimed, as the database clock reads it; give it
@@ -197,6 +250,13 @@ $$;
 -- cancel() (which walks the tree after taking its locks) sees it, or cancel() commits first
 -- and this reads its flag. KEY SHARE does not conflict with the parent's heartbeats and
 -- checkpoints (NO KEY UPDATE), so a child start never stalls its own parent.
+--
+-- p_traceparent and p_tracestate (migration 0018) are the submitter's W3C trace context: the
+-- workers' spans for this execution continue that trace. Each is kept only when well formed
+-- (trace_parent_or_null, trace_state_or_null; a tracestate only with a traceparent), and is
+-- ignored otherwise, never an error. A child given none inherits its parent's. They are not
+-- part of an idempotency key's request: the same submit sent again from another trace is the
+-- same request.
 CREATE OR REPLACE FUNCTION __schema__.submit(
     p_workflow text,
     p_args jsonb DEFAULT '[]',
@@ -209,11 +269,17 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
     p_delay_s double precision DEFAULT NULL,
     p_dedup_key text DEFAULT NULL,
     p_on_duplicate text DEFAULT 'return',
-    p_start_at timestamptz DEFAULT NULL
+    p_start_at timestamptz DEFAULT NULL,
+    p_traceparent text DEFAULT NULL,
+    p_tracestate text DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
     v_id uuid := coalesce(p_id, gen_random_uuid());
+    v_traceparent text := __schema__.trace_parent_or_null(p_traceparent);
+    v_tracestate text;
+    v_parent_traceparent text;
+    v_parent_tracestate text;
     v_delay_s double precision := p_delay_s;
     v_digest text;
     v_existing __schema__.idempotency_keys%ROWTYPE;
@@ -259,7 +325,8 @@ BEGIN
         PERFORM __schema__.check_name(p_dedup_key, 'dedup key');
     END IF;
     IF p_parent IS NOT NULL THEN
-        SELECT e.cancel_requested INTO v_cancelling
+        SELECT e.cancel_requested, e.traceparent, e.tracestate
+          INTO v_cancelling, v_parent_traceparent, v_parent_tracestate
           FROM __schema__.workflow_executions AS e
          WHERE e.id = p_parent
            FOR KEY SHARE;
@@ -279,6 +346,12 @@ BEGIN
             RAISE EXCEPTION 'parent execution % is being cancelled; it starts no children',
                 p_parent USING ERRCODE = 'KS009';
         END IF;
+    END IF;
+    IF v_traceparent IS NOT NULL THEN
+        v_tracestate := __schema__.trace_state_or_null(p_tracestate);
+    ELSE
+        v_traceparent := v_parent_traceparent;
+        v_tracestate := v_parent_tracestate;
     END IF;
     IF p_idempotency_key IS NOT NULL THEN
         -- The request as sent (p_start_at as an instant, whatever the session's time zone).
@@ -306,12 +379,13 @@ BEGIN
     LOOP
         INSERT INTO __schema__.workflow_executions
                (id, workflow, queue, priority, args, idempotency_key, parent_id, deadline,
-                dedup_key, status, wake_at)
+                dedup_key, status, wake_at, traceparent, tracestate)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
                 __schema__.kestrel_now() + make_interval(secs => p_timeout_s), p_dedup_key,
                 CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
                 CASE WHEN v_delay_s > 0
-                     THEN __schema__.kestrel_now() + make_interval(secs => v_delay_s) END)
+                     THEN __schema__.kestrel_now() + make_interval(secs => v_delay_s) END,
+                v_traceparent, v_tracestate)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;
         -- A live execution holds the dedup key (ON CONFLICT waited for it to commit).

@@ -16,6 +16,8 @@
 -- the row's history: migration 0014); the filter is on rows the index scans return, which
 -- are almost never given back. A claim clears given_back_at, and returns waiting_for, the
 -- kind of wait a woken row was parked at (the replay checks the call at that position).
+-- It also returns the submitter's trace context (traceparent, tracestate: migration 0018),
+-- which the worker's spans continue.
 -- Arguments and checkpoints come back as JSON text, decoded per execution by the worker, so
 -- one value it cannot decode fails only its own execution (FAULTS P2); the checkpoints come
 -- from history_of(), which never loads more than %(max_history_bytes)s (FAULTS P3).
@@ -97,12 +99,14 @@ WITH suspect AS (
       FROM candidate
      WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
+           e.traceparent, e.tracestate
 )
 SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
        __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for
+       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
+       c.tracestate
   FROM claimed AS c;
 
 -- name: set_lock_timeout

@@ -170,11 +170,13 @@ SELECT EXISTS (SELECT 1 FROM __schema__.signals
 -- with the body as its "payload"; submit() then applies the rules of every door. The cap is
 -- this server's --max-payload-bytes: the subquery sets it for this statement's transaction
 -- before submit() checks the arguments (a subquery with a volatile target list is scanned
--- first, never pulled up). Idempotent by the delivery's key like any submit.
+-- first, never pulled up). Idempotent by the delivery's key like any submit. The request's
+-- traceparent and tracestate headers, when given, are the execution's trace context.
 SELECT __schema__.submit(%(workflow)s,
                          jsonb_build_array(CASE WHEN h.envelope IS NULL THEN h.arg
                                                 ELSE h.envelope || jsonb_build_object(
                                                          'payload', h.arg) END),
-                         %(queue)s, 0, %(idempotency_key)s)
+                         %(queue)s, 0, %(idempotency_key)s,
+                         p_traceparent => %(traceparent)s, p_tracestate => %(tracestate)s)
   FROM (SELECT set_config('kestrel.max_payload_bytes', %(max_bytes)s, true) AS cap,
                %(arg)s::jsonb AS arg, %(envelope)s::jsonb AS envelope) AS h;

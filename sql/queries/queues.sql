@@ -73,7 +73,8 @@ WITH lim AS (
       FROM candidate
      WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for
+           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
+           e.traceparent, e.tracestate
 ), started AS (
     UPDATE __schema__.queue_limits AS l
        SET recent_starts = (
@@ -90,7 +91,8 @@ WITH lim AS (
 SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
        __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for
+       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
+       c.tracestate
   FROM claimed AS c
  WHERE (SELECT count(*) FROM started) >= 0;
 

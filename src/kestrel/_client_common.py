@@ -8,6 +8,8 @@ it inside your own psycopg transaction: the execution then commits or rolls back
 data. Without ``conn`` it commits before ``submit`` returns. ``signal``, ``cancel``,
 ``retry`` and ``fork`` call the SQL functions of the same names, so SQL, the CLI and Python
 behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling fallback.
+A submit made while an OpenTelemetry span is current carries that span's trace context, so
+the execution's spans continue the caller's trace (:mod:`kestrel.tracing`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from kestrel import codec, db, metrics
+from kestrel import codec, db, metrics, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
 from kestrel.config import SCHEMA_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
@@ -121,10 +123,13 @@ class ClientBase:
             codec.check_text(dedup_key, what="dedup key")
         encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
                                max_bytes=self._max_bytes)
+        # The current span's trace context, if any: the execution's spans continue it.
+        trace = tracing.current()
         return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
                                 idempotency_key=key, timeout_s=timeout, delay_s=delay,
                                 dedup_key=dedup_key, on_duplicate=on_duplicate,
-                                start_at=start_at)
+                                start_at=start_at, traceparent=trace[0] if trace else None,
+                                tracestate=trace[1] if trace else None)
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:

@@ -328,7 +328,8 @@ def _claimed(row: Sequence[Any]) -> Claimed:
         else:
             steps = _recorded(history)
     return Claimed(row[0], row[1], args, row[3], row[4], steps, row[6], row[7], row[8],
-                   row[9], row[10], row[11], row[12], broken, waiting_for=row[13])
+                   row[9], row[10], row[11], row[12], broken, waiting_for=row[13],
+                   traceparent=row[14], tracestate=row[15])
 
 
 def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | None,

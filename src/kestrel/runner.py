@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, metrics
+from kestrel import codec, db, metrics, tracing
 from kestrel.config import Config
 from kestrel.db import AnyConn
 from kestrel.definitions import retired_patches
@@ -240,9 +240,14 @@ class Runner:
 
         Retried as :meth:`park` is.
         """
+        # The child continues this step's span when tracing is on; else submit() gives it
+        # its parent's trace context (migration 0018).
+        trace = tracing.current()
         params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
                                   idempotency_key=key, parent=lease.claimed.id,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s,
+                                  traceparent=trace[0] if trace else None,
+                                  tracestate=trace[1] if trace else None)
         child: uuid.UUID = await self._with_retries(
             lease, lambda conn: db.run(conn, db.value(self._q.submit, params, key=key)))
         return child
@@ -284,18 +289,26 @@ class Runner:
     async def _execute(self, lease: Lease) -> None:
         c = lease.claimed
         fn = self._workflows.get(c.workflow)
+        attempt = tracing.start_attempt(c, self.id)  # None: tracing is off
+        if attempt is not None:
+            attempt.attach()
         ctx = Context(c, c.workflow, self, lease, self._executor, self.cfg.max_payload_bytes,
                       claimed_mono=lease.claimed_at,
-                      retired_patches=retired_patches(fn) if fn is not None else frozenset())
+                      retired_patches=retired_patches(fn) if fn is not None else frozenset(),
+                      trace=attempt)
         try:
             finish = await self._outcome(ctx, lease)
             if finish is not None:
-                await self._finish(lease, finish)
+                await self._finish(lease, finish, attempt)
         except asyncio.CancelledError:
             if lease.lost or self._stopping.is_set():
-                return  # lost: the new owner finishes it; stopping: _drain releases it
+                # lost: the new owner finishes it; stopping: _drain releases it
+                tracing.mark(attempt, "lost" if lease.lost else "released")
+                return
             raise
         finally:
+            if attempt is not None:
+                attempt.end()
             if lease.deadline_timer is not None:
                 lease.deadline_timer.cancel()
             self.leases.remove(lease)
@@ -323,6 +336,7 @@ class Runner:
             ran = True
             value = await fn(ctx, *c.args)
         except Park:
+            tracing.mark(ctx.trace, "parked")
             self.stats.parked += 1
             m = metrics.get()
             m.child(m.parked, c.workflow).inc()
@@ -344,8 +358,10 @@ class Runner:
         # From here on: whether the deadline is what ends this attempt (counted in _finish).
         lease.deadline_hit = isinstance(outcome, DeadlineExceeded)
         if isinstance(outcome, CodeTooOld) and not await self._give_back(lease, outcome):
+            tracing.mark(ctx.trace, "given_back")
             return None
         if isinstance(outcome, LeaseLost):
+            tracing.mark(ctx.trace, "lost")
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, outcome)
@@ -358,8 +374,11 @@ class Runner:
                 result = codec.encode(value, what=f"result of workflow {c.workflow!r}",
                                       max_bytes=self.cfg.max_payload_bytes)
             except KestrelError as exc:
-                return self._failure(c, exc)
-            return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+                outcome = exc
+            else:
+                return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+        if ctx.trace is not None:
+            ctx.trace.failed(outcome)
         return self._failure(c, outcome)
 
     async def _give_back(self, lease: Lease, why: CodeTooOld) -> bool:
@@ -395,15 +414,18 @@ class Runner:
                     wake_at.isoformat(timespec="seconds"), why)
         return False
 
-    async def _finish(self, lease: Lease, finish: Finish) -> None:
+    async def _finish(self, lease: Lease, finish: Finish,
+                      attempt: tracing.Attempt | None = None) -> None:
         c = lease.claimed
         lease.finish()
         m = metrics.get()
+        tracing.mark(attempt, "refused")  # until the completion says otherwise
         try:
             done = await self.completions.submit(finish)
         except LeaseLost as exc:
             # Retried for contention until the lease was no longer trusted: not refused,
             # not counted; whoever claims it next finishes it.
+            tracing.mark(attempt, "lost")
             self.stats.lost += 1
             m.leases_lost.inc()
             log.info("dropping the completion of %s: %s", c.id, exc)
@@ -421,6 +443,7 @@ class Runner:
                 f"the database refused the result of workflow {c.workflow!r}: "
                 f"{type(exc).__name__}: {exc}"))
             done = await self.completions.submit(finish)
+        tracing.mark(attempt, finish.status.value if done else "fenced")
         if done:
             if finish.status is Status.COMPLETED:
                 self.stats.completed += 1

@@ -67,17 +67,20 @@ def submit_params(
     id: uuid.UUID | None = None, parent: uuid.UUID | None = None,
     timeout_s: float | None = None, delay_s: float | None = None,
     dedup_key: str | None = None, on_duplicate: str = "return",
-    start_at: datetime | None = None,
+    start_at: datetime | None = None, traceparent: str | None = None,
+    tracestate: str | None = None,
 ) -> dict[str, Any]:
     """Return the named parameters of the ``submit`` statement.
 
     *args* is the encoded argument list. *start_at* (or *delay_s*, not both) is read by the
-    database clock.
+    database clock. *traceparent* and *tracestate* are the submitter's W3C trace context
+    (:mod:`kestrel.tracing`), already checked.
     """
     return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
             "idempotency_key": idempotency_key, "id": id, "parent": parent,
             "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
-            "on_duplicate": on_duplicate, "start_at": start_at}
+            "on_duplicate": on_duplicate, "start_at": start_at, "traceparent": traceparent,
+            "tracestate": tracestate}
 
 
 def _execution(row: Sequence[Any]) -> Execution:

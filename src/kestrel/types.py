@@ -63,6 +63,10 @@ class Claimed:
     # What the wait at wait_step was parked for (kestrel.sleep, a signal's name, or
     # kestrel.child:<id>): the replay checks that the call at that position is that wait.
     waiting_for: str | None = None
+    # The submitter's W3C trace context (migration 0018), which the spans of this attempt
+    # continue (kestrel.tracing); None: no trace.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

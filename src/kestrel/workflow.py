@@ -25,7 +25,7 @@ from uuid import UUID
 
 import orjson
 
-from kestrel import codec, db, metrics
+from kestrel import codec, db, metrics, tracing
 
 # Re-exported (``X as X``): the declarations live in kestrel.definitions.
 from kestrel.definitions import (
@@ -200,6 +200,8 @@ class Context:
     # read-only one keeps it in memory), so the replay sees the path the code takes.
     read_only: bool = False
     history_end: HistoryEnd | None = field(default=None, init=False)
+    # This attempt's span (kestrel.tracing), or None: tracing is off.
+    trace: tracing.Attempt | None = None
     _next_step: int = field(default=0, init=False)
     # What the runtime decided about this attempt (lease lost, cancelled, non-determinism, a
     # refused write). Sticky: every later ctx call raises it again, so workflow code that
@@ -265,9 +267,21 @@ class Context:
         step_id = self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
+            if self.trace is not None:
+                self.trace.replayed += 1  # no span: the body does not run (kestrel.tracing)
             return self._replay(step_id, spec.name, recorded)
         self._check_can_start()
         self._check_unrecorded(step_id, None, spec.name, spec.name)
+        if self.trace is None:
+            return await self._run_step(step_id, spec, fn, args, kwargs, None)
+        with self.trace.step(spec.name, step_id) as span:
+            return await self._run_step(step_id, spec, fn, args, kwargs, span)
+
+    async def _run_step(self, step_id: int, spec: StepSpec, fn: Callable[..., Any],
+                        args: tuple[Any, ...], kwargs: dict[str, Any],
+                        span: tracing.StepSpan | None) -> Any:
+        """Run the body of the unrecorded step at *step_id* (with its retries) and record
+        what it returned or raised; return the recorded output."""
         clock = time.perf_counter()
         output: str | None = None
         error: str | None = None
@@ -297,11 +311,15 @@ class Context:
                     error = codec.encode(describe_error(exc), what="step error")
                     break
                 metrics.get().step_retries.labels(*labels).inc()
+                if span is not None:
+                    span.retried(attempt, exc)
                 await asyncio.sleep(spec.retry.delay(attempt))
                 if not self.lease.trusted():
                     self._decide(LeaseLost(f"lease of {self.execution_id} expired during a "
                                            "retry"))
                 attempt += 1
+        if span is not None:
+            span.tried(attempt)
         m = metrics.get()
         ran = time.perf_counter() - clock
         m.child(m.step_seconds, *labels).observe(ran)

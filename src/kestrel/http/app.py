@@ -42,7 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import codec, db
+from kestrel import codec, db, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.codec import QUEUE_NAME
@@ -260,7 +260,8 @@ async def submit(request: Request) -> Response:
     makes it idempotent: the same key and the same body answer 200 with the execution the
     first request started (also when a ``dedup_key`` returned a live one), the same key with
     another body 409. The key covers every field (args, queue, priority, timeout, delay,
-    dedup_key) and the workflow."""
+    dedup_key) and the workflow. A well-formed W3C ``traceparent`` header (and
+    ``tracestate``) is the execution's trace context; a malformed one is ignored."""
     await require(request, "submit")
     state = request.app.state
     name = request.path_params["workflow"]
@@ -275,8 +276,16 @@ async def submit(request: Request) -> Response:
     eid, created = await state.client.submit_created(
         name, *args, queue=_text(body, "queue", "default"), priority=priority,
         idempotency_key=_header_key(request), timeout=_number(body, "timeout"),
-        delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"))
+        delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"),
+        trace=_trace_context(request))
     return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
+
+
+def _trace_context(request: Request) -> tracing.TraceContext | None:
+    """The request's W3C trace context (exactly one well-formed traceparent header, and
+    the tracestate if well formed), or None."""
+    return tracing.from_headers(request.headers.getlist("traceparent"),
+                                request.headers.getlist("tracestate"))
 
 
 async def signal(request: Request) -> Response:
@@ -658,7 +667,7 @@ async def _hook_submit(request: Request, spec: Hook, key: str, body: bytes,
     try:
         eid: uuid.UUID = await state.client.read(store.hook_submit(
             state.q, workflow=spec.workflow, body=body, envelope=envelope,
-            queue=spec.queue, key=key, max_bytes=cap))
+            queue=spec.queue, key=key, max_bytes=cap, trace=_trace_context(request)))
     except psycopg.errors.CharacterNotInRepertoire:
         raise ApiError(400, "request body is not UTF-8") from None
     except (psycopg.errors.InvalidTextRepresentation, psycopg.errors.UntranslatableCharacter,
@@ -856,12 +865,17 @@ class HttpClient(Client):
     async def submit_created(self, wf: str, *args: Any, queue: str = "default",
                              priority: int = 0, idempotency_key: str | None = None,
                              timeout: float | None = None, delay: float | None = None,
-                             dedup_key: str | None = None) -> tuple[uuid.UUID, bool]:
+                             dedup_key: str | None = None,
+                             trace: tracing.TraceContext | None = None,
+                             ) -> tuple[uuid.UUID, bool]:
         """:meth:`submit`, returning the execution's id and whether this call started it:
         the id is chosen here, so any other id returned is an execution started before
-        (the same idempotency key, or a live one holding the dedup key)."""
+        (the same idempotency key, or a live one holding the dedup key). *trace* (the
+        request's trace context) replaces the current span's."""
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, None, dedup_key, "return")
+        if trace is not None:
+            params["traceparent"], params["tracestate"] = trace
         params["id"] = chosen = uuid.uuid4()
         eid = await self._run(db.value(self._q.submit, params, key=idempotency_key))
         if eid == chosen:

@@ -161,11 +161,13 @@ def signal_sent(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
 
 
 def hook_submit(q: Queries, *, workflow: str, body: bytes, envelope: str | None,
-                queue: str, key: str, max_bytes: int) -> Stmt[uuid.UUID]:
+                queue: str, key: str, max_bytes: int,
+                trace: tuple[str, str | None] | None = None) -> Stmt[uuid.UUID]:
     """Start a webhook's execution, idempotent by *key*; its id. Its one argument is
     *body* (JSON text, sent as is and parsed by PostgreSQL, so no Python object tree is
     built for it) or, with *envelope* (a JSON object, as text), that object with *body* as
     its ``payload``. The SQL cap on the arguments is *max_bytes* for this statement only.
+    *trace* is the request's checked W3C trace context (traceparent, tracestate), if any.
 
     Raises (from :func:`kestrel.db.run`):
         IdempotencyConflict: *key* started an execution with other arguments.
@@ -174,7 +176,9 @@ def hook_submit(q: Queries, *, workflow: str, body: bytes, envelope: str | None,
     """
     return Stmt(q.hook_submit, {"workflow": workflow, "arg": Jsonb(body, dumps=_as_is),
                                 "envelope": envelope, "queue": queue,
-                                "idempotency_key": key, "max_bytes": str(max_bytes)},
+                                "idempotency_key": key, "max_bytes": str(max_bytes),
+                                "traceparent": trace[0] if trace else None,
+                                "tracestate": trace[1] if trace else None},
                 lambda rows: rows[0][0], key)
 
 
