@@ -59,7 +59,11 @@ CREATE TABLE __schema__.workflow_executions (
     give_backs integer DEFAULT 0 NOT NULL,
     given_back_by text[],
     given_back_at timestamp with time zone,
-    CONSTRAINT workflow_executions_status_check CHECK ((status = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text])))
+    traceparent text,
+    tracestate text,
+    CONSTRAINT workflow_executions_status_check CHECK ((status = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text]))),
+    CONSTRAINT workflow_executions_traceparent_check CHECK ((traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'::text)),
+    CONSTRAINT workflow_executions_tracestate_check CHECK (((tracestate IS NULL) OR ((traceparent IS NOT NULL) AND (char_length(tracestate) <= 512))))
 )
 WITH (fillfactor='70', autovacuum_vacuum_scale_factor='0.0', autovacuum_vacuum_threshold='500', autovacuum_analyze_scale_factor='0.0', autovacuum_analyze_threshold='1000', autovacuum_vacuum_cost_delay='0');
 

@@ -341,7 +341,7 @@ def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | 
     replay before deploy (kestrel.replay) loads histories through this, so it sees exactly
     what a worker would."""
     return _claimed((id, workflow, args, 0, 1, steps, wait_step, None, 0, None, False, None,
-                     created_at, waiting_for))
+                     created_at, waiting_for, None, None))  # no trace context: a replay
 
 
 async def claim_batch(

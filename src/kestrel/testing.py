@@ -67,7 +67,8 @@ __all__ = ["INTERNAL_STEPS", "KestrelTestEnv", "Run", "TimelineEntry", "Waiting"
 
 class _HasId(Protocol):
     @property
-    def id(self) -> uuid.UUID: ...
+    def id(self) -> uuid.UUID:
+        """The execution's id."""
 
 
 ExecutionRef: TypeAlias = "uuid.UUID | str | _HasId"
