@@ -299,6 +299,38 @@ def test_an_http_submit_with_a_traceparent_header_is_continued_by_the_steps(
     assert {_ctx(s).trace_id for s in steps} == {trace_id}
 
 
+def test_an_http_submit_is_one_trace_with_its_steps_on_two_workers(
+        pg_dsn: str, door: dict[str, Any]) -> None:
+    """End to end (issue 27): the caller's traceparent on an HTTP submit; a first worker runs
+    a step and parks at a signal, a second one resumes it: both attempts and every step
+    that ran are in the caller's trace, children of its span."""
+    api: Api = door["api"]
+    schema = door["schema"]
+    header, trace_id, span_id = _traceparent()
+    reply = api.post("/api/v1/workflows/traces.approval/submit", {"args": [1]},
+                     headers={"traceparent": header})
+    assert reply.status == 201, reply.body
+    eid = reply.json()["id"]
+    run_worker_until(pg_dsn, config(schema, worker_id="worker-one"),
+                     lambda: _status(pg_dsn, schema, eid) == "waiting")
+    with SyncClient(pg_dsn, schema=schema, pool_size=0) as client:
+        client.signal(eid, "go", 10)
+        run_worker_until(pg_dsn, config(schema, worker_id="worker-two"),
+                         lambda: _finished(pg_dsn, schema, eid))
+        assert client.result(eid, timeout=10) == 13
+
+    spans = _spans(eid)
+    first, second = _attempts(spans)
+    assert {_ctx(s).trace_id for s in spans} == {trace_id}
+    assert [dict(a.attributes or {})["kestrel.worker.id"] for a in (first, second)] == [
+        "worker-one", "worker-two"]
+    for a in (first, second):
+        assert a.parent is not None and a.parent.span_id == span_id and a.parent.is_remote
+    steps = _steps(spans)
+    assert [(s.parent.span_id if s.parent else None) for s in steps] == [
+        _ctx(first).span_id, _ctx(second).span_id]
+
+
 def test_a_webhook_with_a_traceparent_header_is_continued_by_the_steps(
         pg_dsn: str, door: dict[str, Any]) -> None:
     api: Api = door["api"]
