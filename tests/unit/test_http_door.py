@@ -12,7 +12,7 @@ import pytest
 
 from kestrel.errors import ConfigError
 from kestrel.http import auth
-from kestrel.http.app import ENDPOINTS, ApiError, decode_cursor, encode_cursor, parse_json
+from kestrel.http.app import ENDPOINTS
 from kestrel.http.hooks import (
     Hook,
     SignatureError,
@@ -23,6 +23,8 @@ from kestrel.http.hooks import (
     verify,
 )
 from kestrel.http.openapi import document
+from kestrel.http.refusals import Refusal
+from kestrel.http.requests import decode_cursor, encode_cursor, parse_json
 
 # GitHub's documented example ("Validating webhook deliveries").
 GH_SECRET, GH_BODY = "It's a Secret to Everybody", b"Hello, World!"
@@ -202,7 +204,7 @@ def test_cursor_round_trip_and_garbage() -> None:
     when, eid = datetime(2026, 11, 30, 8, 0, 0, 123456, tzinfo=UTC), uuid.uuid4()
     assert decode_cursor(encode_cursor(when, str(eid))) == (when, eid)
     for bad in ("", "zzz", "!!", "A" * 300, encode_cursor(when, "x").replace("A", "B")):
-        with pytest.raises(ApiError):
+        with pytest.raises(Refusal):
             decode_cursor(bad)
 
 
@@ -210,7 +212,7 @@ def test_json_bodies_parse_exactly() -> None:
     assert parse_json(b'{"n": 18446744073709551615}') == {"n": 18446744073709551615}
     for bad in (b'"\\ud800"', b"[" * 2000 + b"]" * 2000, b"[1e400]",
                 b"[123456789012345678901234567890]", b"\xff", b"{"):
-        with pytest.raises(ApiError) as err:
+        with pytest.raises(Refusal) as err:
             parse_json(bad)
         assert err.value.status == 400
 

@@ -53,6 +53,37 @@ def test_low_level_modules_do_not_import_high_level(module: str) -> None:
     assert imported_modules(tree) & HIGH_LEVEL == set()
 
 
+# The two HTTP doors (issue 25): the UI and the API share tokens (auth), refusals and request
+# parts through modules of their own; neither imports the other, and the shared modules
+# import neither door.
+HTTP_DOORS = {"kestrel.http.app", "kestrel.http.ui"}
+HTTP_SHARED = ["auth", "refusals", "requests", "store", "observe"]
+
+
+def test_the_ui_does_not_import_the_api() -> None:
+    assert "kestrel.http.app" not in imported_modules(
+        ast.parse((SRC / "http" / "ui.py").read_text()))
+    assert "kestrel.http.ui" not in imported_modules(
+        ast.parse((SRC / "http" / "app.py").read_text()))
+
+
+@pytest.mark.parametrize("module", HTTP_SHARED)
+def test_what_the_http_doors_share_imports_neither_door(module: str) -> None:
+    tree = ast.parse((SRC / "http" / f"{module}.py").read_text())
+    assert imported_modules(tree) & HTTP_DOORS == set()
+
+
+def test_one_refusal_type_for_both_doors() -> None:
+    """The doors refuse with kestrel.http.refusals.Refusal; neither defines its own (they
+    had ApiError and UiError, the same class twice)."""
+    for door in ("app.py", "ui.py"):
+        tree = ast.parse((SRC / "http" / door).read_text())
+        own = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+               and any(isinstance(b, ast.Name) and b.id.endswith(("Exception", "Error"))
+                       for b in node.bases)]
+        assert own == [], (door, own)
+
+
 def _docstrings(tree: ast.AST) -> set[int]:
     ids = set()
     for node in ast.walk(tree):

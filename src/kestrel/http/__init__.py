@@ -4,6 +4,11 @@
 uvicorn (``kestrel-runtime serve``, or the supervisor's ``--http-port``).
 """
 
-from kestrel.http.app import ENDPOINTS, ApiError, create_app
+from kestrel.http.app import ENDPOINTS, create_app
+from kestrel.http.refusals import Refusal
 
-__all__ = ["ENDPOINTS", "ApiError", "create_app"]
+ApiError = Refusal
+"""The API's name for :class:`~kestrel.http.refusals.Refusal`, kept for callers of before the
+two doors shared one refusal type."""
+
+__all__ = ["ENDPOINTS", "ApiError", "Refusal", "create_app"]

@@ -8,10 +8,10 @@ same SQL functions as Python, SQL and the CLI: one set of rules at every door.
 What the web UI (mounted under ``/ui`` by :func:`create_app`'s caller) finds on
 ``app.state``: ``client`` (a :class:`kestrel.client.Client`, opened at start-up in the
 serving process, after any fork), ``q`` (the statements, for :mod:`kestrel.http.store`
-reads run with ``client.read``), ``require`` (``await app.state.require(request, scope)``
-returns the :class:`~kestrel.http.auth.Caller` or raises :class:`ApiError` 401/403),
-``check_token`` (the same for a token held elsewhere, e.g. a session cookie),
-``read_json``, ``workflows``, ``hooks`` and ``cfg``.
+reads run with ``client.read``), ``workflows``, ``hooks`` and ``cfg``. What both doors share
+is in modules of its own, which the UI imports instead of this one: tokens
+(:func:`kestrel.http.auth.check_token`), refusals (:mod:`kestrel.http.refusals`) and request
+parts (:mod:`kestrel.http.requests`).
 
 Errors are one line of JSON, ``{"error": "..."}``, with a 4xx status and nothing written;
 no request body, token or secret is ever logged (a route's template, never its path, is
@@ -20,17 +20,14 @@ what a log line names).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -38,7 +35,7 @@ import orjson
 import psycopg
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
@@ -48,12 +45,8 @@ from kestrel.client_async import Client
 from kestrel.codec import QUEUE_NAME
 from kestrel.config import Config
 from kestrel.errors import (
-    DuplicateExecution,
-    ExecutionNotFound,
     IdempotencyConflict,
     InvalidState,
-    KestrelError,
-    PayloadTooLarge,
 )
 from kestrel.http import auth, store
 from kestrel.http.hooks import (
@@ -66,6 +59,16 @@ from kestrel.http.hooks import (
 from kestrel.http.hooks import precheck as precheck_signature
 from kestrel.http.hooks import verify as verify_signature
 from kestrel.http.observe import RequestMetrics, route_templates
+from kestrel.http.refusals import Refusal, classify, template
+from kestrel.http.requests import (
+    DIGITS,
+    decode_cursor,
+    encode_cursor,
+    parse_json,
+    parse_time,
+    read_capped,
+    read_json,
+)
 from kestrel.sql import queries
 from kestrel.types import Status
 
@@ -73,18 +76,6 @@ log = logging.getLogger("kestrel.http")
 
 API = "/api/v1"
 MAX_PAGE = 500
-
-
-class ApiError(Exception):
-    """A request refused with *status* and a one-line *reason* (nothing was written);
-    *headers* go with the answer (a 401's challenge, a 405's ``Allow``)."""
-
-    def __init__(self, status: int, reason: str,
-                 headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
-        self.headers = headers
 
 
 BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kestrel"'}
@@ -108,80 +99,14 @@ def ok(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def _status_of(exc: KestrelError) -> int:
-    if isinstance(exc, PayloadTooLarge):
-        return 413
-    if isinstance(exc, ExecutionNotFound):
-        return 404
-    if isinstance(exc, IdempotencyConflict | DuplicateExecution | InvalidState):
-        return 409
-    return 400
-
-
-# -- request parts ---------------------------------------------------------------------------
-
-# ASCII digits, few enough for int(): str.isdigit() also takes "²" and "①", which int()
-# refuses, and int() refuses more than 4300 digits (both were a 500).
-_DIGITS = re.compile(r"[0-9]{1,18}")
-
-
-async def read_capped(request: Request, cap: int) -> bytes | None:
-    """The raw body, or None once it passes *cap* bytes, announced or streamed: a client
-    that lies about Content-Length is cut off at the cap too, and nothing past it is read."""
-    announced = request.headers.get("content-length")
-    if announced is not None and (not _DIGITS.fullmatch(announced) or int(announced) > cap):
-        return None
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def read_body(request: Request) -> bytes:
-    """The raw body, refused with 413 once it passes ``http_max_body_bytes``."""
-    cap: int = request.app.state.cfg.http_max_body_bytes
-    body = await read_capped(request, cap)
-    if body is None:
-        raise ApiError(413, f"request body over the cap of {cap} bytes")
-    return body
-
-
-def parse_json(body: bytes) -> Any:
-    """Parse a request body as JSON exactly (no silent rounding of huge integers).
-
-    Raises:
-        ApiError: 400 for text that is not UTF-8 or not JSON (lone surrogate escapes,
-            nesting past 1024 levels and numbers beyond a double included).
-    """
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ApiError(400, "request body is not UTF-8") from None
-    try:
-        return codec.decode_exact(text)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
-
-
-async def read_json(request: Request, *, default: Any = None) -> Any:
-    """The body as JSON; *default* when it is empty."""
-    body = await read_body(request)
-    if not body.strip():
-        return default
-    return parse_json(body)
-
-
 def _object(value: Any, allowed: Iterable[str]) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise Refusal(400, "the body must be a JSON object")
     unknown = sorted(set(value) - set(allowed))
     if unknown:
-        raise ApiError(400, f"unknown field(s): {', '.join(map(ascii, unknown))}")
+        raise Refusal(400, f"unknown field(s): {', '.join(map(ascii, unknown))}")
     return value
 
 
@@ -191,7 +116,7 @@ def execution_id(request: Request) -> uuid.UUID:
     try:
         return uuid.UUID(raw)
     except ValueError:
-        raise ApiError(400, f"{codec.printable(raw, 80)!r} is not an execution id (a UUID)"
+        raise Refusal(400, f"{codec.printable(raw, 80)!r} is not an execution id (a UUID)"
                        ) from None
 
 
@@ -207,14 +132,14 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(400, f"{name} must be a number of seconds")
+        raise Refusal(400, f"{name} must be a number of seconds")
     return float(value)
 
 
 def _text(body: dict[str, Any], name: str, default: str | None = None) -> str | None:
     value = body.get(name, default)
     if value is not None and not isinstance(value, str):
-        raise ApiError(400, f"{name} must be a string")
+        raise Refusal(400, f"{name} must be a string")
     return value
 
 
@@ -225,31 +150,13 @@ async def require(request: Request, scope: str) -> auth.Caller:
     """The caller of *request* if its bearer token is live and has *scope*.
 
     Raises:
-        ApiError: 401 without a valid token, 403 with one that lacks *scope*.
+        Refusal: 401 without a valid token, 403 with one that lacks *scope*.
     """
     header = request.headers.get("authorization")
     if auth.split(header) is None:
-        raise ApiError(401, "missing or malformed bearer token (Authorization: Bearer kst_…)")
-    return await check_token(request.app, header.partition(" ")[2] if header else "", scope)
-
-
-async def check_token(app: Starlette, token: str, scope: str) -> auth.Caller:
-    """The caller holding *token* (``kst_…``, from a header or, for the UI, a cookie) if it
-    is live and has *scope*.
-
-    Raises:
-        ApiError: 401 for a malformed, unknown or revoked token, 403 for a missing scope.
-    """
-    parts = auth.split(f"Bearer {token}")
-    if parts is None:
-        raise ApiError(401, "malformed token (kst_…)")
-    row = await app.state.client.read(store.get_token(app.state.q, id=parts[0]))
-    caller = auth.verify(parts[1], row, parts[0])
-    if caller is None:
-        raise ApiError(401, "invalid or revoked token")
-    if scope not in caller.scopes:
-        raise ApiError(403, f"this token lacks the {scope!r} scope")
-    return caller
+        raise Refusal(401, "missing or malformed bearer token (Authorization: Bearer kst_…)")
+    return await auth.check_token(request.app.state,
+                                  header.partition(" ")[2] if header else "", scope)
 
 
 # -- the JSON API ----------------------------------------------------------------------------
@@ -266,12 +173,12 @@ async def submit(request: Request) -> Response:
     state = request.app.state
     name = request.path_params["workflow"]
     if state.workflows is not None and name not in state.workflows:
-        raise ApiError(404, f"unknown workflow {codec.printable(name, 200)!r}")
+        raise Refusal(404, f"unknown workflow {codec.printable(name, 200)!r}")
     body = _object(await read_json(request), ("args", "queue", "priority", "timeout", "delay",
                                               "dedup_key"))
     args = body.get("args", [])
     if not isinstance(args, list):
-        raise ApiError(400, "args must be a JSON array")
+        raise Refusal(400, "args must be a JSON array")
     priority = body.get("priority", 0)
     eid, created = await state.client.submit_created(
         name, *args, queue=_text(body, "queue", "default"), priority=priority,
@@ -297,7 +204,7 @@ async def signal(request: Request) -> Response:
     body = _object(await read_json(request), ("name", "payload"))
     name = body.get("name")
     if not isinstance(name, str):
-        raise ApiError(400, "name (the signal's name, a string) is required")
+        raise Refusal(400, "name (the signal's name, a string) is required")
     delivered = await send_signal(request.app, eid, name, body.get("payload"),
                                   _header_key(request))
     return ok({"id": str(eid), "signal": name, "delivered": delivered})
@@ -346,7 +253,7 @@ async def fork(request: Request) -> Response:
     body = _object(await read_json(request), ("from_step",))
     step = body.get("from_step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
-        raise ApiError(400, "from_step must be an integer in [0, 2^31)")
+        raise Refusal(400, "from_step must be an integer in [0, 2^31)")
     key = _header_key(request)
     if key is None:
         handle = await request.app.state.client.fork(eid, step)
@@ -367,7 +274,7 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
     Returns its id and whether this request made it.
 
     Raises:
-        ApiError: 409 when the key was used for a fork of another execution or step.
+        Refusal: 409 when the key was used for a fork of another execution or step.
     """
     new = uuid.uuid5(FORK_KEYS, key)
 
@@ -376,7 +283,7 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
         if source is None:
             return False
         if source != (eid, step):
-            raise ApiError(409, f"Idempotency-Key {codec.printable(key, 80)!r} was used for "
+            raise Refusal(409, f"Idempotency-Key {codec.printable(key, 80)!r} was used for "
                                 f"the fork of {source[0]} from step {source[1]}")
         return True
 
@@ -394,40 +301,6 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
     return new, True
 
 
-_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,200}")
-
-
-def encode_cursor(created_at: datetime, eid: str) -> str:
-    """The opaque cursor after a row: its exact creation time and id, base64url."""
-    raw = f"{created_at.isoformat()}|{eid}".encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def decode_cursor(text: str) -> tuple[datetime, uuid.UUID]:
-    """Read a cursor made by :func:`encode_cursor` (400 for anything else)."""
-    try:
-        if not _CURSOR.fullmatch(text):
-            raise ValueError
-        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
-        at, _, eid = raw.partition("|")
-        when = datetime.fromisoformat(at)
-        if when.tzinfo is None:
-            raise ValueError
-        return when, uuid.UUID(eid)
-    except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise ApiError(400, "cursor is not one this API returned") from None
-
-
-def parse_time(text: str) -> datetime:
-    """An ISO 8601 time; one without a zone is UTC.
-
-    Raises:
-        ValueError: *text* is not an ISO 8601 time.
-    """
-    when = datetime.fromisoformat(text)
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
 def _time(params: Mapping[str, str], name: str) -> datetime | None:
     text = params.get(name)
     if text is None:
@@ -435,7 +308,7 @@ def _time(params: Mapping[str, str], name: str) -> datetime | None:
     try:
         return parse_time(text)
     except ValueError:
-        raise ApiError(400, f"{name} must be an ISO 8601 time") from None
+        raise Refusal(400, f"{name} must be an ISO 8601 time") from None
 
 
 LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor")
@@ -447,19 +320,19 @@ async def list_executions(request: Request) -> Response:
     params = request.query_params
     unknown = sorted(set(params) - set(LIST_PARAMS))
     if unknown:
-        raise ApiError(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
+        raise Refusal(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
     status = params.get("status")
     if status is not None and status not in {s.value for s in Status}:
-        raise ApiError(400, f"status must be one of {', '.join(s.value for s in Status)}")
+        raise Refusal(400, f"status must be one of {', '.join(s.value for s in Status)}")
     workflow = params.get("workflow")
     if workflow is not None:
         codec.check_text(workflow, what="workflow")
     queue = params.get("queue")
     if queue is not None and not QUEUE_NAME.fullmatch(queue):
-        raise ApiError(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+        raise Refusal(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     limit_text = params.get("limit", "50")
-    if not _DIGITS.fullmatch(limit_text) or not 1 <= int(limit_text) <= MAX_PAGE:
-        raise ApiError(400, f"limit must be an integer in [1, {MAX_PAGE}]")
+    if not DIGITS.fullmatch(limit_text) or not 1 <= int(limit_text) <= MAX_PAGE:
+        raise Refusal(400, f"limit must be an integer in [1, {MAX_PAGE}]")
     limit = int(limit_text)
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
@@ -564,22 +437,22 @@ async def hook(request: Request) -> Response:
     name = request.path_params["name"]
     spec: Hook | None = state.hooks.get(name)
     if spec is None:
-        raise ApiError(404, f"unknown hook {codec.printable(name, 80)!r}")
+        raise Refusal(404, f"unknown hook {codec.printable(name, 80)!r}")
     challenge = {"WWW-Authenticate": f'HMAC-SHA256 realm="hook", header="{spec.header}"'}
     try:
         # What can be checked before the body is, so a request that cannot be signed
         # right costs no read (a stale Slack timestamp, a missing or malformed header).
         precheck_signature(spec, request.headers)
     except SignatureError as exc:
-        raise ApiError(401, str(exc), challenge) from None
+        raise Refusal(401, str(exc), challenge) from None
     cap = spec.max_body_bytes or state.cfg.http_max_body_bytes
     body = await read_capped(request, cap)
     if body is None:
-        raise ApiError(413, f"request body over hook {spec.name}'s cap of {cap} bytes")
+        raise Refusal(413, f"request body over hook {spec.name}'s cap of {cap} bytes")
     try:
         key = verify_signature(spec, request.headers, body)
     except SignatureError as exc:
-        raise ApiError(401, str(exc), challenge) from None
+        raise Refusal(401, str(exc), challenge) from None
     codec.check_text(key, what="idempotency key (the delivery id)")
     if spec.format == "slack":
         return await _slack_hook(request, spec, key, body)
@@ -622,7 +495,7 @@ async def _slack_hook(request: Request, spec: Hook, key: str, body: bytes) -> Re
     try:
         event_key = slack_event_key(spec, payload)
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise Refusal(400, str(exc)) from None
     if event_key is not None:
         key = codec.check_text(event_key, what="idempotency key (the event_id)")
     eid = await _hook_submit(request, spec, key, body)
@@ -635,7 +508,7 @@ async def _slack_interaction(request: Request, spec: Hook, raw: str) -> Response
     try:
         action = slack_action(parse_json(raw.encode()))
     except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise Refusal(400, str(exc)) from None
     if action is None:
         return Response(b"", 200)
     app = request.app
@@ -645,7 +518,7 @@ async def _slack_interaction(request: Request, spec: Hook, raw: str) -> Response
         reason = spec.refuses(action, workflow)
         if reason is not None:
             log.info("a Slack press refused by the allow-lists of hook %s", spec.name)
-            raise ApiError(403, reason)
+            raise Refusal(403, reason)
     delivered = await send_signal(app, action.execution_id, "approval",
                                   {"approved": action.approved, "by": action.by}, action.key)
     return ok({"id": action.execution_id, "signal": "approval",
@@ -660,20 +533,20 @@ async def _hook_submit(request: Request, spec: Hook, key: str, body: bytes,
     state = request.app.state
     cap: int = state.cfg.max_payload_bytes
     if len(body) > cap:
-        raise ApiError(413, f"the hook's argument is {len(body)} bytes, over the cap of "
+        raise Refusal(413, f"the hook's argument is {len(body)} bytes, over the cap of "
                        f"{cap} bytes (--max-payload-bytes)")
     if not body.strip():
-        raise ApiError(400, "malformed JSON body: it is empty")
+        raise Refusal(400, "malformed JSON body: it is empty")
     try:
         eid: uuid.UUID = await state.client.read(store.hook_submit(
             state.q, workflow=spec.workflow, body=body, envelope=envelope,
             queue=spec.queue, key=key, max_bytes=cap, trace=_trace_context(request)))
     except psycopg.errors.CharacterNotInRepertoire:
-        raise ApiError(400, "request body is not UTF-8") from None
+        raise Refusal(400, "request body is not UTF-8") from None
     except (psycopg.errors.InvalidTextRepresentation, psycopg.errors.UntranslatableCharacter,
             psycopg.errors.StatementTooComplex) as exc:
         # The primary message only: PostgreSQL's detail and context quote the body.
-        raise ApiError(400, f"malformed JSON body: {exc.diag.message_primary}") from None
+        raise Refusal(400, f"malformed JSON body: {exc.diag.message_primary}") from None
     count_submitted(spec.workflow)
     return eid
 
@@ -689,7 +562,7 @@ def _form(body: bytes) -> dict[str, str]:
         pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False,
                           max_num_fields=1000, errors="strict")
     except (UnicodeDecodeError, ValueError):
-        raise ApiError(400, "malformed form body") from None
+        raise Refusal(400, "malformed form body") from None
     return dict(pairs)
 
 
@@ -775,40 +648,18 @@ def _guarded(handler: Handler, pool: str = "api") -> Handler:
         POOL.set(pool)
         response = await _answer(request)
         # The route's template, never its path or query: those hold values callers chose.
-        log.debug("%s %s %d", request.method, _template(request), response.status_code)
+        log.debug("%s %s %d", request.method, template(request), response.status_code)
         return response
 
     async def _answer(request: Request) -> Response:
         try:
             return await handler(request)
-        except ApiError as exc:
-            return error_response(exc.status, exc.reason, exc.headers)
-        except KestrelError as exc:
-            return error_response(_status_of(exc), str(exc))
-        except psycopg.OperationalError:
-            log.warning("database unavailable on %s %s", request.method, _template(request))
-            return error_response(503, "database unavailable; try again")
-        except psycopg.Error as exc:
-            # SQLSTATE only: a server message may quote the request's values.
-            log.error("database error %s on %s %s", exc.sqlstate, request.method,
-                      _template(request))
-            return error_response(500, f"database error {exc.sqlstate}")
-        except ClientDisconnect:
-            return error_response(400, "the client went away before its body was read")
-        except Exception as exc:
-            # The type only: a message or a traceback's locals may hold a caller's values
-            # (FAULTS S5). The request fails alone; the server keeps serving.
-            log.error("internal error %s on %s %s", type(exc).__name__, request.method,
-                      _template(request))
-            return error_response(500, "internal error")
+        except Exception as exc:  # each request fails alone; the server keeps serving
+            refusal = classify(exc, request)
+            return error_response(refusal.status, refusal.reason, refusal.headers)
 
     endpoint.__doc__ = handler.__doc__
     return endpoint
-
-
-def _template(request: Request) -> str:
-    route = request.scope.get("route")
-    return str(getattr(route, "path", "?"))
 
 
 @asynccontextmanager
@@ -904,9 +755,6 @@ def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     app.state.q = queries(cfg.schema)
     app.state.workflows = frozenset(workflows) if workflows is not None else None
     app.state.hooks = dict(hooks or {})
-    app.state.require = require
-    app.state.check_token = check_token
-    app.state.read_json = read_json
     return app
 
 
@@ -941,5 +789,13 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return error_response(500, "internal error")
 
 
-__all__ = ["ENDPOINTS", "ApiError", "Endpoint", "create_app", "error_response", "ok",
-           "read_json", "require"]
+__all__ = [
+    "ENDPOINTS",
+    "Endpoint",
+    "Refusal",
+    "create_app",
+    "error_response",
+    "ok",
+    "read_json",
+    "require",
+]

@@ -22,6 +22,8 @@ from typing import Any
 
 from kestrel import codec
 from kestrel.errors import ConfigError
+from kestrel.http import store
+from kestrel.http.refusals import Refusal
 
 SCOPES = ("read", "operate", "submit")
 TOKEN = re.compile(r"kst_([0-9a-f]{16})_([A-Za-z0-9_-]{43})")
@@ -132,3 +134,22 @@ def describe(caller: Any) -> str:
     if isinstance(caller, Caller):
         return f"token {caller.name} ({caller.token_id})"
     return "anonymous"
+
+
+async def check_token(state: Any, token: str, scope: str) -> Caller:
+    """The caller holding *token* (``kst_…``, from the API's bearer header or the UI's
+    session) if it is live and has *scope*; *state* is the app's (``client``, ``q``).
+
+    Raises:
+        Refusal: 401 for a malformed, unknown or revoked token, 403 for a missing scope.
+    """
+    parts = split(f"Bearer {token}")
+    if parts is None:
+        raise Refusal(401, "malformed token (kst_…)")
+    row = await state.client.read(store.get_token(state.q, id=parts[0]))
+    caller = verify(parts[1], row, parts[0])
+    if caller is None:
+        raise Refusal(401, "invalid or revoked token")
+    if scope not in caller.scopes:
+        raise Refusal(403, f"this token lacks the {scope!r} scope")
+    return caller

@@ -44,7 +44,6 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode
 
 import jinja2
-import psycopg
 from markupsafe import Markup
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -55,21 +54,12 @@ from kestrel import codec
 from kestrel.codec import QUEUE_NAME
 from kestrel.db import Stmt
 from kestrel.errors import (
-    DuplicateExecution,
     ExecutionNotFound,
-    IdempotencyConflict,
-    InvalidState,
     KestrelError,
-    PayloadTooLarge,
 )
 from kestrel.http import auth, store
-from kestrel.http.app import (
-    ApiError,
-    decode_cursor,
-    encode_cursor,
-    parse_time,
-    read_capped,
-)
+from kestrel.http.refusals import Refusal, classify
+from kestrel.http.requests import decode_cursor, encode_cursor, parse_time, read_capped
 from kestrel.sql import Queries
 from kestrel.types import Status
 
@@ -112,15 +102,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-
-
-class UiError(Exception):
-    """A request refused with *status* and a one-line *reason*; nothing was written."""
-
-    def __init__(self, status: int, reason: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +247,7 @@ async def current_session(request: Request) -> Session | None:
     not revoked), else None.
 
     Raises:
-        UiError: 403 when the session's token lacks ``read``.
+        Refusal: 403 when the session's token lacks ``read``.
     """
     cookie = request.cookies.get(COOKIE)
     secret_hash = auth.session_hash(cookie)
@@ -277,7 +258,7 @@ async def current_session(request: Request) -> Session | None:
         return None
     caller = auth.Caller(token_id=row[0], name=row[1], scopes=frozenset(row[2]))
     if "read" not in caller.scopes:
-        raise UiError(403, "this token lacks the 'read' scope")
+        raise Refusal(403, "this token lacks the 'read' scope")
     return Session(caller, csrf_token(cookie), secret_hash)
 
 
@@ -292,24 +273,24 @@ async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, st
     """The urlencoded form of a POST, each field once, as strictly checked UTF-8 text.
 
     Raises:
-        UiError: 413 over *cap*; 400 not a urlencoded form, not UTF-8, a field twice.
+        Refusal: 413 over *cap*; 400 not a urlencoded form, not UTF-8, a field twice.
     """
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype != "application/x-www-form-urlencoded":
-        raise UiError(400, "expected a form (application/x-www-form-urlencoded)")
+        raise Refusal(400, "expected a form (application/x-www-form-urlencoded)")
     body = await read_capped(request, cap)
     if body is None:
-        raise UiError(413, f"form over the cap of {cap} bytes")
+        raise Refusal(413, f"form over the cap of {cap} bytes")
     try:
         pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True,
                           strict_parsing=False, encoding="utf-8", errors="strict",
                           max_num_fields=50)
     except (UnicodeDecodeError, ValueError):
-        raise UiError(400, "the form is not UTF-8 text (or has too many fields)") from None
+        raise Refusal(400, "the form is not UTF-8 text (or has too many fields)") from None
     form: dict[str, str] = {}
     for name, value in pairs:
         if name in form:
-            raise UiError(400, f"field {codec.printable(name, 40)!r} given twice")
+            raise Refusal(400, f"field {codec.printable(name, 40)!r} given twice")
         form[name] = value
     return form
 
@@ -319,12 +300,12 @@ def _checked(form: Mapping[str, str], name: str, *, what: str, max_chars: int = 
     value = form.get(name)
     if value is None or value == "":
         if required:
-            raise UiError(400, f"{what} is required")
+            raise Refusal(400, f"{what} is required")
         return None
     try:
         return codec.check_text(value, what=what, max_chars=max_chars)
     except KestrelError as exc:
-        raise UiError(400, str(exc)) from None
+        raise Refusal(400, str(exc)) from None
 
 
 def _safe_next(target: str | None) -> str:
@@ -354,7 +335,7 @@ def page(handler: Page, *, scope: str = "read") -> Callable[[Request], Awaitable
                                              else "")
                 return RedirectResponse(f"/ui/login?{urlencode({'next': target})}", 303)
             if not session.can(scope):
-                raise UiError(403, f"this token lacks the {scope!r} scope")
+                raise Refusal(403, f"this token lacks the {scope!r} scope")
             return await handler(request, session)
         except Exception as exc:
             return _refusal(request, exc, session)
@@ -364,54 +345,27 @@ def page(handler: Page, *, scope: str = "read") -> Callable[[Request], Awaitable
 
 
 def _refusal(request: Request, exc: Exception, session: Session | None) -> Response:
-    if isinstance(exc, UiError | ApiError):
-        return error_page(request, exc.status, exc.reason, session)
-    if isinstance(exc, KestrelError):
-        return error_page(request, _status_of(exc), str(exc), session)
-    if isinstance(exc, psycopg.OperationalError):
-        log.warning("database unavailable on %s %s", request.method, _template(request))
-        return error_page(request, 503, "database unavailable; try again", session)
-    if isinstance(exc, psycopg.Error):
-        # SQLSTATE only: a server message may quote the request's values.
-        log.error("database error %s on %s %s", exc.sqlstate, request.method,
-                  _template(request))
-        return error_page(request, 500, f"database error {exc.sqlstate}", session)
-    # A bug of ours: the type only, since a message may quote the request's values.
-    log.error("UI error %s on %s %s", type(exc).__name__, request.method, _template(request))
-    return error_page(request, 500, "internal error; the server log names it", session)
-
-
-def _status_of(exc: KestrelError) -> int:
-    if isinstance(exc, PayloadTooLarge):
-        return 413
-    if isinstance(exc, ExecutionNotFound):
-        return 404
-    if isinstance(exc, IdempotencyConflict | DuplicateExecution | InvalidState):
-        return 409
-    return 400
-
-
-def _template(request: Request) -> str:
-    return str(getattr(request.scope.get("route"), "path", "?"))
+    refusal = classify(exc, request, internal="internal error; the server log names it")
+    return error_page(request, refusal.status, refusal.reason, session)
 
 
 def _check_query(request: Request) -> None:
     raw = request.scope.get("query_string", b"")
     if len(raw) > MAX_QUERY_BYTES:
-        raise UiError(414, f"query string over {MAX_QUERY_BYTES} bytes")
+        raise Refusal(414, f"query string over {MAX_QUERY_BYTES} bytes")
     for name, value in request.query_params.multi_items():
         for text in (name, value):
             if "\x00" in text or "\ufffd" in text:
-                raise UiError(400, "a query parameter holds NUL or bytes that are not UTF-8")
+                raise Refusal(400, "a query parameter holds NUL or bytes that are not UTF-8")
 
 
 def _params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     params = request.query_params
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise UiError(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
+        raise Refusal(400, f"unknown query parameter(s): {', '.join(map(ascii, unknown))}")
     if len(params.multi_items()) != len(params):
-        raise UiError(400, "a query parameter is given twice")
+        raise Refusal(400, "a query parameter is given twice")
     return {k: v for k, v in params.items() if v != ""}
 
 
@@ -422,13 +376,13 @@ def _time(params: Mapping[str, str], name: str) -> datetime | None:
     try:
         return parse_time(text)
     except ValueError:
-        raise UiError(400, f"{name} must be a time like 2026-01-31T09:30") from None
+        raise Refusal(400, f"{name} must be a time like 2026-01-31T09:30") from None
 
 
 def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
     status = params.get("status")
     if status is not None and status not in allowed:
-        raise UiError(400, f"status must be one of {', '.join(allowed)}")
+        raise Refusal(400, f"status must be one of {', '.join(allowed)}")
     return status
 
 
@@ -438,7 +392,7 @@ def _execution_id(text: str) -> uuid.UUID:
             raise ValueError
         return uuid.UUID(text)
     except ValueError:
-        raise UiError(400, f"{codec.printable(text, 60)!r} is not an execution id (a UUID)"
+        raise Refusal(400, f"{codec.printable(text, 60)!r} is not an execution id (a UUID)"
                       ) from None
 
 
@@ -524,7 +478,7 @@ async def executions(request: Request, session: Session) -> Response:
         _checked(params, "workflow", what="workflow")
     queue = params.get("queue")
     if queue is not None and not QUEUE_NAME.fullmatch(queue):
-        raise UiError(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
+        raise Refusal(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
     rows = await _read(request, store.page_executions(
@@ -717,7 +671,7 @@ async def login_page(request: Request) -> Response:
     try:
         _check_query(request)
         params = _params(request, ("next",))
-    except UiError as exc:
+    except Refusal as exc:
         return error_page(request, exc.status, exc.reason)
     return render(request, "login.html", next=_safe_next(params.get("next")))
 
@@ -726,16 +680,16 @@ async def login(request: Request) -> Response:
     """Check the pasted token like a bearer token; set the session cookie."""
     try:
         if not _same_origin(request):
-            raise UiError(403, "cross-site login refused")
+            raise Refusal(403, "cross-site login refused")
         form = await read_form(request, cap=8192)
         token = (_checked(form, "token", what="token", max_chars=200) or "").strip()
-        caller = await request.app.state.check_token(request.app, token, "read")
+        caller = await auth.check_token(request.app.state, token, "read")
         cookie, secret_hash = auth.new_session()
         started = await _read(request, store.create_session(
             _q(request), secret_hash=secret_hash, token_id=caller.token_id,
             ttl_s=SESSION_TTL_S))
         if started is None:  # revoked between the check and the insert
-            raise UiError(401, "invalid or revoked token")
+            raise Refusal(401, "invalid or revoked token")
     except Exception as exc:
         return _refusal(request, exc, None)
     log.info("UI login by %s", auth.describe(caller))
@@ -751,14 +705,14 @@ async def logout(request: Request) -> Response:
     try:
         try:
             session = await current_session(request)
-        except UiError:  # a token without read: nothing to protect, just log out
+        except Refusal:  # a token without read: nothing to protect, just log out
             session = None
         if session is not None:
             if not _same_origin(request):
-                raise UiError(403, "cross-site form refused")
+                raise Refusal(403, "cross-site form refused")
             form = await read_form(request, cap=8192)
             if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
-                raise UiError(403, "the form's CSRF token does not match this session")
+                raise Refusal(403, "the form's CSRF token does not match this session")
             await _read(request, store.end_session(_q(request),
                                                    secret_hash=session.secret_hash))
             log.info("UI logout by %s", auth.describe(session.caller))
@@ -780,17 +734,17 @@ async def act(request: Request) -> Response:
     try:
         session = await current_session(request)
         if session is None:
-            raise UiError(403, "not logged in (or the session's token was revoked)")
+            raise Refusal(403, "not logged in (or the session's token was revoked)")
         if not session.can("operate"):
-            raise UiError(403, "this token lacks the 'operate' scope")
+            raise Refusal(403, "this token lacks the 'operate' scope")
         if not _same_origin(request):
-            raise UiError(403, "cross-site form refused")
+            raise Refusal(403, "cross-site form refused")
         form = await read_form(request)
         if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
-            raise UiError(403, "the form's CSRF token does not match this session")
+            raise Refusal(403, "the form's CSRF token does not match this session")
         action = request.path_params["action"]
         if action not in ACTIONS:
-            raise UiError(404, f"unknown action {codec.printable(action, 40)!r}")
+            raise Refusal(404, f"unknown action {codec.printable(action, 40)!r}")
         eid = _execution_id(request.path_params["id"])
         done = await _perform(request, session, action, eid, form)
     except Exception as exc:
@@ -818,7 +772,7 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
                 if form_key and await _read(request, store.signal_sent(
                         _q(request), id=eid, key=form_key)):
                     return "duplicate"
-                raise UiError(409, f"this execution is not waiting for signal "
+                raise Refusal(409, f"this execution is not waiting for signal "
                               f"{codec.printable(str(name), 80)!r}: nothing was sent")
             name = waited
         if action == "signal":
@@ -826,7 +780,7 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
             try:
                 payload = codec.decode_exact(payload_text)
             except (ValueError, RecursionError) as exc:
-                raise UiError(400, f"payload is not JSON: {exc}") from None
+                raise Refusal(400, f"payload is not JSON: {exc}") from None
         else:
             payload = {"approved": action == "approve", "by": session.caller.name,
                        "via": "web UI"}
@@ -895,5 +849,12 @@ def routes() -> list[BaseRoute]:
     ]
 
 
-__all__ = ["COOKIE", "Session", "UiError", "csrf_token", "like_pattern", "read_form",
-           "routes"]
+__all__ = [
+    "COOKIE",
+    "Refusal",
+    "Session",
+    "csrf_token",
+    "like_pattern",
+    "read_form",
+    "routes",
+]

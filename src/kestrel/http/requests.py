@@ -1,0 +1,105 @@
+"""Request parts both doors read the same way: bodies under a cap (announced or streamed),
+exact JSON, the list's opaque cursors and ISO times. Each refuses with a
+:class:`~kestrel.http.refusals.Refusal` (400 or 413) before anything is written.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+
+from kestrel import codec
+from kestrel.http.refusals import Refusal
+
+# ASCII digits, few enough for int(): str.isdigit() also takes "²" and "①", which int()
+# refuses, and int() refuses more than 4300 digits (both were a 500).
+DIGITS = re.compile(r"[0-9]{1,18}")
+
+
+async def read_capped(request: Request, cap: int) -> bytes | None:
+    """The raw body, or None once it passes *cap* bytes, announced or streamed: a client
+    that lies about Content-Length is cut off at the cap too, and nothing past it is read."""
+    announced = request.headers.get("content-length")
+    if announced is not None and (not DIGITS.fullmatch(announced) or int(announced) > cap):
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_body(request: Request) -> bytes:
+    """The raw body, refused with 413 once it passes ``http_max_body_bytes``."""
+    cap: int = request.app.state.cfg.http_max_body_bytes
+    body = await read_capped(request, cap)
+    if body is None:
+        raise Refusal(413, f"request body over the cap of {cap} bytes")
+    return body
+
+
+def parse_json(body: bytes) -> Any:
+    """Parse a request body as JSON exactly (no silent rounding of huge integers).
+
+    Raises:
+        Refusal: 400 for text that is not UTF-8 or not JSON (lone surrogate escapes,
+            nesting past 1024 levels and numbers beyond a double included).
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refusal(400, "request body is not UTF-8") from None
+    try:
+        return codec.decode_exact(text)
+    except (ValueError, RecursionError) as exc:
+        raise Refusal(400, f"malformed JSON body: {exc}") from None
+
+
+async def read_json(request: Request, *, default: Any = None) -> Any:
+    """The body as JSON; *default* when it is empty."""
+    body = await read_body(request)
+    if not body.strip():
+        return default
+    return parse_json(body)
+
+
+_CURSOR = re.compile(r"[A-Za-z0-9_-]{1,200}")
+
+
+def encode_cursor(created_at: datetime, eid: str) -> str:
+    """The opaque cursor after a row: its exact creation time and id, base64url."""
+    raw = f"{created_at.isoformat()}|{eid}".encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(text: str) -> tuple[datetime, uuid.UUID]:
+    """Read a cursor made by :func:`encode_cursor` (400 for anything else)."""
+    try:
+        if not _CURSOR.fullmatch(text):
+            raise ValueError
+        raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        at, _, eid = raw.partition("|")
+        when = datetime.fromisoformat(at)
+        if when.tzinfo is None:
+            raise ValueError
+        return when, uuid.UUID(eid)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise Refusal(400, "cursor is not one this API returned") from None
+
+
+def parse_time(text: str) -> datetime:
+    """An ISO 8601 time; one without a zone is UTC.
+
+    Raises:
+        ValueError: *text* is not an ISO 8601 time.
+    """
+    when = datetime.fromisoformat(text)
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
