@@ -23,11 +23,11 @@ from kestrel import db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.lease import Lease, Leases
+from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.queues import QueueSpec
 from kestrel.runner import Runner, WorkerStats
 from kestrel.sql import Queries
-from kestrel.writer import Backoff
 
 log = logging.getLogger("kestrel.worker")
 

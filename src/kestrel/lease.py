@@ -40,10 +40,10 @@ from typing import Any
 import psycopg
 
 from kestrel import db, metrics
+from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
 from kestrel.types import Claimed
-from kestrel.writer import Backoff
 
 log = logging.getLogger("kestrel.lease")
 

@@ -38,6 +38,7 @@ from kestrel.errors import (
 )
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Lease, Leases
+from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
 from kestrel.types import (
@@ -50,7 +51,7 @@ from kestrel.types import (
     StepWrite,
 )
 from kestrel.workflow import Context, Park, WorkflowFn, describe_error
-from kestrel.writer import Backoff, GroupCommit
+from kestrel.writer import GroupCommit
 
 log = logging.getLogger("kestrel.worker")
 

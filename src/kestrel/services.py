@@ -27,30 +27,14 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import codec, db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
+from kestrel.loops import Backoff, every
 from kestrel.outage import OUTAGE
 from kestrel.schedule import Schedule, due_ticks
 from kestrel.sql import Queries
-from kestrel.writer import Backoff
 
 log = logging.getLogger("kestrel.worker")
 
 Pool = AsyncConnectionPool[Any]
-
-
-async def _every(interval: Callable[[], float], round_: Callable[[], Any], what: str) -> NoReturn:
-    """Call *round_* forever, *interval()* seconds apart; log a round the database refused."""
-    while True:
-        await asyncio.sleep(interval())
-        try:
-            await round_()
-        except psycopg.Error as exc:
-            if db.is_transient(exc):
-                OUTAGE.failed(exc, what)
-            else:
-                log.error("%s round failed (%s: %s)", what, type(exc).__name__,
-                          str(exc).strip()[:200])
-        else:
-            OUTAGE.succeeded()
 
 
 class Sweeper:
@@ -65,7 +49,7 @@ class Sweeper:
 
         Each gap is 0.5 to 1 times the interval; a round the database failed is logged.
         """
-        await _every(lambda: self._cfg.sweep_interval * random.uniform(0.5, 1.0),
+        await every(lambda: self._cfg.sweep_interval * random.uniform(0.5, 1.0),
                      self.run_once, "sweep")
 
     async def run_once(self) -> tuple[int, int]:
@@ -114,7 +98,7 @@ class Upkeep:
 
         Each gap is 0.5 to 1 times the interval; a round the database failed is logged.
         """
-        await _every(lambda: self._cfg.maintenance_interval * random.uniform(0.5, 1.0),
+        await every(lambda: self._cfg.maintenance_interval * random.uniform(0.5, 1.0),
                      self.run_once, "history partition upkeep")
 
     async def run_once(self) -> tuple[bool, int, int]:

@@ -18,20 +18,18 @@ behind PgBouncer in transaction mode and with workers of several versions side b
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import logging
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
-import psycopg
 from psycopg_pool import AsyncConnectionPool
 
 from kestrel import db, metrics
 from kestrel.config import APP_VERSION, Config
 from kestrel.errors import ConfigError
-from kestrel.outage import OUTAGE
+from kestrel.loops import every
 from kestrel.sql import Queries
 
 log = logging.getLogger("kestrel.worker")
@@ -95,21 +93,11 @@ class Registration:
         self._stale_after = cfg.lease + 2 * cfg.heartbeat
 
     async def run(self) -> NoReturn:
-        """Call :meth:`run_once` every heartbeat period forever; a failed round is retried
-        at the next (the row only goes stale, which can only hide unclaimable work, never
-        make a worker claim or fail anything)."""
-        while True:
-            try:
-                await self.run_once()
-            except psycopg.Error as exc:
-                if db.is_transient(exc):
-                    OUTAGE.failed(exc, "worker registration")  # one line per outage
-                else:
-                    log.warning("worker registration failed (%s); retrying",
-                                type(exc).__name__)
-            else:
-                OUTAGE.succeeded()
-            await asyncio.sleep(self.interval)
+        """Call :meth:`run_once` every heartbeat period forever (the worker called it once
+        before starting its services); a failed round is retried at the next (the row only
+        goes stale, which can only hide unclaimable work, never make a worker claim or fail
+        anything)."""
+        await every(lambda: self.interval, self.run_once, "worker registration")
 
     async def run_once(self) -> None:
         """Upsert this worker's row; in the collecting process, set the gauges."""

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, NoReturn, TypeVar
 
 from kestrel import db, metrics
 from kestrel.errors import LeaseLost
+from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 
 log = logging.getLogger("kestrel.writer")
@@ -74,22 +74,6 @@ _SPLIT_ON = {"55P03", "57014"}  # a row someone holds, a statement too slow for 
 
 CONTENTION_LOG_S = 10.0
 """At most one warning about contention per writer this often (each names its SQLSTATE)."""
-
-
-class Backoff:
-    """Exponential backoff with full jitter, reset on success."""
-
-    def __init__(self, base: float = 0.1, cap: float = 5.0) -> None:
-        self.base, self.cap, self.failures = base, cap, 0
-
-    def next_delay(self) -> float:
-        """Count a failure; return the seconds to wait before the next try."""
-        self.failures += 1
-        return random.uniform(0, min(self.cap, self.base * 2 ** self.failures))
-
-    def reset(self) -> None:
-        """Forget the failures: the next delay starts from *base* again."""
-        self.failures = 0
 
 
 _Waiter = tuple[In, "asyncio.Future[Out]"]

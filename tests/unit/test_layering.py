@@ -14,7 +14,8 @@ import kestrel
 
 SRC = Path(kestrel.__file__).resolve().parent
 ROOT = SRC.parents[1]
-LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow", "db"]
+LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow", "db",
+             "loops"]
 HIGH_LEVEL = {"kestrel.supervisor", "kestrel.cli", "kestrel.migrate", "kestrel.demo"}
 SQL_ALLOWED = {"sql.py", "db.py"}
 SQL_START = re.compile(
