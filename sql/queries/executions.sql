@@ -85,29 +85,10 @@ WITH suspect AS (
     UNION ALL (SELECT id FROM healthy)
     LIMIT %(limit)s
 ), claimed AS (
-    UPDATE __schema__.workflow_executions AS e
-       SET status = 'running',
-           lease_epoch = e.lease_epoch + 1,
-           lease_owner = %(owner)s,
-           lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
-           attempts = e.attempts + 1,
-           wake_at = NULL,
-           started_at = coalesce(e.started_at, __schema__.kestrel_now()),
-           app_version = coalesce(e.app_version, %(app_version)s),
-           given_back_at = NULL,
-           updated_at = __schema__.kestrel_now()
-      FROM candidate
-     WHERE e.id = candidate.id
- RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
-           e.traceparent, e.tracestate
+-- include: claim_flip
 )
-SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
-       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
-       c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
-       c.tracestate
-  FROM claimed AS c;
+-- include: claim_result
+;
 
 -- name: set_lock_timeout
 -- Every worker statement carries a lock_timeout (--lock-timeout), so a lock held by a client's

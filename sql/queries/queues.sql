@@ -59,22 +59,7 @@ WITH lim AS (
      ORDER BY c.priority DESC, c.created_at
      LIMIT greatest((SELECT n FROM budget), 0)
 ), claimed AS (
-    UPDATE __schema__.workflow_executions AS e
-       SET status = 'running',
-           lease_epoch = e.lease_epoch + 1,
-           lease_owner = %(owner)s,
-           lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
-           attempts = e.attempts + 1,
-           wake_at = NULL,
-           started_at = coalesce(e.started_at, __schema__.kestrel_now()),
-           app_version = coalesce(e.app_version, %(app_version)s),
-           given_back_at = NULL,
-           updated_at = __schema__.kestrel_now()
-      FROM candidate
-     WHERE e.id = candidate.id
- RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
-           e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
-           e.traceparent, e.tracestate
+-- include: claim_flip
 ), started AS (
     UPDATE __schema__.queue_limits AS l
        SET recent_starts = (
@@ -88,12 +73,7 @@ WITH lim AS (
        AND (SELECT count(*) FROM claimed) > 0
  RETURNING 1
 )
-SELECT c.id, c.workflow, c.args::text, c.lease_epoch, c.attempts,
-       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
-       c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
-       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
-       c.tracestate
-  FROM claimed AS c
+-- include: claim_result
  WHERE (SELECT count(*) FROM started) >= 0;
 
 -- name: db_now

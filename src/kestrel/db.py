@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime
 from typing import Any, ClassVar, Literal, TypeVar
@@ -306,30 +306,42 @@ SUSPECT_AFTER = 2
 it is written as a constant so that the planner can use the suspects' partial index)."""
 
 
-def _claimed(row: Sequence[Any]) -> Claimed:
-    """A row of claim_batch or claim_limited (both return the same columns). Arguments and
-    checkpoints arrive as JSON text and are decoded here, one execution at a time, so a value
-    that cannot be decoded fails that execution only (FAULTS P2)."""
+_CLAIMED = ("id", "workflow", "epoch", "attempt", "wait_step", "wait_deadline", "signal_seq",
+            "deadline", "cancel_requested", "db_now", "created_at", "waiting_for",
+            "traceparent", "tracestate")
+"""The columns of a claim's result (sql/fragments/claim.sql: claim_result) passed to
+:class:`Claimed` as they are; ``args`` and ``steps`` are decoded first."""
+
+
+def _claimed(row: Mapping[str, Any]) -> Claimed:
+    """A row of claim_batch or claim_limited by column name (both end with the same
+    claim_result, named as Claimed's fields). Arguments and checkpoints arrive as JSON text
+    and are decoded here, one execution at a time, so a value that cannot be decoded fails
+    that execution only (FAULTS P2)."""
     broken: Exception | None = None
     args: list[Any] = []
     steps: dict[int, RecordedStep] = {}
     try:
-        args = codec.decode_exact(row[2])
-        history = orjson.loads(row[5]) if row[5] is not None else None
+        args = codec.decode_exact(row["args"])
+        history = orjson.loads(row["steps"]) if row["steps"] is not None else None
     except ValueError as exc:
         broken = UndecodableInput(
-            f"the stored arguments or checkpoints of execution {row[0]} cannot be decoded "
+            f"the stored arguments or checkpoints of execution {row['id']} cannot be decoded "
             f"unchanged ({exc}); submit them within JSON's double range and 64-bit integers")
     else:
         if isinstance(history, dict):
             broken = HistoryTooLarge(
-                f"execution {row[0]} has {history.get('too_large')} bytes of recorded "
+                f"execution {row['id']} has {history.get('too_large')} bytes of recorded "
                 "checkpoints, over --max-history-bytes: it cannot be loaded to replay")
         else:
             steps = _recorded(history)
-    return Claimed(row[0], row[1], args, row[3], row[4], steps, row[6], row[7], row[8],
-                   row[9], row[10], row[11], row[12], broken, waiting_for=row[13],
-                   traceparent=row[14], tracestate=row[15])
+    return Claimed(args=args, steps=steps, broken=broken,
+                   **{k: row[k] for k in _CLAIMED if k in row})
+
+
+def _claims(cur: Any, rows: Sequence[Sequence[Any]]) -> list[Claimed]:
+    names = [c.name for c in cur.description or ()]
+    return [_claimed(dict(zip(names, r, strict=True))) for r in rows]
 
 
 def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | None,
@@ -339,9 +351,10 @@ def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | 
     checkpoints as the database returns them (JSON text, ``history_of``'s shape), decoded as
     a claim's row is: what cannot be decoded, or a history over the bound, is ``broken``. A
     replay before deploy (kestrel.replay) loads histories through this, so it sees exactly
-    what a worker would."""
-    return _claimed((id, workflow, args, 0, 1, steps, wait_step, None, 0, None, False, None,
-                     created_at, waiting_for, None, None))  # no trace context: a replay
+    what a worker would (no lease, no trace context)."""
+    return _claimed({"id": id, "workflow": workflow, "args": args, "epoch": 0, "attempt": 1,
+                     "steps": steps, "wait_step": wait_step, "waiting_for": waiting_for,
+                     "created_at": created_at})
 
 
 async def claim_batch(
@@ -361,7 +374,7 @@ async def claim_batch(
               "workflows": list(workflows or ()), "any_workflow": workflows is None,
               "max_history_bytes": max_history_bytes, "app_version": app_version}
     cur = await _exec(conn, q.claim_batch, params)
-    return [_claimed(row) for row in await cur.fetchall()]
+    return _claims(cur, await cur.fetchall())
 
 
 async def save_steps(conn: AnyConn, q: Queries, writes: Sequence[StepWrite]) -> list[StepSaved]:
@@ -704,11 +717,11 @@ async def claim_limited(
         if locked is None:
             return None
         cur = await conn.execute(q.claim_limited, params)
-        rows = await cur.fetchall()
+        rows = _claims(cur, await cur.fetchall())
     if LOST_REPLIES:
         await _lose_reply(conn, q.lock_queue_limit, {"queue": queue})
         await _lose_reply(conn, q.claim_limited, params)
-    return [_claimed(r) for r in rows]
+    return rows
 
 
 async def get_schedule(conn: AnyConn, q: Queries, *, name: str) -> datetime | None:

@@ -138,14 +138,35 @@ def render(text: str, schema: str) -> str:
     return text.replace("__schema_name__", schema).replace("__schema__", f'"{schema}"')
 
 
+_INCLUDE = re.compile(r"^[ \t]*-- include: (\w+)[ \t]*$", re.MULTILINE)
+
+
+def fragments() -> dict[str, str]:
+    """Every ``-- name:`` fragment of ``sql/fragments``: a part of statements written once
+    (the claim's change to its rows, and its result, shared by both claims)."""
+    found: dict[str, str] = {}
+    for path in sorted((sql_dir() / "fragments").glob("*.sql")):
+        found.update(parse_named(path.read_text()))
+    return found
+
+
 def named_statements() -> dict[str, str]:
-    """Return every ``-- name:`` statement of ``sql/queries`` (placeholders unfilled)."""
+    """Return every ``-- name:`` statement of ``sql/queries`` (placeholders unfilled), each
+    ``-- include: <fragment>`` line replaced by that fragment of ``sql/fragments``."""
+    parts = fragments()
     found: dict[str, str] = {}
     for path in sorted((sql_dir() / "queries").glob("*.sql")):
         for name, body in parse_named(path.read_text()).items():
             if name in found:
                 raise RuntimeError(f"query {name!r} is defined twice (again in {path.name})")
-            found[name] = body
+
+            def include(m: re.Match[str], name: str = name) -> str:
+                if m.group(1) not in parts:
+                    raise RuntimeError(f"query {name!r} includes {m.group(1)!r}, which "
+                                       "sql/fragments does not define")
+                return parts[m.group(1)]
+
+            found[name] = _INCLUDE.sub(include, body)
     return found
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -71,3 +72,49 @@ def test_the_claim_spells_the_suspect_threshold_as_db_says() -> None:
     claim = named_statements()["claim_batch"]
     assert f"e.attempts >= {db.SUSPECT_AFTER}" in claim
     assert f"e.attempts < {db.SUSPECT_AFTER}" in claim
+
+
+def test_the_claims_change_and_result_are_written_once() -> None:
+    """Issue 25: claim_batch and claim_limited wrote the flip to running and their result
+    list twice, and db decoded both by column position. Both now include one fragment, and
+    the result's columns are Claimed's field names."""
+    texts = {p.name: p.read_text() for p in (sql.sql_dir() / "queries").glob("*.sql")}
+    flips = [n for n, t in texts.items() if "SET status = 'running'" in t]
+    assert flips == [], flips  # only sql/fragments/claim.sql says it
+    statements = sql.named_statements()
+    parts = sql.fragments()
+    for name in ("claim_batch", "claim_limited"):
+        assert parts["claim_flip"] in statements[name]
+        assert parts["claim_result"] in statements[name]
+        assert "-- include:" not in statements[name]
+    from kestrel.db import _CLAIMED
+    from kestrel.types import Claimed
+
+    columns = set(_CLAIMED) | {"args", "steps"}
+    assert columns <= {f.name for f in dataclasses.fields(Claimed)}
+    selected = parts["claim_result"].partition("FROM claimed")[0]
+    for column in columns:  # selected under that name (c.name, or … AS name)
+        assert re.search(rf"(\bc\.|\bAS ){column}\b", selected), column
+
+
+def test_a_claim_row_is_decoded_by_name_in_any_order() -> None:
+    import uuid
+
+    from kestrel.db import _claimed
+
+    row = {"tracestate": None, "steps": '[[0, "a", 1, null]]', "epoch": 3, "attempt": 2,
+           "args": "[1]", "workflow": "w", "id": uuid.UUID(int=1), "wait_step": None,
+           "traceparent": None, "waiting_for": None}
+    got = _claimed(dict(reversed(list(row.items()))))
+    assert (got.workflow, got.args, got.epoch, got.attempt, got.broken) == ("w", [1], 3, 2,
+                                                                             None)
+    assert got.steps[0].output == 1
+
+
+def test_an_include_of_an_unknown_fragment_is_refused(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "queries").mkdir()
+    (tmp_path / "fragments").mkdir()
+    (tmp_path / "queries" / "x.sql").write_text("-- name: x\nSELECT\n-- include: nope\n;")
+    monkeypatch.setattr(sql, "sql_dir", lambda: tmp_path)
+    with pytest.raises(RuntimeError, match="includes 'nope'"):
+        sql.named_statements()

@@ -1,0 +1,35 @@
+-- Fragments of statements, written once and included where a statement of sql/queries says
+-- `-- include: <name>` (kestrel.sql resolves them before anything else reads the text).
+
+-- name: claim_flip
+-- The claim's change to each candidate row (claim_batch, claim_limited): running under this
+-- worker's lease with the epoch bumped (every later write of the worker carries it and is
+-- fenced by it), one more attempt, the wake-up and a give-back cleared, the first claiming
+-- app version stamped. Returns what the claim's result reads.
+UPDATE __schema__.workflow_executions AS e
+   SET status = 'running',
+       lease_epoch = e.lease_epoch + 1,
+       lease_owner = %(owner)s,
+       lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
+       attempts = e.attempts + 1,
+       wake_at = NULL,
+       started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+       app_version = coalesce(e.app_version, %(app_version)s),
+       given_back_at = NULL,
+       updated_at = __schema__.kestrel_now()
+  FROM candidate
+ WHERE e.id = candidate.id
+ RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
+       e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
+       e.traceparent, e.tracestate
+
+-- name: claim_result
+-- What a claim returns per execution, named as kestrel.types.Claimed's fields (db._claimed
+-- decodes by name): arguments and checkpoints as JSON text (history_of, bounded), the wait
+-- it was parked at, the database clock at the claim, the submitter's trace context.
+SELECT c.id, c.workflow, c.args::text AS args, c.lease_epoch AS epoch, c.attempts AS attempt,
+       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
+       c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
+       __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
+       c.tracestate
+  FROM claimed AS c
