@@ -1,6 +1,7 @@
 """Request parts both doors read the same way: bodies under a cap (announced or streamed),
-exact JSON, the list's opaque cursors and ISO times. Each refuses with a
-:class:`~kestrel.http.refusals.Refusal` (400 or 413) before anything is written.
+exact JSON, the web UI's forms, the list's opaque cursors, ISO times and the W3C trace
+context. Each refuses with a :class:`~kestrel.http.refusals.Refusal` (400 or 413) before
+anything is written.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from kestrel import codec
+from kestrel import codec, tracing
 from kestrel.http.refusals import Refusal
 
 # ASCII digits, few enough for int(): str.isdigit() also takes "²" and "①", which int()
@@ -103,3 +104,10 @@ def parse_time(text: str) -> datetime:
     """
     when = datetime.fromisoformat(text)
     return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def trace_context(request: Request) -> tracing.TraceContext | None:
+    """The request's W3C trace context (exactly one well-formed traceparent header, and
+    the tracestate if well formed), or None."""
+    return tracing.from_headers(request.headers.getlist("traceparent"),
+                                request.headers.getlist("tracestate"))
