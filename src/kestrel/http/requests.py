@@ -12,6 +12,7 @@ import re
 import uuid
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.requests import Request
 
@@ -70,6 +71,36 @@ async def read_json(request: Request, *, default: Any = None) -> Any:
     if not body.strip():
         return default
     return parse_json(body)
+
+
+MAX_FORM_BYTES = 256 * 1024
+"""The most bytes of a web UI form (:func:`read_form`)."""
+
+
+async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, str]:
+    """The urlencoded form of a POST, each field once, as strictly checked UTF-8 text.
+
+    Raises:
+        Refusal: 413 over *cap*; 400 not a urlencoded form, not UTF-8, a field twice.
+    """
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/x-www-form-urlencoded":
+        raise Refusal(400, "expected a form (application/x-www-form-urlencoded)")
+    body = await read_capped(request, cap)
+    if body is None:
+        raise Refusal(413, f"form over the cap of {cap} bytes")
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True,
+                          strict_parsing=False, encoding="utf-8", errors="strict",
+                          max_num_fields=50)
+    except (UnicodeDecodeError, ValueError):
+        raise Refusal(400, "the form is not UTF-8 text (or has too many fields)") from None
+    form: dict[str, str] = {}
+    for name, value in pairs:
+        if name in form:
+            raise Refusal(400, f"field {codec.printable(name, 40)!r} given twice")
+        form[name] = value
+    return form
 
 
 _CURSOR = re.compile(r"[A-Za-z0-9_-]{1,200}")

@@ -9,17 +9,9 @@ a statement of :mod:`kestrel.http.store` (shared with the JSON API) or of
 ``sql/queries/ui.sql``; every change goes through the kestrel client, so the same SQL
 functions and rules as at every other door.
 
-Sessions. The login page takes an API token (``kestrel-runtime token create``); the server
-checks it exactly as the API checks a bearer token (:func:`kestrel.http.auth.verify`) and
-starts a session: a row in ``ui_sessions`` holding the SHA-256 of a fresh random secret, the
-token's id and an expiry (:data:`SESSION_TTL_S`). The cookie (``HttpOnly; SameSite=Strict``,
-``Secure`` over TLS) holds that secret, never the token, so it is no bearer token on the API.
-Every request looks the session up with its token, so a logout (which deletes the row), the
-expiry or revoking the token ends it at once, whatever the browser keeps. Pages need
-``read``; forms need ``operate``. Each form carries a CSRF token: an HMAC keyed with the
-session's secret, so each session has its own, which only the cookie's holder knows and the
-server never stores; it is compared in constant time, and a POST whose ``Origin`` is another
-site is refused too.
+Sessions. The login page takes an API token and starts a session; the cookie holds the
+session's secret, never the token, and each form carries the session's CSRF token
+(:mod:`kestrel.http.sessions`). Pages need ``read``; forms need ``operate``.
 
 Bad input (unknown parameters, NUL, lone surrogates, over-long values, ids that are not
 UUIDs, unknown ids) gets a 4xx page with a one-line reason before anything is written.
@@ -30,18 +22,16 @@ only this server's own CSS and script.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
 import re
 import secrets
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlencode
+from urllib.parse import urlencode
 
 import jinja2
 from markupsafe import Markup
@@ -57,21 +47,18 @@ from kestrel.errors import (
     ExecutionNotFound,
     KestrelError,
 )
-from kestrel.http import auth, store
+from kestrel.http import auth, sessions, store
 from kestrel.http.refusals import Refusal, classify
-from kestrel.http.requests import decode_cursor, encode_cursor, parse_time, read_capped
+from kestrel.http.requests import decode_cursor, encode_cursor, parse_time, read_form
+from kestrel.http.sessions import COOKIE, Session, csrf_token, current_session
 from kestrel.sql import Queries
 from kestrel.types import Status
 
 log = logging.getLogger("kestrel.http.ui")
 
 HERE = Path(__file__).parent
-COOKIE = "kestrel_session"
-SESSION_TTL_S = 12 * 3600
-"""How long a UI session lasts from its login (the cookie's max-age too)."""
 PAGE = 50
 MAX_QUERY_BYTES = 4096
-MAX_FORM_BYTES = 256 * 1024
 SHOWN_CHARS = 2000
 """How much of a JSON value (arguments, outputs, payloads) a page shows before cutting."""
 FINISHED_WINDOW = timedelta(hours=24)
@@ -102,21 +89,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class Session:
-    """A logged-in operator: the token's caller, the CSRF token of this session and the hash
-    that finds its row (for logout)."""
-
-    caller: auth.Caller
-    csrf: str
-    secret_hash: bytes = b""
-
-    def can(self, scope: str) -> bool:
-        """Whether the session's token holds *scope*."""
-        return scope in self.caller.scopes
-
 
 # -- rendering -------------------------------------------------------------------------------
 
@@ -231,68 +203,6 @@ def error_page(request: Request, status: int, reason: str,
     line = codec.printable(" ".join(str(reason).split()), 300)
     return render(request, "error.html", status=status, session=session, status_code=status,
                   reason=line)
-
-
-# -- sessions --------------------------------------------------------------------------------
-
-
-def csrf_token(cookie: str) -> str:
-    """The CSRF token of the session whose cookie is *cookie*: an HMAC keyed with its
-    secret, so a new session (each login) has a new one."""
-    return hmac.new(cookie.encode(), b"kestrel-ui-csrf-v1", hashlib.sha256).hexdigest()
-
-
-async def current_session(request: Request) -> Session | None:
-    """The session of *request*'s cookie if it is live (logged in, not expired, its token
-    not revoked), else None.
-
-    Raises:
-        Refusal: 403 when the session's token lacks ``read``.
-    """
-    cookie = request.cookies.get(COOKIE)
-    secret_hash = auth.session_hash(cookie)
-    if cookie is None or secret_hash is None:
-        return None
-    row = await _read(request, store.get_session(_q(request), secret_hash=secret_hash))
-    if row is None:
-        return None
-    caller = auth.Caller(token_id=row[0], name=row[1], scopes=frozenset(row[2]))
-    if "read" not in caller.scopes:
-        raise Refusal(403, "this token lacks the 'read' scope")
-    return Session(caller, csrf_token(cookie), secret_hash)
-
-
-def _same_origin(request: Request) -> bool:
-    origin = request.headers.get("origin")
-    if origin is None:  # not a browser's cross-site POST; the CSRF token still guards it
-        return True
-    return origin == f"{request.url.scheme}://{request.headers.get('host', '')}"
-
-
-async def read_form(request: Request, cap: int = MAX_FORM_BYTES) -> dict[str, str]:
-    """The urlencoded form of a POST, each field once, as strictly checked UTF-8 text.
-
-    Raises:
-        Refusal: 413 over *cap*; 400 not a urlencoded form, not UTF-8, a field twice.
-    """
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != "application/x-www-form-urlencoded":
-        raise Refusal(400, "expected a form (application/x-www-form-urlencoded)")
-    body = await read_capped(request, cap)
-    if body is None:
-        raise Refusal(413, f"form over the cap of {cap} bytes")
-    try:
-        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True,
-                          strict_parsing=False, encoding="utf-8", errors="strict",
-                          max_num_fields=50)
-    except (UnicodeDecodeError, ValueError):
-        raise Refusal(400, "the form is not UTF-8 text (or has too many fields)") from None
-    form: dict[str, str] = {}
-    for name, value in pairs:
-        if name in form:
-            raise Refusal(400, f"field {codec.printable(name, 40)!r} given twice")
-        form[name] = value
-    return form
 
 
 def _checked(form: Mapping[str, str], name: str, *, what: str, max_chars: int = 1024,
@@ -679,23 +589,16 @@ async def login_page(request: Request) -> Response:
 async def login(request: Request) -> Response:
     """Check the pasted token like a bearer token; set the session cookie."""
     try:
-        if not _same_origin(request):
+        if not sessions.same_origin(request):
             raise Refusal(403, "cross-site login refused")
         form = await read_form(request, cap=8192)
         token = (_checked(form, "token", what="token", max_chars=200) or "").strip()
-        caller = await auth.check_token(request.app.state, token, "read")
-        cookie, secret_hash = auth.new_session()
-        started = await _read(request, store.create_session(
-            _q(request), secret_hash=secret_hash, token_id=caller.token_id,
-            ttl_s=SESSION_TTL_S))
-        if started is None:  # revoked between the check and the insert
-            raise Refusal(401, "invalid or revoked token")
+        caller, cookie = await sessions.start(request, token)
     except Exception as exc:
         return _refusal(request, exc, None)
     log.info("UI login by %s", auth.describe(caller))
     response = RedirectResponse(_safe_next(form.get("next")), 303)
-    response.set_cookie(COOKIE, cookie, max_age=SESSION_TTL_S, path="/ui", httponly=True,
-                        samesite="strict", secure=request.url.scheme == "https")
+    sessions.set_cookie(response, request, cookie)
     return response
 
 
@@ -708,19 +611,13 @@ async def logout(request: Request) -> Response:
         except Refusal:  # a token without read: nothing to protect, just log out
             session = None
         if session is not None:
-            if not _same_origin(request):
-                raise Refusal(403, "cross-site form refused")
-            form = await read_form(request, cap=8192)
-            if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
-                raise Refusal(403, "the form's CSRF token does not match this session")
-            await _read(request, store.end_session(_q(request),
-                                                   secret_hash=session.secret_hash))
+            await sessions.checked_form(request, session, cap=8192)
+            await sessions.end(request, session)
             log.info("UI logout by %s", auth.describe(session.caller))
     except Exception as exc:
         return _refusal(request, exc, None)
     response = RedirectResponse("/ui/login", 303)
-    response.delete_cookie(COOKIE, path="/ui", httponly=True, samesite="strict",
-                           secure=request.url.scheme == "https")
+    sessions.clear_cookie(response, request)
     return response
 
 
@@ -737,11 +634,7 @@ async def act(request: Request) -> Response:
             raise Refusal(403, "not logged in (or the session's token was revoked)")
         if not session.can("operate"):
             raise Refusal(403, "this token lacks the 'operate' scope")
-        if not _same_origin(request):
-            raise Refusal(403, "cross-site form refused")
-        form = await read_form(request)
-        if not hmac.compare_digest(form.get("csrf", "").encode(), session.csrf.encode()):
-            raise Refusal(403, "the form's CSRF token does not match this session")
+        form = await sessions.checked_form(request, session)
         action = request.path_params["action"]
         if action not in ACTIONS:
             raise Refusal(404, f"unknown action {codec.printable(action, 40)!r}")
