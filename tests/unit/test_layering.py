@@ -54,35 +54,83 @@ def test_low_level_modules_do_not_import_high_level(module: str) -> None:
     assert imported_modules(tree) & HIGH_LEVEL == set()
 
 
-# The two HTTP doors (issue 25): the UI and the API share tokens (auth), refusals and request
-# parts through modules of their own; neither imports the other, and the shared modules
-# import neither door.
-HTTP_DOORS = {"kestrel.http.app", "kestrel.http.ui"}
+# The two HTTP doors (issue 25). The API's side: the route table (app), its handlers (api)
+# and the webhooks (webhooks). The UI's side: the ui package (render, pages, forms) on the
+# sessions it alone uses. They share tokens (auth), refusals, request parts, statements
+# (store) and metrics (observe) through modules of their own; neither side imports the
+# other, sessions imports neither door, and the shared modules import neither door nor
+# sessions. Within the API's side the arrows point one way: app -> webhooks -> api.
+HTTP = SRC / "http"
+API_SIDE = {"kestrel.http.app", "kestrel.http.api", "kestrel.http.webhooks"}
+UI_SIDE = {"kestrel.http.ui", "kestrel.http.sessions"}
+HTTP_DOORS = API_SIDE | {"kestrel.http.ui"}
 HTTP_SHARED = ["auth", "refusals", "requests", "store", "observe"]
+UI_FILES = sorted(p.relative_to(HTTP).as_posix() for p in (HTTP / "ui").glob("*.py"))
+DOOR_FILES = ["app.py", "api.py", "webhooks.py", "sessions.py", *UI_FILES]
 
 
-def test_the_ui_does_not_import_the_api() -> None:
-    assert "kestrel.http.app" not in imported_modules(
-        ast.parse((SRC / "http" / "ui.py").read_text()))
-    assert "kestrel.http.ui" not in imported_modules(
-        ast.parse((SRC / "http" / "app.py").read_text()))
+def http_imports(path: str) -> set[str]:
+    """The modules *path* (under kestrel/http) imports, each with every package above it
+    (``kestrel.http.ui.pages`` also names ``kestrel.http.ui``)."""
+    found = imported_modules(ast.parse((HTTP / path).read_text()))
+    return {".".join(name.split(".")[:n]) for name in found
+            for n in range(1, name.count(".") + 2)}
+
+
+def test_http_import_scanner_sees_a_package_through_its_modules() -> None:
+    assert "kestrel.http.ui" in http_imports("ui/__init__.py")
+    assert {"kestrel.http.sessions", "kestrel.http.ui"} <= http_imports("ui/forms.py")
+
+
+def test_the_ui_is_a_package_of_its_own() -> None:
+    assert {"__init__.py", "render.py", "pages.py", "forms.py"} <= {
+        p.name for p in (HTTP / "ui").glob("*.py")}
+    assert not (HTTP / "ui.py").exists()
+
+
+@pytest.mark.parametrize("path", UI_FILES)
+def test_the_ui_does_not_import_the_api(path: str) -> None:
+    assert http_imports(path) & API_SIDE == set()
+
+
+@pytest.mark.parametrize("path", ["app.py", "api.py", "webhooks.py"])
+def test_the_api_does_not_import_the_ui_or_its_sessions(path: str) -> None:
+    assert http_imports(path) & UI_SIDE == set()
+
+
+def test_sessions_import_neither_door() -> None:
+    assert http_imports("sessions.py") & HTTP_DOORS == set()
+
+
+def test_the_api_side_points_one_way() -> None:
+    """app builds the route table from api's and webhooks' handlers; neither imports it
+    back, and the API's handlers do not import the webhooks (a hook signals through
+    api.send_signal)."""
+    assert "kestrel.http.app" not in http_imports("api.py") | http_imports("webhooks.py")
+    assert "kestrel.http.webhooks" not in http_imports("api.py")
 
 
 @pytest.mark.parametrize("module", HTTP_SHARED)
 def test_what_the_http_doors_share_imports_neither_door(module: str) -> None:
-    tree = ast.parse((SRC / "http" / f"{module}.py").read_text())
-    assert imported_modules(tree) & HTTP_DOORS == set()
+    assert http_imports(f"{module}.py") & (HTTP_DOORS | UI_SIDE) == set()
 
 
-def test_one_refusal_type_for_both_doors() -> None:
-    """The doors refuse with kestrel.http.refusals.Refusal; neither defines its own (they
+@pytest.mark.parametrize("path", DOOR_FILES)
+def test_one_refusal_type_for_both_doors(path: str) -> None:
+    """The doors refuse with kestrel.http.refusals.Refusal; none defines its own (they
     had ApiError and UiError, the same class twice)."""
-    for door in ("app.py", "ui.py"):
-        tree = ast.parse((SRC / "http" / door).read_text())
-        own = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
-               and any(isinstance(b, ast.Name) and b.id.endswith(("Exception", "Error"))
-                       for b in node.bases)]
-        assert own == [], (door, own)
+    tree = ast.parse((HTTP / path).read_text())
+    own = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+           and any(isinstance(b, ast.Name) and b.id.endswith(("Exception", "Error"))
+                   for b in node.bases)]
+    assert own == [], (path, own)
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(HTTP).as_posix()
+                                        for p in HTTP.rglob("*.py")))
+def test_no_http_module_is_over_600_lines(path: str) -> None:
+    """Each home small enough to read whole (issue 25: no module over ~600 lines)."""
+    assert len((HTTP / path).read_text().splitlines()) <= 600
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

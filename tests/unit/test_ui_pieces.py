@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kestrel.http import ui
+from kestrel.http.ui import forms, render
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ui.HERE / "templates").glob("*.html")))
@@ -22,11 +23,11 @@ def test_search_text_is_matched_literally() -> None:
                                     "/ui\\@evil", "/api/v1/queues", "/ui/\x00", "/ui/\u2028",
                                     "javascript:alert(1)", "", None])
 def test_login_never_redirects_outside_the_ui(target: str | None) -> None:
-    assert ui._safe_next(target) == "/ui/"
+    assert forms._safe_next(target) == "/ui/"
 
 
 def test_login_returns_to_the_page_asked_for() -> None:
-    assert ui._safe_next("/ui/executions/x?done=cancel") == "/ui/executions/x?done=cancel"
+    assert forms._safe_next("/ui/executions/x?done=cancel") == "/ui/executions/x?done=cancel"
 
 
 def test_csrf_tokens_are_per_session_and_stable() -> None:
@@ -37,8 +38,8 @@ def test_csrf_tokens_are_per_session_and_stable() -> None:
 
 
 def test_values_are_cut_with_a_note_and_escaped_by_the_templates() -> None:
-    assert ui._cut("x" * 10, 4) == "xxxx… (6 more)"
-    assert "more characters not shown" in ui._short_json(["y" * 5000])
+    assert render._cut("x" * 10, 4) == "xxxx… (6 more)"
+    assert "more characters not shown" in render._short_json(["y" * 5000])
     html = ui.TEMPLATES.from_string("{{ v | json }}").render(v="<script>")
     assert "<script>" not in html and "&lt;script&gt;" in html
 
@@ -52,11 +53,11 @@ def test_how_long_ago_reads_in_whole_units_down(seconds: float, shown: str) -> N
 
 def test_a_traceback_keeps_its_lines_and_is_bounded() -> None:
     trace = "Traceback (most recent call last):\n  File \"x.py\", line 1\nE: <b>" + "e" * 5000
-    shown = ui._traceback(trace)
+    shown = render._traceback(trace)
     assert shown.splitlines()[:2] == ["Traceback (most recent call last):", '  File "x.py", line 1']
     assert "e" * (ui.SHOWN_CHARS + 1) not in shown and "more)" in shown
     huge = "\n".join(f"line {n}" for n in range(100_000))  # a megabyte of frames: its end
-    cut = ui._traceback(huge)
+    cut = render._traceback(huge)
     assert len(cut) < ui.TRACEBACK_CHARS + 100 and cut.endswith("line 99999")
     assert cut.startswith("… (") and "earlier characters not shown" in cut
     html = ui.TEMPLATES.from_string("<pre>{{ t | traceback }}</pre>").render(t="a\n<b>\u202e")

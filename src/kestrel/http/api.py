@@ -138,7 +138,6 @@ async def submit(request: Request) -> Response:
     return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
 
 
-
 async def signal(request: Request) -> Response:
     """Send a signal (``name``, ``payload``) to an execution, at most once per
     ``Idempotency-Key``: sent again, ``delivered`` is false (the first signal sent under a
