@@ -44,7 +44,7 @@ SELECT name, scopes, secret_hash
  WHERE id = %(id)s AND revoked_at IS NULL;
 
 -- name: create_session
--- A web UI session of a live token (kestrel/http/ui.py): only the hash of its secret is
+-- A web UI session of a live token (kestrel/http/sessions.py): only the hash of its secret is
 -- stored. Expired sessions are deleted on the way (a login is rare; the index finds them).
 WITH expired AS (
     DELETE FROM __schema__.ui_sessions WHERE expires_at < __schema__.kestrel_now()
@@ -70,7 +70,7 @@ DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
 
 -- name: fork_source
 -- What the fork with this id copied (execution and step), if it exists: an HTTP fork sent
--- again under the same Idempotency-Key is answered from this (kestrel/http/app.py).
+-- again under the same Idempotency-Key is answered from this (kestrel/http/api.py).
 SELECT forked_from, from_step FROM __schema__.forks WHERE id = %(id)s;
 
 -- name: page_executions

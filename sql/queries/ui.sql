@@ -1,4 +1,4 @@
--- The web UI (kestrel/http/ui.py): its own reads. Every change it makes goes through the
+-- The web UI (kestrel/http/ui/): its own reads. Every change it makes goes through the
 -- SQL functions the other doors call (signal, cancel, retry).
 
 -- name: ui_counts

@@ -1,9 +1,9 @@
 """How both doors refuse a request: one exception, :class:`Refusal`, and one ladder,
 :func:`classify`, from whatever a handler raised to a status and a one-line reason. The API
 answers it as one line of JSON (:func:`kestrel.http.app.error_response`), the UI as a page
-(:func:`kestrel.http.ui.error_page`); nothing was written in either case. Log lines name the
-route's template and an error's type or SQLSTATE, never a message: it may quote the
-request's values (FAULTS S5).
+(:func:`kestrel.http.ui.render.error_page`); nothing was written in either case. Log lines
+name the route's template and an error's type or SQLSTATE, never a message: it may quote
+the request's values (FAULTS S5).
 """
 
 from __future__ import annotations
