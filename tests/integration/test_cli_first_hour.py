@@ -15,9 +15,9 @@ from typing import Any
 import psycopg
 import pytest
 
-from kestrel import cli as cli_module
 from kestrel import db, demo
 from kestrel.cli import build_parser, import_app, main
+from kestrel.cli import common as cli_common
 from kestrel.client import SyncClient
 from kestrel.errors import ConfigError
 from kestrel.sql import queries
@@ -52,7 +52,7 @@ def test_a_workflow_no_live_worker_runs_is_refused_with_the_closest_names(
 ) -> None:
     code, _, err = cli("submit", "three_steps", "--args", "[1]")
     assert code == 0 and err == ""  # no fleet yet: queued; a script reads no note
-    monkeypatch.setattr(cli_module, "_interactive", lambda: True)
+    monkeypatch.setattr(cli_common, "interactive", lambda: True)
     code, _, err = cli("submit", "three_steps", "--args", "[3]")
     assert code == 0 and err == ("kestrel-runtime submit: note: no worker is running; the "
                                  "execution waits until one that runs 'three_steps' claims "

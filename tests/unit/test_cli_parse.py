@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from kestrel import cli
+from kestrel import boot, cli
+from kestrel.cli import runtime
 from kestrel.config import KNOBS
 
 
@@ -70,6 +71,7 @@ def test_unimportable_app_fails_before_database(
         raise AssertionError("no database may be touched when --app cannot be imported")
 
     monkeypatch.setattr(cli, "resolve_dsn", boom)
+    monkeypatch.setattr(boot, "resolve_dsn", boom)  # where run's boot sequence reaches it
     code = cli.main(
         ["run", "--app", "no_such_module_xyz", "--dsn", "postgresql://nobody@127.0.0.1:1/x"]
     )
@@ -123,6 +125,34 @@ def test_a_runtime_setting_on_an_operator_command_is_refused(
         cli.build_parser().parse_args(["list", "--procs", "4"])
     assert info.value.code == 2
     assert "unrecognized arguments: --procs 4" in capsys.readouterr().err
+
+
+def test_serve_help_shows_only_the_settings_it_uses(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`serve --help` listed (and serve silently took) every runtime setting; it takes the
+    connection settings, the history ones its migrate uses, and what kestrel.http reads."""
+    out = _help(capsys, ["serve", "--help"])
+    flags = {f for a in _subparsers()["serve"]._actions for f in a.option_strings}
+    wanted = cli.CONNECTION + cli.HISTORY + runtime.SERVE
+    assert flags == {"-h", "--help", "--config"} | {"--" + n.replace("_", "-") for n in wanted}
+    for name in ("app", "http_port", "http_max_connections", "metrics_port", "pool_size",
+                 "max_payload_bytes", *cli.CONNECTION):
+        assert "--" + name.replace("_", "-") in out, name
+    for flag in ("--procs", "--concurrency", "--batch-size", "--lease", "--heartbeat",
+                 "--queues", "--sweep-interval", "--drain-timeout", "--app-version",
+                 "--maintenance-interval", "--history-retention-days", "--listen"):
+        assert flag not in flags, flag
+        assert f"[{flag} " not in out, flag
+
+
+def test_a_runtime_setting_on_serve_is_refused_with_its_usage(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.build_parser().parse_args(["serve", "--app", "x", "--procs", "4"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith("usage: kestrel-runtime serve")
+    assert "unrecognized arguments: --procs 4" in err
 
 
 def test_every_option_and_argument_has_help_text() -> None:

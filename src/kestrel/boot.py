@@ -1,0 +1,229 @@
+"""The runtime's boot sequence, written once: ``kestrel-runtime run`` and ``serve`` start here.
+
+Read top to bottom, :func:`run` is what a process does before it serves: the metrics
+directory (before the app is imported: ``prometheus_client`` reads it at import), the app's
+workflows, the queues they declare, the database (an embedded one when no DSN is given),
+the TLS warning, the schema (migrated, or checked current where this role may not run DDL),
+the first partition upkeep, then the supervisor with its workers and the HTTP child.
+:func:`serve` is the same sequence for the HTTP door alone.
+
+This is the only module besides the CLI that imports both :mod:`kestrel.supervisor` and
+:mod:`kestrel.migrate` (``tests/unit/test_layering.py``); the CLI's handlers only call it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+from typing import Any
+
+import psycopg
+
+from kestrel.config import Config, mask_dsn, tls_warning
+from kestrel.embedded import resolve_dsn
+from kestrel.errors import ConfigError
+from kestrel.workflow import WorkflowFn, registry
+
+log = logging.getLogger("kestrel.cli")  # the runtime's start logs as it always has
+
+
+def import_app(modules: str) -> dict[str, WorkflowFn]:
+    """Import the comma-separated *modules*; return the workflows they registered.
+
+    The current folder is searched first, as ``python -m`` would: ``kestrel-runtime --app
+    myapp.workflows`` run from the project folder finds ``myapp/`` there (a console script
+    puts only its own folder on ``sys.path``).
+
+    Raises:
+        ConfigError: a module cannot be imported (the message says where it was looked for).
+    """
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    for name in (m.strip() for m in modules.split(",") if m.strip()):
+        try:
+            importlib.import_module(name)
+        except (ImportError, TypeError, ValueError) as exc:  # TypeError: a relative name
+            top = name.partition(".")[0]
+            hint = ""
+            if name.endswith(".py") or os.sep in name or "/" in name:
+                module = name.removesuffix(".py").replace(os.sep, ".").replace("/", ".")
+                hint = (f"; --app takes a module name, as `python -m` does, not a file: "
+                        f"--app {module.strip('.')} (run from the folder that holds it)")
+            elif isinstance(exc, ModuleNotFoundError) and exc.name in (top, name):
+                hint = (f"; run kestrel-runtime from the folder that holds {top!r} (now "
+                        f"{here}), or add that folder to PYTHONPATH")
+            raise ConfigError(f"invalid setting --app / KESTREL_APP={name!r}: cannot import "
+                              f"it ({exc}){hint}") from None
+    return registry()
+
+
+def check_schema_current(dsn: str, schema: str) -> None:
+    """Raise MigrationError unless *schema* is at the migration this code needs."""
+    from kestrel.errors import MigrationError
+    from kestrel.migrate import current_version
+    from kestrel.sql import migrations
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        have = current_version(conn, schema)
+    want = len(migrations(schema))
+    if have != want:
+        raise MigrationError(f"schema {schema} is at migration {have}, this code needs {want};"
+                             " run `kestrel-runtime migrate` as the schema owner")
+
+
+def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:
+    """One synchronous partition upkeep round (before forking, and for `partitions`)."""
+    from kestrel import db
+    from kestrel.sql import queries
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return db.run_script_sync(conn, db.run_maintenance(
+            queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
+            retention_days=cfg.history_retention_days, detach=detach))
+
+
+def migrate(cfg: Config, *, create: bool = True) -> tuple[str, Any, list[int]]:
+    """Resolve the database and bring *cfg.schema* up to date (``kestrel-runtime migrate``).
+
+    Returns the DSN, the embedded server's handle (None for a DSN) to keep alive, and the
+    migration versions applied.
+    """
+    from kestrel.migrate import migrate as apply
+
+    dsn, server = resolve_dsn(cfg, create=create)
+    applied = apply(dsn, cfg.schema, history_interval=cfg.history_interval,
+                    history_ahead=cfg.history_ahead)
+    return dsn, server, applied
+
+
+def _database(cfg: Config) -> tuple[str, Any]:
+    """The DSN the runtime uses (starting the embedded server when none is given), with a
+    warning when it reaches a remote server unverified."""
+    dsn, server = resolve_dsn(cfg)
+    if (warning := tls_warning(dsn)) is not None:
+        log.warning("%s", warning)
+    return dsn, server
+
+
+def _migrate_or_check(dsn: str, cfg: Config) -> None:
+    """Migrate the schema; where this role may not run DDL, check that it is current."""
+    from psycopg.errors import InsufficientPrivilege
+
+    from kestrel.migrate import migrate as apply
+
+    try:
+        apply(dsn, cfg.schema, history_interval=cfg.history_interval,
+              history_ahead=cfg.history_ahead)
+    except InsufficientPrivilege:
+        # A least-privilege runtime role: fine if the owner has migrated already.
+        check_schema_current(dsn, cfg.schema)
+        log.info("schema %s is current; not migrating (this role may not run DDL)",
+                 cfg.schema)
+
+
+def _first_upkeep(dsn: str, cfg: Config) -> None:
+    """Partitions exist before the first completion lands in history; a busy or unprivileged
+    round is only a warning (the workers retry every --maintenance-interval)."""
+    from psycopg.errors import InsufficientPrivilege, LockNotAvailable
+
+    try:
+        upkeep(dsn, cfg)
+    except LockNotAvailable:
+        log.warning("history partition upkeep skipped: the history tables are busy; the "
+                    "workers retry every %.0fs", cfg.maintenance_interval)
+    except InsufficientPrivilege:
+        log.warning("history partition upkeep needs the schema owner's rights; run "
+                    "`kestrel-runtime partitions` as the owner")
+
+
+def _hooks(config_file: str | None) -> Any:
+    from kestrel.http.hooks import load_hooks
+
+    return load_hooks(config_file or os.environ.get("KESTREL_CONFIG"))
+
+
+def run(cfg: Config, *, config_file: str | None = None) -> int:
+    """Boot the runtime: migrate, then run the supervisor and its workers until they stop.
+
+    Imports the app, migrates the schema (or, where this role may not, checks that it is
+    current), does one partition upkeep round and runs the supervisor (with the HTTP door in
+    a child of its own when ``cfg.http_port`` is set); returns its exit status.
+    *config_file*: the ``--config`` given, for the webhooks' ``[hooks.NAME]`` tables.
+
+    Raises:
+        ConfigError: --app is unset or registers no workflows, or --queues names a queue that
+            is not declared.
+        MigrationError: this role may not migrate and the schema is not at this code's version.
+    """
+    # Importing failpoints reads KESTREL_FAILPOINTS: a malformed value stops the start here
+    # (ValueError) rather than in every forked worker, restart after restart.
+    import kestrel.failpoints  # noqa: F401
+    from kestrel.supervisor import Supervisor
+
+    if not cfg.app:
+        raise ConfigError("invalid setting --app / KESTREL_APP: name the module(s) that "
+                          "define your workflows, e.g. --app myapp.workflows")
+    metrics_dir = None
+    if cfg.metrics_port:
+        from kestrel import metrics
+
+        # Before the app is imported: prometheus_client must see the directory at import.
+        metrics_dir = metrics.prepare_multiprocess()
+    workflows = import_app(cfg.app)
+    if not workflows:
+        raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
+    cfg.check_queues()  # after the app declared its queues
+    dsn, server = _database(cfg)
+    log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
+             "(pool %d + heartbeat + LISTEN)); LISTEN %s",
+             mask_dsn(dsn) or "(from PG* environment)",
+             cfg.schema, cfg.connection_mode, cfg.max_connections, cfg.procs, cfg.pool_size,
+             f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
+             "off: polling every --poll-interval")
+    _migrate_or_check(dsn, cfg)
+    _first_upkeep(dsn, cfg)
+    http = None
+    if cfg.http_port:  # the HTTP door, in a child process of its own (kestrel.http)
+        from kestrel.http.server import serve as serve_http
+
+        http = functools.partial(serve_http, cfg, dsn=dsn, workflows=list(workflows),
+                                 hooks=_hooks(config_file))
+    try:
+        code = Supervisor(cfg, workflows, dsn=dsn, http=http).run()
+    finally:
+        if metrics_dir:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+    del server
+    return code
+
+
+def serve(cfg: Config, *, config_file: str | None = None) -> int:
+    """Boot the HTTP door alone (``kestrel-runtime serve``) and serve until SIGTERM.
+
+    The same sequence as :func:`run` without workers: the app, the webhooks of
+    *config_file*, the database, the schema; then :func:`kestrel.http.server.serve`, with
+    its own ``/metrics``, ``/healthz`` and ``/readyz`` on ``cfg.metrics_port``.
+
+    Raises:
+        ConfigError: --app is unset, or a [hooks.NAME] table is invalid.
+        MigrationError: the schema is not at this code's version and this role may not
+            migrate it.
+    """
+    from kestrel.http.server import serve as serve_http
+
+    if not cfg.app:
+        raise ConfigError("invalid setting --app / KESTREL_APP: serve accepts the workflows "
+                          "that module registers, e.g. --app myapp.workflows")
+    workflows = import_app(cfg.app)
+    hooks = _hooks(config_file)
+    dsn, server = _database(cfg)
+    _migrate_or_check(dsn, cfg)
+    serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks, own_metrics=True)
+    del server
+    return 0

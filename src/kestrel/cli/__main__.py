@@ -1,0 +1,5 @@
+"""``python -m kestrel.cli``, as ``python -m kestrel``."""
+
+from kestrel.cli import main
+
+raise SystemExit(main())
