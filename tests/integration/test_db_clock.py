@@ -140,18 +140,20 @@ def test_the_runtime_role_cannot_change_time(direct_dsn: str, production_schema:
 
 
 def test_a_finish_held_by_a_client_lock_across_a_clock_move_keeps_its_checkpoints(
-        pg_dsn: str, schema: str) -> None:
+        direct_dsn: str, schema: str) -> None:
     """Found by the operator machine's soak profile: a completion waited on a row a
     client's open transaction held while the clock moved; the history row took the finish
     time planned before the wait and its checkpoints the time after, so workflow_steps
     (which joins them on that time) showed a completed execution with no steps. The finish
-    time is now written once and carried to everything archived with it."""
+    time is now written once and carried to everything archived with it. Direct connections,
+    in the PgBouncer pass too: the test finds the completion's server backend by its pid."""
     import asyncio
 
     from kestrel import db
     from kestrel.sql import queries
     from kestrel.types import Finish, Status, StepWrite
 
+    pg_dsn = direct_dsn
     qs = queries(schema)
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit("clock.two_steps", 1)
 
