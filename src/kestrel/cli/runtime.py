@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from kestrel import boot
 from kestrel import log as kestrel_log
@@ -56,7 +57,7 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
     from kestrel.sql import queries
 
     dsn, _server = resolve_dsn(cfg, create=False)
-    ran, created, dropped = boot.upkeep(dsn, cfg, detach=ns.detach)
+    ran, created, dropped = upkeep_patiently(dsn, cfg, detach=ns.detach)
     with psycopg.connect(dsn, autocommit=True) as conn:
         parts = db.run_sync(conn, db.list_partitions(queries(cfg.schema)))
     data = {"ran": ran, "created": created, "dropped" if not ns.detach else "detached": dropped,
@@ -76,6 +77,38 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
             print(f"{p[0]:<18} {p[1]:<30} {p[3]:>10} {p[4] / 1024:>8.0f}kB  {p[2]}")
 
     return emit(ns, data, table)
+
+
+UPKEEP_PATIENCE_S = 15.0
+"""How long ``partitions`` keeps trying a round the history tables are too busy for."""
+
+
+def upkeep_patiently(dsn: str, cfg: Config, *, detach: bool) -> tuple[bool, int, int]:
+    """One upkeep round for an operator. Its DDL gives up after ``lock_timeout`` (200 ms),
+    so the hot path never queues behind it; under traffic (or while a reader holds an old
+    partition) a round can give up, and the command tries it again, with backoff, for up to
+    :data:`UPKEEP_PATIENCE_S` seconds before it fails (a failed round changed nothing).
+
+    Raises:
+        KestrelError: the tables stayed busy that long.
+    """
+    from psycopg.errors import LockNotAvailable
+
+    from kestrel.errors import KestrelError
+    from kestrel.loops import Backoff
+
+    backoff = Backoff(base=0.1, cap=1.0)
+    deadline = time.monotonic() + UPKEEP_PATIENCE_S
+    while True:
+        try:
+            return boot.upkeep(dsn, cfg, detach=detach)
+        except LockNotAvailable:
+            if time.monotonic() >= deadline:
+                raise KestrelError(
+                    f"the history tables stayed busy for {UPKEEP_PATIENCE_S:g}s (a long "
+                    "transaction holds a partition); nothing was changed: run it again, or "
+                    "let the runtime's upkeep retry every --maintenance-interval") from None
+            time.sleep(backoff.next_delay())
 
 
 def partitions_options(parts: argparse.ArgumentParser) -> None:
