@@ -303,16 +303,18 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def side_by_side(r: dict[str, Any]) -> str:
-    """kestrel and the floors of one point: the figures the issue asks for, one line each."""
-    head = (f"{'':<16} {'loops/proc':>10} {'wf/s':>7} {'ratio':>6} {'commits/wf':>10} "
+    """kestrel and the floors of one point, one line each; k/this is kestrel's throughput
+    over that line's."""
+    head = (f"{'':<16} {'loops/proc':>10} {'wf/s':>7} {'k/this':>6} {'commits/wf':>10} "
             f"{'WAL B/wf':>8} {'CPU ms/wf workers + PostgreSQL = total':>38}")
     rows = [("kestrel", r["params"]["concurrency"], r)]
     rows += [(FLOOR_NAMES[m], f["concurrency"], f) for m, f in r.get("floors", {}).items()]
     lines = [head]
     for name, conc, x in rows:
         w, pg = x["worker_cpu_s_per_workflow"] * 1000, x["postgres_cpu_s_per_workflow"] * 1000
-        ratio = r["workflows_per_s"] / x["workflows_per_s"]
-        lines.append(f"{name:<16} {conc:>10} {x['workflows_per_s']:7.0f} {ratio:5.2f}× "
+        ratio = ("     -" if x is r else
+                 f"{r['workflows_per_s'] / x['workflows_per_s']:5.2f}×")
+        lines.append(f"{name:<16} {conc:>10} {x['workflows_per_s']:7.0f} {ratio} "
                      f"{x['commits_per_workflow']:10.2f} {x['wal_bytes_per_workflow']:8.0f} "
                      f"{w:>19.3f} + {pg:.3f} = {w + pg:.3f}")
     return "\n".join(lines)
