@@ -17,25 +17,66 @@ from psycopg import sql as pgsql
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def database(dsn: str | None, data_dir: str) -> tuple[str, Any]:
+def database(dsn: str | None, data_dir: str, flush_delay_us: int = 0) -> tuple[str, Any]:
     """Return a DSN: the given one, or an embedded server with room for the floor's
-    connections (max_connections 400) and the default, durable synchronous_commit=on."""
-    if dsn:
-        return dsn, None
-    from kestrel import embedded
+    connections (max_connections 400) and the default, durable synchronous_commit=on.
 
-    dsn, server = embedded.start(data_dir)
+    The embedded server runs with *flush_delay_us* added to each of its ``fdatasync`` and
+    ``fsync`` calls (bench/flushdelay.py); one already running with another delay (or with
+    too few connections) is restarted."""
+    if dsn:
+        if flush_delay_us:
+            raise ValueError("a flush delay needs the bench's own server (no --dsn)")
+        return dsn, None
+    from bench import flushdelay
+
+    dsn, server = _start_embedded(data_dir, flush_delay_us)
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         current = conn.execute("SHOW max_connections").fetchone()
+        restart = flushdelay.running_delay(conn) != flush_delay_us
         if current and int(current[0]) < 400:
             conn.execute("ALTER SYSTEM SET max_connections = 400")
             conn.execute("ALTER SYSTEM SET shared_buffers = '512MB'")
             # Vacuum churned queue tables every 10 s instead of every minute, as a busy
             # production server should (README, "Operating it").
             conn.execute("ALTER SYSTEM SET autovacuum_naptime = '10s'")
-            server.cleanup()
-            dsn, server = embedded.start(data_dir)
+            restart = True
+    if restart:
+        server.cleanup()
+        dsn, server = _start_embedded(data_dir, flush_delay_us)
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        running = flushdelay.running_delay(conn)
+        method = (conn.execute("SHOW wal_sync_method").fetchone() or [""])[0]
+    if running != flush_delay_us:
+        raise RuntimeError(f"the embedded server in {data_dir} runs with a flush delay of "
+                           f"{running} µs, not {flush_delay_us}: another process holds it; "
+                           "stop that process or use another --data-dir")
+    if flush_delay_us and method not in ("fdatasync", "fsync"):
+        raise RuntimeError(f"wal_sync_method is {method}: the flush-delay shim slows "
+                           "fdatasync and fsync only")
     return dsn, server
+
+
+def _start_embedded(data_dir: str, flush_delay_us: int) -> tuple[str, Any]:
+    """Start (or join) the embedded server; a server this call starts gets the flush-delay
+    shim in its environment. The bench's own environment is left as it was, so neither
+    kestrel's processes nor the floor's load the shim."""
+    from bench import flushdelay
+    from kestrel import embedded
+
+    extra = flushdelay.server_env(flush_delay_us)
+    saved = {k: os.environ.get(k) for k in (*extra, "LD_PRELOAD", flushdelay.VARIABLE)}
+    os.environ.pop("LD_PRELOAD", None)
+    os.environ.pop(flushdelay.VARIABLE, None)
+    os.environ.update(extra)
+    try:
+        return embedded.start(data_dir)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def fresh_schema(dsn: str, name: str) -> None:

@@ -9,7 +9,12 @@ Each run reports workflows/s and steps/s (first start to last finish, database c
 submit→start and submit→finish latency p50/p95/p99; CPU seconds per workflow for the workers
 and for PostgreSQL; commits and WAL bytes per workflow (pg_stat_database, pg_current_wal_lsn;
 the workflows' submissions excluded); the hot tables' size and dead tuples at the end; and
-the floor (bench/floor.py) measured in the same invocation, with kestrel's ratio to it.
+both floors (bench/floor.py: the group-commit loop, one transaction per pipeline, and the
+per-step loop, one transaction per checkpoint), each swept to its best loops per process in
+the same invocation, with the same figures and kestrel's ratio to each (``--no-floor``
+skips them). ``--flush-delay-us N`` runs the bench's own PostgreSQL with N µs added to every
+fdatasync/fsync (bench/flush_delay.c), a disk whose flush costs milliseconds; the
+single-client commit latency is measured and printed at the start of every invocation.
 With ``--backlog N``, N more executions are queued through SQL before the runtime starts;
 throughput is then measured over the first ``--workflows`` to finish while the rest wait,
 and the claim statement's latency (p50/p99, from the runtime's kestrel_claim_seconds
@@ -48,6 +53,7 @@ from bench.common import (
     progress,
     wal_by_relation,
 )
+from bench.flushdelay import commit_latency_ms
 
 SWEEPABLE = {"batch_size": int, "procs": int, "concurrency": int, "lease": float,
              "heartbeat": float, "steps": int, "backlog": int}
@@ -145,6 +151,11 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             runtime.wait(timeout=60)
             if submitter:
                 submitter.join()
+        # A backend publishes its commit counts at most once a second while it lives, and
+        # at once when it exits: count commits once the runtime's backends are gone (the
+        # runtime's shutdown commits, a handful, are in).
+        gone = _wait_for_other_backends(mon)
+        commits_after = DbCounters.read(mon).commits
         if not quiet:
             print()
         # The first n to finish (with a backlog, more may finish while the runtime drains).
@@ -166,8 +177,10 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
     completed, span = int(stats[0]), float(stats[1])
     if completed != n:
         raise RuntimeError(f"{completed}/{n} completed")
-    # The progress polls are read-only commits of this harness, not of kestrel.
-    commits = after.commits - before.commits - polls - 1
+    # The harness's own read-only commits on mon are not kestrel's: the two counter reads
+    # (3 statements each), the progress polls and the waits for backends. Those of the last
+    # second may not be published yet, so this is exact to a few commits (of thousands).
+    commits = commits_after - before.commits - polls - gone - 6
     result = {
         "params": p,
         "workflows_per_s": n / span,
@@ -189,6 +202,20 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                                                         wal_rel.items()}
     drop_schema(dsn, schema)
     return result
+
+
+def _wait_for_other_backends(mon: psycopg.Connection[Any], timeout: float = 15.0) -> int:
+    """Wait until *mon* is the only client backend of its database; return how many
+    statements (each a commit) that took."""
+    query = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+             "AND backend_type = 'client backend' AND pid <> pg_backend_pid()")
+    deadline, polls = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        polls += 1
+        if not (mon.execute(query).fetchone() or [0])[0]:
+            break
+        time.sleep(0.05)
+    return polls
 
 
 def _free_port() -> int:
@@ -219,18 +246,20 @@ def _claim_latency(port: int) -> dict[str, float]:
     return out
 
 
-def run_floor(dsn: str, p: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
-    """The floor at its best number of loops per process (swept), same procs and work."""
+FLOOR_NAMES = {"group": "group floor", "step": "per-step floor"}
+
+
+def run_floor(dsn: str, p: dict[str, Any], mode: str, quiet: bool = False) -> dict[str, Any]:
+    """A floor at its best number of loops per process (swept), same procs and work."""
+    name = FLOOR_NAMES[mode]
     if not quiet:
-        print(f"  floor      {p['procs']} procs × {floor.CONCURRENCIES} loops, best kept …",
+        print(f"  {name}: {p['procs']} procs × {floor.CONCURRENCIES} loops, best kept …",
               flush=True)
-    best = floor.run_best(dsn, "bench_floor", n=p["workflows"], steps=p["steps"],
-                          procs=p["procs"])
+    best = floor.run_best(dsn, f"bench_floor_{mode}", n=p["workflows"], steps=p["steps"],
+                          procs=p["procs"], mode=mode)
     if not quiet:
-        print("  floor      " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
-                                          for t in best["tried"]), flush=True)
-        print(f"  floor      WAL {best['wal_bytes_per_workflow']:.0f} B/workflow at its best",
-              flush=True)
+        print(f"  {name}: " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
+                                        for t in best["tried"]), flush=True)
     return best
 
 
@@ -248,22 +277,46 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'procs':>5} {'conc':>5} {'batch':>5} {'lease':>5} {'wf/s':>8} {'steps/s':>8} "
-            f"{'floor':>7} {'ratio':>6} {'start p50/p99 ms':>17} {'finish p50/p99 ms':>18} "
+            f"{'group':>7} {'ratio':>6} {'step':>7} {'ratio':>6} "
+            f"{'start p50/p99 ms':>17} {'finish p50/p99 ms':>18} "
             f"{'commits/wf':>10} {'WAL B/wf':>9} {'backlog':>8} {'claim p50/p99 ms':>16}")
     lines = [head, "-" * len(head)]
     for r in rows:
         p = r["params"]
         s, f = r["submit_to_start_ms"], r["submit_to_finish_ms"]
-        floor_s = (f"{r['floor_workflows_per_s']:7.0f}" if "floor_workflows_per_s" in r
-                   else "      -")
-        ratio = f"{r['ratio_to_floor']:5.2f}×" if "ratio_to_floor" in r else "     -"
+        floors = ""
+        for mode in floor.MODES:
+            fl = r.get("floors", {}).get(mode)
+            if fl:
+                ratio = r["workflows_per_s"] / fl["workflows_per_s"]
+                floors += f"{fl['workflows_per_s']:7.0f} {ratio:5.2f}× "
+            else:
+                floors += "      -      - "
         lines.append(
             f"{p['procs']:>5} {p['concurrency']:>5} {p['batch_size']:>5} {p['lease']:>5g} "
-            f"{r['workflows_per_s']:8.0f} {r['steps_per_s']:8.0f} {floor_s} {ratio} "
+            f"{r['workflows_per_s']:8.0f} {r['steps_per_s']:8.0f} {floors}"
             f"{s['p50']:>8.0f}/{s['p99']:<8.0f} {f['p50']:>9.0f}/{f['p99']:<8.0f} "
             f"{r['commits_per_workflow']:10.2f} {r['wal_bytes_per_workflow']:9.0f} "
             f"{p.get('backlog', 0):>8} "
             f"{r['claim_ms']['p50']:>7g}/{r['claim_ms']['p99']:<8g}")
+    return "\n".join(lines)
+
+
+def side_by_side(r: dict[str, Any]) -> str:
+    """kestrel and the floors of one point, one line each; k/this is kestrel's throughput
+    over that line's."""
+    head = (f"{'':<16} {'loops/proc':>10} {'wf/s':>7} {'k/this':>6} {'commits/wf':>10} "
+            f"{'WAL B/wf':>8} {'CPU ms/wf workers + PostgreSQL = total':>38}")
+    rows = [("kestrel", r["params"]["concurrency"], r)]
+    rows += [(FLOOR_NAMES[m], f["concurrency"], f) for m, f in r.get("floors", {}).items()]
+    lines = [head]
+    for name, conc, x in rows:
+        w, pg = x["worker_cpu_s_per_workflow"] * 1000, x["postgres_cpu_s_per_workflow"] * 1000
+        ratio = ("     -" if x is r else
+                 f"{r['workflows_per_s'] / x['workflows_per_s']:5.2f}×")
+        lines.append(f"{name:<16} {conc:>10} {x['workflows_per_s']:7.0f} {ratio} "
+                     f"{x['commits_per_workflow']:10.2f} {x['wal_bytes_per_workflow']:8.0f} "
+                     f"{w:>19.3f} + {pg:.3f} = {w + pg:.3f}")
     return "\n".join(lines)
 
 
@@ -285,9 +338,10 @@ def plot(rows: list[dict[str, Any]], keys: list[str], path: Path) -> None:
         name = ", ".join(f"{k}={v}" for k, v in zip(others, label, strict=True)) or "kestrel"
         ax1.plot(xs, [r["workflows_per_s"] for r in rs], marker="o", label=name)
         ax2.plot(xs, [r["submit_to_finish_ms"]["p99"] for r in rs], marker="o", label=name)
-        if "floor_workflows_per_s" in rs[0]:
-            ax1.plot(xs, [r["floor_workflows_per_s"] for r in rs], linestyle="--",
-                     color="grey", label=f"floor ({name})")
+        for mode, style in (("group", "--"), ("step", ":")):
+            if mode in rs[0].get("floors", {}):
+                ax1.plot(xs, [r["floors"][mode]["workflows_per_s"] for r in rs],
+                         linestyle=style, color="grey", label=f"{FLOOR_NAMES[mode]} ({name})")
     for ax, title in ((ax1, "throughput (workflows/s)"), (ax2, "submit→finish p99 (ms)")):
         ax.set_xlabel(x_key)
         ax.set_title(title)
@@ -321,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="submit at this many workflows/s while running (default: all first)")
     ap.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
                     help=f"vary KEY over values (repeatable): {', '.join(SWEEPABLE)}")
-    ap.add_argument("--no-floor", action="store_true", help="skip the floor comparison")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floors")
+    ap.add_argument("--flush-delay-us", type=int, default=None, metavar="N",
+                    help="run the bench's own PostgreSQL with N µs added to every "
+                         "fdatasync/fsync (an LD_PRELOAD shim, bench/flush_delay.c, built "
+                         "with gcc); not with --dsn")
     ap.add_argument("--with-limited", action="store_true",
                     help="also keep work waiting in two limited queues (concurrency 2; "
                          "2 per second), each execution sleeping 5 s in a step")
@@ -338,7 +396,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="run")
     ns = ap.parse_args(argv)
 
-    dsn, server = database(ns.dsn, ns.data_dir)
+    if ns.dsn and ns.flush_delay_us is not None:
+        ap.error("--flush-delay-us needs the bench's own PostgreSQL (it starts the server "
+                 "with the shim); a server given by --dsn was started by someone else")
+    if ns.flush_delay_us is not None and ns.flush_delay_us < 0:
+        ap.error("--flush-delay-us must be 0 or more")
+    delay = ns.flush_delay_us or 0
+    dsn, server = database(ns.dsn, ns.data_dir, delay)
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        sync_method = (conn.execute("SHOW wal_sync_method").fetchone() or ["?"])[0]
+    latency = commit_latency_ms(dsn)
+    server_note = (f"flush delay {delay} µs" if not ns.dsn else "server given by --dsn")
+    print(f"PostgreSQL: {server_note}, wal_sync_method {sync_method}; single-client commit "
+          f"p50 {latency['p50']:.2f} ms, mean {latency['mean']:.2f} ms")
     base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
                                         "concurrency", "batch_size", "lease", "heartbeat",
                                         "rate", "timeout", "with_limited", "prepare",
@@ -355,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     keys = list(points[0])
     print(f"kestrel bench on {machine()}, commit {git_rev()}")
     rows: list[dict[str, Any]] = []
-    floors: dict[tuple[int, int, int], dict[str, Any]] = {}
+    floors: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
     for point in points:
         p = {**base, **point}
         print(f"- {json.dumps(point) if point else 'run'}")
@@ -363,19 +433,16 @@ def main(argv: list[str] | None = None) -> int:
         if not ns.no_floor:
             key = (p["procs"], p["workflows"], p["steps"])
             if key not in floors:
-                floors[key] = run_floor(dsn, p)
-            r["floor_workflows_per_s"] = floors[key]["workflows_per_s"]
-            r["floor_best_concurrency"] = floors[key]["concurrency"]
-            r["floor_tried"] = floors[key]["tried"]
-            r["floor_wal_bytes_per_workflow"] = floors[key]["wal_bytes_per_workflow"]
-            r["ratio_to_floor"] = r["workflows_per_s"] / r["floor_workflows_per_s"]
+                floors[key] = {mode: run_floor(dsn, p, mode) for mode in floor.MODES}
+            r["floors"] = floors[key]
+            for mode, f in floors[key].items():
+                r[f"ratio_to_{mode}_floor"] = r["workflows_per_s"] / f["workflows_per_s"]
         rows.append(r)
     print()
     print(table(rows))
     for r in rows:
-        line = (f"CPU ms/workflow: workers {r['worker_cpu_s_per_workflow'] * 1000:.3f}, "
-                f"PostgreSQL {r['postgres_cpu_s_per_workflow'] * 1000:.3f}")
-        print(line)
+        print()
+        print(side_by_side(r))
         for rel, size in r.get("wal_bytes_per_workflow_by_relation", {}).items():
             print(f"  WAL B/workflow {size:6d}  {rel}")
     out = Path(ns.out)
@@ -383,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out / f"{ns.label}-{stamp}.json"
     path.write_text(json.dumps({"machine": machine(), "commit": git_rev(), "date": stamp,
+                                "flush_delay_us": None if ns.dsn else delay,
+                                "wal_sync_method": sync_method,
+                                "single_client_commit_ms": latency,
                                 "command": " ".join(["python -m bench.run", *(argv or
                                                      sys.argv[1:])]),
                                 "results": rows}, indent=2))
