@@ -31,7 +31,7 @@ RULES: list[tuple[str, str]] = [
     (r"^import asyncio$", "import threading"),
     (r"\bdb\.run_script\(", "db.run_script_sync("),
     (r"\bdb\.run\(", "db.run_sync("),
-    (r"\bdb\.configure_connection_async\b", "db.configure_connection"),
+    (r"\bconnections\.configure_connection_async\b", "connections.configure_connection"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\bClient\b", "SyncClient"),

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kestrel import codec, db
+from kestrel import codec, connections, db, statements
 from kestrel.sql import queries
 from kestrel.types import StepWrite
 
@@ -35,7 +35,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 @pytest.fixture
 def conn(pg_dsn: str, loop: asyncio.AbstractEventLoop) -> Iterator[psycopg.AsyncConnection[Any]]:
     c = loop.run_until_complete(psycopg.AsyncConnection.connect(pg_dsn, autocommit=True))
-    db.configure_connection(c)
+    connections.configure_connection(c)
     yield c
     loop.run_until_complete(c.close())
 
@@ -85,8 +85,8 @@ def test_claim_batch_of_32(benchmark: Any, pg_dsn: str, schema: str, conn: Any,
     q = queries(schema)
 
     def claim() -> int:
-        return len(loop.run_until_complete(db.claim_batch(
-            conn, q, owner="bench", queues=["default"], limit=32, lease_s=30)))
+        return len(loop.run_until_complete(db.run(conn, statements.executions.claim_batch(
+            q, owner="bench", queues=["default"], limit=32, lease_s=30))))
 
     assert benchmark.pedantic(claim, rounds=50, iterations=1) == 32
 
@@ -95,16 +95,21 @@ def test_checkpoint_flush_of_64(benchmark: Any, pg_dsn: str, schema: str, conn: 
                                 loop: asyncio.AbstractEventLoop) -> None:
     _submit(pg_dsn, schema, 64)
     q = queries(schema)
-    claimed = loop.run_until_complete(db.claim_batch(conn, q, owner="bench",
-                                                     queues=["default"], limit=64,
-                                                     lease_s=300))
+    claimed = loop.run_until_complete(
+        db.run(
+            conn,
+            statements.executions.claim_batch(
+                q, owner="bench", queues=["default"], limit=64, lease_s=300
+            ),
+        )
+    )
     step = itertools.count()
     output = codec.encode(OUTPUT, what="output")
 
     def flush() -> int:
         k = next(step)
         writes = [StepWrite(c.id, c.epoch, k, "s", output, None, 1, 0.001) for c in claimed]
-        saved = loop.run_until_complete(db.save_steps(conn, q, writes))
+        saved = loop.run_until_complete(db.run(conn, statements.steps.save_steps(q, writes)))
         return sum(s.inserted for s in saved)
 
     assert benchmark.pedantic(flush, rounds=50, iterations=1) == 64
@@ -114,12 +119,21 @@ def test_heartbeat_of_1000_leases(benchmark: Any, pg_dsn: str, schema: str, conn
                                   loop: asyncio.AbstractEventLoop) -> None:
     _submit(pg_dsn, schema, 1000)
     q = queries(schema)
-    claimed = loop.run_until_complete(db.claim_batch(conn, q, owner="bench",
-                                                     queues=["default"], limit=1000,
-                                                     lease_s=300))
+    claimed = loop.run_until_complete(
+        db.run(
+            conn,
+            statements.executions.claim_batch(
+                q, owner="bench", queues=["default"], limit=1000, lease_s=300
+            ),
+        )
+    )
     held = [(c.id, c.epoch) for c in claimed]
 
     def beat() -> int:
-        return len(loop.run_until_complete(db.run(conn, db.heartbeat(q, held=held, lease_s=300))))
+        return len(
+            loop.run_until_complete(
+                db.run(conn, statements.executions.heartbeat(q, held=held, lease_s=300))
+            )
+        )
 
     assert benchmark.pedantic(beat, rounds=30, iterations=1) == 1000

@@ -112,3 +112,8 @@ SELECT lease_owner, count(*)
  WHERE status = 'running'
  GROUP BY lease_owner
  ORDER BY lease_owner;
+
+-- name: fork_source
+-- What the fork with this id copied (execution and step), if it exists: Client.forked_from,
+-- and an HTTP fork sent again under the same Idempotency-Key (kestrel/http/api.py).
+SELECT forked_from, from_step FROM __schema__.forks WHERE id = %(id)s;

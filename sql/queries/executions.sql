@@ -144,7 +144,7 @@ SELECT e.id, false, false
 -- place. A finished child signals its parent. Returns the ids that were finished; the others
 -- were fenced.
 WITH finished(id, epoch, status, result, error) AS (
-    -- One JSON array of rows, as in save_steps_batch (see db.complete_batch).
+    -- One JSON array of rows, as in save_steps_batch (statements/executions.py).
     SELECT (r->>0)::uuid, (r->>1)::integer, r->>2,
            CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
            CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END

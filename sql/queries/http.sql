@@ -68,11 +68,6 @@ SELECT t.id, t.name, t.scopes
 -- deletes nothing and is still done.
 DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
 
--- name: fork_source
--- What the fork with this id copied (execution and step), if it exists: an HTTP fork sent
--- again under the same Idempotency-Key is answered from this (kestrel/http/api.py).
-SELECT forked_from, from_step FROM __schema__.forks WHERE id = %(id)s;
-
 -- name: page_executions
 -- Newest first, live and finished, filtered (NULL = any), after a keyset cursor
 -- (created_at, id): each branch reads its (created_at DESC, id DESC) index and stops after

@@ -11,7 +11,7 @@
 -- never writes its time into a row.
 WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
            waited_s) AS (
-    -- One JSON array of rows (see db.save_steps), not nine arrays: psycopg dumped those in
+    -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
     -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
     -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
     -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)
@@ -63,11 +63,12 @@ SELECT i.execution_id, i.step_id,
 -- workflow costs; BENCHMARKS.md). A conflict needs a row for the same (execution, step)
 -- already there, and under the epoch-checked FOR SHARE lock only this process's own earlier
 -- try of the same batch can have written one (a lost reply, FAULTS F3). Then this statement
--- fails as a whole with unique_violation, nothing of it is written, and db.save_steps sends
--- save_steps_batch, which keeps the first committed output and returns it, as before.
+-- fails as a whole with unique_violation, nothing of it is written, and db.run sends
+-- save_steps_batch instead (Stmt.if_recorded), which keeps the first committed output and
+-- returns it, as before.
 WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
            waited_s) AS (
-    -- One JSON array of rows (see db.save_steps), not nine arrays: psycopg dumped those in
+    -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
     -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
     -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
     -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)

@@ -21,7 +21,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from kestrel import codec, db, metrics, tracing
+from kestrel import codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
 from kestrel.config import SCHEMA_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
@@ -125,11 +125,11 @@ class ClientBase:
                                max_bytes=self._max_bytes)
         # The current span's trace context, if any: the execution's spans continue it.
         trace = tracing.current()
-        return db.submit_params(workflow=name, args=encoded, queue=queue, priority=priority,
-                                idempotency_key=key, timeout_s=timeout, delay_s=delay,
-                                dedup_key=dedup_key, on_duplicate=on_duplicate,
-                                start_at=start_at, traceparent=trace[0] if trace else None,
-                                tracestate=trace[1] if trace else None)
+        return statements.client.submit_params(
+            workflow=name, args=encoded, queue=queue, priority=priority, idempotency_key=key,
+            timeout_s=timeout, delay_s=delay, dedup_key=dedup_key, on_duplicate=on_duplicate,
+            start_at=start_at, traceparent=trace[0] if trace else None,
+            tracestate=trace[1] if trace else None)
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:

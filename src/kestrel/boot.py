@@ -77,11 +77,11 @@ def check_schema_current(dsn: str, schema: str) -> None:
 
 def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:
     """One synchronous partition upkeep round (before forking, and for `partitions`)."""
-    from kestrel import db
+    from kestrel import db, statements
     from kestrel.sql import queries
 
     with psycopg.connect(dsn, autocommit=True) as conn:
-        return db.run_script_sync(conn, db.run_maintenance(
+        return db.run_script_sync(conn, statements.history.run_maintenance(
             queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
             retention_days=cfg.history_retention_days, detach=detach))
 

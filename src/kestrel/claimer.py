@@ -19,7 +19,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import db, metrics
+from kestrel import connections, db, metrics, statements
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.lease import Lease, Leases
@@ -87,7 +87,7 @@ class Claimer:
                 more = (await self.run_once(free)).more
             except Exception as exc:
                 delay = backoff.next_delay()
-                if db.is_transient(exc):
+                if connections.is_transient(exc):
                     OUTAGE.failed(exc, "claim")  # one line per outage, not one per retry
                 else:
                     log.error("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
@@ -135,17 +135,17 @@ class Claimer:
         sent = time.monotonic()
         async with self._pool.connection() as conn:
             if queue is None:
-                claimed = await db.claim_batch(
-                    conn, self._q, owner=self.id, queues=self._unlimited, limit=limit,
+                claimed = await db.run(conn, statements.executions.claim_batch(
+                    self._q, owner=self.id, queues=self._unlimited, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
-                    take_suspect=not self._holds_suspect(), app_version=self.cfg.app_version)
+                    take_suspect=not self._holds_suspect(), app_version=self.cfg.app_version))
             else:
-                got = await db.claim_limited(
-                    conn, self._q, queue=queue, owner=self.id, limit=limit,
+                got = await db.run_script(conn, statements.queues.claim_limited(
+                    self._q, queue=queue, owner=self.id, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
-                    app_version=self.cfg.app_version)
+                    app_version=self.cfg.app_version))
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got
@@ -168,7 +168,7 @@ class Claimer:
 
     def _holds_suspect(self) -> bool:
         # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.
-        return any(h.claimed.attempt > db.SUSPECT_AFTER for h in self.leases)
+        return any(h.claimed.attempt > statements.executions.SUSPECT_AFTER for h in self.leases)
 
     async def _wait_for_work(self) -> None:
         self._work.clear()

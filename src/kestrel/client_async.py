@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -45,6 +45,8 @@ from kestrel.types import (
 from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn
 
+T = TypeVar("T")
+
 
 class Client(ClientBase):
     """Async client.
@@ -62,7 +64,7 @@ class Client(ClientBase):
 
     async def _connect(self, dsn: str | None = None) -> psycopg.AsyncConnection[Any]:
         conn = await psycopg.AsyncConnection.connect(dsn or self.dsn, **self._conn_kwargs)
-        db.configure_connection(conn)
+        connections.configure_connection(conn)
         return conn
 
     @asynccontextmanager
@@ -76,7 +78,7 @@ class Client(ClientBase):
             if self._pool is None:
                 pool = AsyncConnectionPool(
                     self.dsn, min_size=1, max_size=self._pool_size, open=False,
-                    kwargs=self._conn_kwargs, configure=db.configure_connection_async,
+                    kwargs=self._conn_kwargs, configure=connections.configure_connection_async,
                     name=f"kestrel-client-{self.schema}")
                 await pool.open()
                 self._pool = pool
@@ -96,8 +98,8 @@ class Client(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, stmt: db.Stmt[Any],
-                   conn: psycopg.AsyncConnection[Any] | None = None) -> Any:
+    async def _run(self, stmt: statements.Stmt[T],
+                   conn: psycopg.AsyncConnection[Any] | None = None) -> T:
         if conn is not None:
             return await db.run(conn, stmt)
         async with self._borrow() as own:
@@ -133,7 +135,7 @@ class Client(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        eid = await self._run(db.value(self._q.submit, params, key=idempotency_key), conn)
+        eid = await self._run(statements.client.submit(self._q, params), conn)
         count_submitted(params["workflow"])
         return Handle(self, eid)
 
@@ -149,14 +151,13 @@ class Client(ClientBase):
             InvalidState: it has already finished.
         """
         params = self._signal_params(execution_id, name, payload, idempotency_key)
-        return bool(await self._run(db.value(self._q.signal, params), conn))
+        return await self._run(statements.client.signal(self._q, **params), conn)
 
     async def cancel(self, execution_id: uuid.UUID | str, *,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> str:
         """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
         stops at its next step boundary) or the terminal status it already had."""
-        return str(await self._run(db.value(self._q.cancel, {"id": ident(execution_id)}),
-                                   conn))
+        return await self._run(statements.client.cancel(self._q, id=ident(execution_id)), conn)
 
     async def retry(self, execution_id: uuid.UUID | str, *,
                     idempotency_key: str | None = None,
@@ -179,8 +180,8 @@ class Client(ClientBase):
         eid = ident(execution_id)
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        await self._run(db.value(self._q.retry, {"id": eid, "idempotency_key": idempotency_key},
-                                 key=idempotency_key), conn)
+        await self._run(statements.client.retry(self._q, id=eid, idempotency_key=idempotency_key),
+                        conn)
         return Handle(self, eid)
 
     async def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
@@ -203,9 +204,9 @@ class Client(ClientBase):
         """
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        new = await self._run(db.value(self._q.fork, {
-            "id": ident(execution_id), "from_step": from_step, "new_id": uuid.uuid4(),
-            "idempotency_key": idempotency_key}, key=idempotency_key))
+        new = await self._run(statements.client.fork(
+            self._q, id=ident(execution_id), from_step=from_step, new_id=uuid.uuid4(),
+            idempotency_key=idempotency_key))
         return Handle(self, new)
 
     async def forked_from(self, execution_id: uuid.UUID | str
@@ -213,7 +214,7 @@ class Client(ClientBase):
         """The execution this one was forked from and the step the fork started at, or None
         when it was not made by :meth:`fork`."""
         source: tuple[uuid.UUID, int] | None = await self._run(
-            statements.fork_source(self._q, id=ident(execution_id)))
+            statements.client.fork_source(self._q, id=ident(execution_id)))
         return source
 
     async def get(self, execution_id: uuid.UUID | str) -> Execution:
@@ -223,32 +224,33 @@ class Client(ClientBase):
             ExecutionNotFound: no execution has that id.
         """
         eid = ident(execution_id)
-        ex: Execution | None = await self._run(db.get_execution(self._q, id=eid))
+        ex: Execution | None = await self._run(statements.client.get_execution(self._q, id=eid))
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     async def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         """The execution's checkpoints in step order, live or finished."""
-        rows: list[StepRow] = await self._run(db.list_steps(self._q, id=ident(execution_id)))
+        rows: list[StepRow] = await self._run(statements.client.list_steps(
+            self._q, id=ident(execution_id)))
         return rows
 
     async def counts(self) -> dict[str, int]:
         """Executions by status, live and finished."""
-        counts: dict[str, int] = await self._run(db.count_by_status(self._q))
+        counts: dict[str, int] = await self._run(statements.client.count_by_status(self._q))
         return counts
 
     async def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
         """Live executions that no live worker can claim (no worker registers their workflow
         and queue), by workflow and queue, the most first, at most *limit* lines. They wait
         for a worker that knows them; none is ever failed for it."""
-        rows: list[Unclaimable] = await self._run(db.unclaimable_by_workflow(
+        rows: list[Unclaimable] = await self._run(statements.versions.unclaimable_by_workflow(
             self._q, limit=limit))
         return rows
 
     async def workers(self) -> list[LiveWorker]:
         """The live workers: what each claims, and its app version."""
-        rows: list[LiveWorker] = await self._run(db.live_workers(self._q))
+        rows: list[LiveWorker] = await self._run(statements.versions.live_workers(self._q))
         return rows
 
     async def patches(self, patch: str | None = None) -> list[PatchUse]:
@@ -256,7 +258,8 @@ class Client(ClientBase):
         and live executions without it, which may still need the old code path."""
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[PatchUse] = await self._run(db.patch_summary(self._q, patch=patch))
+        rows: list[PatchUse] = await self._run(statements.versions.patch_summary(
+            self._q, patch=patch))
         return rows
 
     async def list(self, *, status: str | None = None, workflow: str | None = None,
@@ -276,7 +279,7 @@ class Client(ClientBase):
             check_app_version(app_version)
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[ExecutionSummary] = await self._run(db.list_executions(
+        rows: list[ExecutionSummary] = await self._run(statements.client.list_executions(
             self._q, status=status, workflow=workflow, since=since, limit=limit,
             app_version=app_version, patch=patch, with_patch=with_patch))
         return rows
@@ -284,7 +287,7 @@ class Client(ClientBase):
     async def stats(self) -> Stats:
         """Live work by queue and status, running by worker, totals by status."""
         async with self._borrow() as conn:
-            return await db.run_script(conn, db.stats(self._q))
+            return await db.run_script(conn, statements.client.stats(self._q))
 
     async def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
@@ -299,12 +302,12 @@ class Client(ClientBase):
         eid = ident(execution_id)
 
         async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
-            ex = await db.run(conn, db.get_execution(self._q, id=eid))
+            ex = await db.run(conn, statements.client.get_execution(self._q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = await self._wait(check, self._q.listen_done, timeout,
+        ex = await self._wait(check, statements.client.listen_done(self._q), timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -318,12 +321,12 @@ class Client(ClientBase):
         eid = ident(execution_id)
 
         async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
-            return await db.run(conn, db.get_event(self._q, id=eid, key=key))
+            return await db.run(conn, statements.client.get_event(self._q, id=eid, key=key))
 
-        return await self._wait(check, self._q.listen_events, timeout,
+        return await self._wait(check, statements.client.listen_events(self._q), timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
-    async def _wait(self, check: Any, listen: str, timeout: float | None,
+    async def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,
                     message: Any) -> Any:
         """Re-run *check* on each notification (or poll) until it says done.
 
@@ -340,7 +343,7 @@ class Client(ClientBase):
                 try:
                     if waiter is None and self._listen_dsn:
                         waiter = await self._connect(self._listen_dsn)
-                        await db.run(waiter, db.command(listen))
+                        await db.run(waiter, listen)
                     # Same connection when it is direct; a pooled one otherwise.
                     if waiter is not None and self._listen_dsn == self.dsn:
                         done, value = await check(waiter)
@@ -362,7 +365,7 @@ class Client(ClientBase):
                 except TimeoutError:
                     raise  # ours, above (an OSError, which is_transient would take for a link)
                 except Exception as exc:
-                    if not db.is_transient(exc):
+                    if not connections.is_transient(exc):
                         raise
                     if waiter is not None:
                         await waiter.close()

@@ -13,12 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import codec, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -44,6 +44,8 @@ from kestrel.types import (
 from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn
 
+T = TypeVar("T")
+
 
 class SyncClient(ClientBase):
     """Blocking client, thread-safe.
@@ -61,7 +63,7 @@ class SyncClient(ClientBase):
 
     def _connect(self, dsn: str | None = None) -> psycopg.Connection[Any]:
         conn = psycopg.Connection.connect(dsn or self.dsn, **self._conn_kwargs)
-        db.configure_connection(conn)
+        connections.configure_connection(conn)
         return conn
 
     @contextmanager
@@ -75,7 +77,7 @@ class SyncClient(ClientBase):
             if self._pool is None:
                 pool = ConnectionPool(
                     self.dsn, min_size=1, max_size=self._pool_size, open=False,
-                    kwargs=self._conn_kwargs, configure=db.configure_connection,
+                    kwargs=self._conn_kwargs, configure=connections.configure_connection,
                     name=f"kestrel-client-{self.schema}")
                 pool.open()
                 self._pool = pool
@@ -95,8 +97,8 @@ class SyncClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, stmt: db.Stmt[Any],
-                   conn: psycopg.Connection[Any] | None = None) -> Any:
+    def _run(self, stmt: statements.Stmt[T],
+                   conn: psycopg.Connection[Any] | None = None) -> T:
         if conn is not None:
             return db.run_sync(conn, stmt)
         with self._borrow() as own:
@@ -132,7 +134,7 @@ class SyncClient(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        eid = self._run(db.value(self._q.submit, params, key=idempotency_key), conn)
+        eid = self._run(statements.client.submit(self._q, params), conn)
         count_submitted(params["workflow"])
         return SyncHandle(self, eid)
 
@@ -148,14 +150,13 @@ class SyncClient(ClientBase):
             InvalidState: it has already finished.
         """
         params = self._signal_params(execution_id, name, payload, idempotency_key)
-        return bool(self._run(db.value(self._q.signal, params), conn))
+        return self._run(statements.client.signal(self._q, **params), conn)
 
     def cancel(self, execution_id: uuid.UUID | str, *,
                      conn: psycopg.Connection[Any] | None = None) -> str:
         """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
         stops at its next step boundary) or the terminal status it already had."""
-        return str(self._run(db.value(self._q.cancel, {"id": ident(execution_id)}),
-                                   conn))
+        return self._run(statements.client.cancel(self._q, id=ident(execution_id)), conn)
 
     def retry(self, execution_id: uuid.UUID | str, *,
                     idempotency_key: str | None = None,
@@ -178,8 +179,8 @@ class SyncClient(ClientBase):
         eid = ident(execution_id)
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        self._run(db.value(self._q.retry, {"id": eid, "idempotency_key": idempotency_key},
-                                 key=idempotency_key), conn)
+        self._run(statements.client.retry(self._q, id=eid, idempotency_key=idempotency_key),
+                        conn)
         return SyncHandle(self, eid)
 
     def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
@@ -202,9 +203,9 @@ class SyncClient(ClientBase):
         """
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        new = self._run(db.value(self._q.fork, {
-            "id": ident(execution_id), "from_step": from_step, "new_id": uuid.uuid4(),
-            "idempotency_key": idempotency_key}, key=idempotency_key))
+        new = self._run(statements.client.fork(
+            self._q, id=ident(execution_id), from_step=from_step, new_id=uuid.uuid4(),
+            idempotency_key=idempotency_key))
         return SyncHandle(self, new)
 
     def forked_from(self, execution_id: uuid.UUID | str
@@ -212,7 +213,7 @@ class SyncClient(ClientBase):
         """The execution this one was forked from and the step the fork started at, or None
         when it was not made by :meth:`fork`."""
         source: tuple[uuid.UUID, int] | None = self._run(
-            statements.fork_source(self._q, id=ident(execution_id)))
+            statements.client.fork_source(self._q, id=ident(execution_id)))
         return source
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:
@@ -222,32 +223,33 @@ class SyncClient(ClientBase):
             ExecutionNotFound: no execution has that id.
         """
         eid = ident(execution_id)
-        ex: Execution | None = self._run(db.get_execution(self._q, id=eid))
+        ex: Execution | None = self._run(statements.client.get_execution(self._q, id=eid))
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         """The execution's checkpoints in step order, live or finished."""
-        rows: list[StepRow] = self._run(db.list_steps(self._q, id=ident(execution_id)))
+        rows: list[StepRow] = self._run(statements.client.list_steps(
+            self._q, id=ident(execution_id)))
         return rows
 
     def counts(self) -> dict[str, int]:
         """Executions by status, live and finished."""
-        counts: dict[str, int] = self._run(db.count_by_status(self._q))
+        counts: dict[str, int] = self._run(statements.client.count_by_status(self._q))
         return counts
 
     def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
         """Live executions that no live worker can claim (no worker registers their workflow
         and queue), by workflow and queue, the most first, at most *limit* lines. They wait
         for a worker that knows them; none is ever failed for it."""
-        rows: list[Unclaimable] = self._run(db.unclaimable_by_workflow(
+        rows: list[Unclaimable] = self._run(statements.versions.unclaimable_by_workflow(
             self._q, limit=limit))
         return rows
 
     def workers(self) -> list[LiveWorker]:
         """The live workers: what each claims, and its app version."""
-        rows: list[LiveWorker] = self._run(db.live_workers(self._q))
+        rows: list[LiveWorker] = self._run(statements.versions.live_workers(self._q))
         return rows
 
     def patches(self, patch: str | None = None) -> list[PatchUse]:
@@ -255,7 +257,8 @@ class SyncClient(ClientBase):
         and live executions without it, which may still need the old code path."""
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[PatchUse] = self._run(db.patch_summary(self._q, patch=patch))
+        rows: list[PatchUse] = self._run(statements.versions.patch_summary(
+            self._q, patch=patch))
         return rows
 
     def list(self, *, status: str | None = None, workflow: str | None = None,
@@ -275,7 +278,7 @@ class SyncClient(ClientBase):
             check_app_version(app_version)
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[ExecutionSummary] = self._run(db.list_executions(
+        rows: list[ExecutionSummary] = self._run(statements.client.list_executions(
             self._q, status=status, workflow=workflow, since=since, limit=limit,
             app_version=app_version, patch=patch, with_patch=with_patch))
         return rows
@@ -283,7 +286,7 @@ class SyncClient(ClientBase):
     def stats(self) -> Stats:
         """Live work by queue and status, running by worker, totals by status."""
         with self._borrow() as conn:
-            return db.run_script_sync(conn, db.stats(self._q))
+            return db.run_script_sync(conn, statements.client.stats(self._q))
 
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
@@ -298,12 +301,12 @@ class SyncClient(ClientBase):
         eid = ident(execution_id)
 
         def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
-            ex = db.run_sync(conn, db.get_execution(self._q, id=eid))
+            ex = db.run_sync(conn, statements.client.get_execution(self._q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = self._wait(check, self._q.listen_done, timeout,
+        ex = self._wait(check, statements.client.listen_done(self._q), timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -317,12 +320,12 @@ class SyncClient(ClientBase):
         eid = ident(execution_id)
 
         def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
-            return db.run_sync(conn, db.get_event(self._q, id=eid, key=key))
+            return db.run_sync(conn, statements.client.get_event(self._q, id=eid, key=key))
 
-        return self._wait(check, self._q.listen_events, timeout,
+        return self._wait(check, statements.client.listen_events(self._q), timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
-    def _wait(self, check: Any, listen: str, timeout: float | None,
+    def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,
                     message: Any) -> Any:
         """Re-run *check* on each notification (or poll) until it says done.
 
@@ -339,7 +342,7 @@ class SyncClient(ClientBase):
                 try:
                     if waiter is None and self._listen_dsn:
                         waiter = self._connect(self._listen_dsn)
-                        db.run_sync(waiter, db.command(listen))
+                        db.run_sync(waiter, listen)
                     # Same connection when it is direct; a pooled one otherwise.
                     if waiter is not None and self._listen_dsn == self.dsn:
                         done, value = check(waiter)
@@ -361,7 +364,7 @@ class SyncClient(ClientBase):
                 except TimeoutError:
                     raise  # ours, above (an OSError, which is_transient would take for a link)
                 except Exception as exc:
-                    if not db.is_transient(exc):
+                    if not connections.is_transient(exc):
                         raise
                     if waiter is not None:
                         waiter.close()

@@ -99,7 +99,7 @@ def run(cfg: Config, *, incidents: int) -> int:
     address and a token. On a terminal, serve until Ctrl-C; otherwise return at once."""
     import psycopg
 
-    from kestrel import db
+    from kestrel import db, statements
     from kestrel.client import SyncClient
     from kestrel.embedded import resolve_dsn
     from kestrel.migrate import migrate
@@ -154,9 +154,9 @@ def run(cfg: Config, *, incidents: int) -> int:
             client.signal(h.id, "approval", {"approved": True, "by": "alice (Slack)"})
         print(f"   - from Python (a Slack button handler): approved {incidents - 2}")
         with psycopg.connect(dsn, autocommit=True) as conn:  # the statement SQL users run
-            db.run_sync(conn, db.value(queries(cfg.schema).signal, {
-                "id": sql_one.id, "name": "approval", "idempotency_key": None,
-                "payload": '{"approved": true, "by": "bob (SQL)"}'}))
+            db.run_sync(conn, statements.client.signal(
+                queries(cfg.schema), id=sql_one.id, name="approval", idempotency_key=None,
+                payload='{"approved": true, "by": "bob (SQL)"}'))
         print(f"   - from SQL: SELECT {cfg.schema}.signal('{sql_one.id}', 'approval', "
               "'{\"approved\": true, \"by\": \"bob (SQL)\"}')")
         base = ["--dsn", dsn, "--schema", cfg.schema, "--log-level", "warning"]

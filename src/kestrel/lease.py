@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 
-from kestrel import db, metrics
+from kestrel import connections, db, metrics, statements
 from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
@@ -215,8 +215,8 @@ class Heartbeat:
         if not snapshot or self.paused:
             return
         sent = time.monotonic()
-        owned = db.run_sync(conn, db.heartbeat(self._q, held=[h.key for h in snapshot],
-                                               lease_s=self._lease_s))
+        owned = db.run_sync(conn, statements.executions.heartbeat(
+            self._q, held=[h.key for h in snapshot], lease_s=self._lease_s))
         gone, busy = [], []
         for h in snapshot:
             if h.claimed.id not in owned:
@@ -255,7 +255,7 @@ class Heartbeat:
                 if conn is None:
                     conn = db.connect_sync(
                         self._dsn, lock_timeout=self._lock_timeout, session=self._session,
-                        **{**db.link_params(self._dsn), "autocommit": True,
+                        **{**connections.link_params(self._dsn), "autocommit": True,
                            "application_name": "kestrel-heartbeat",
                            "prepare_threshold": 0 if self._prepared else None,
                            "connect_timeout": max(1, int(self._interval))})
@@ -263,7 +263,7 @@ class Heartbeat:
                 OUTAGE.succeeded(pooled=False)
                 backoff.reset()
             except psycopg.Error as exc:
-                if db.is_transient(exc):
+                if connections.is_transient(exc):
                     OUTAGE.failed(exc, "heartbeat")  # leases are trusted until they run out
                 else:
                     log.warning("heartbeat failed (%s); leases are trusted until they run out",

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 import psycopg
 
-from kestrel import db
+from kestrel import connections
 from kestrel.outage import OUTAGE
 
 log = logging.getLogger("kestrel.worker")
@@ -47,7 +47,7 @@ async def every(interval: Callable[[], float], round_: Callable[[], Any], what: 
         try:
             await round_()
         except psycopg.Error as exc:
-            if db.is_transient(exc):
+            if connections.is_transient(exc):
                 OUTAGE.failed(exc, what)
             else:
                 log.error("%s round failed (%s: %s)", what, type(exc).__name__,

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from kestrel import db
+from kestrel import db, statements
 from kestrel.errors import MigrationError
 from kestrel.sql import Migration, Queries, functions, migrations, movable_clock, queries
 
@@ -49,7 +49,7 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     # No prepared statements: through a transaction-mode PgBouncer a statement psycopg
     # prepares here (it runs the same INSERT once per migration) would outlive this
     # transaction on the server connection and collide with the next migrate's.
-    sent: list[db.Stmt[Any]] = []
+    sent: list[statements.Stmt[Any]] = []
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         with conn.transaction():
             done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent,
@@ -59,22 +59,21 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
 
 
 def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list[Migration],
-           history_interval: str, history_ahead: int, sent: list[db.Stmt[Any]],
+           history_interval: str, history_ahead: int, sent: list[statements.Stmt[Any]],
            test_clock: bool) -> list[int]:
     """The body of :func:`migrate`'s transaction; *sent* collects the named statements."""
 
-    def run(stmt: db.Stmt[Any]) -> Any:
+    def run(stmt: statements.Stmt[Any]) -> Any:
         sent.append(stmt)
         return db.run_sync(conn, stmt)
 
-    run(db.command(q.migrate_lock))
-    run(db.command(q.create_schema))
+    run(statements.migrate.migrate_lock(q))
+    run(statements.migrate.create_schema(q))
     applied: set[int] = set()
-    if run(db.value(q.migrations_table_exists, {})):
-        applied = set(run(db.Stmt(q.applied_migrations, None,
-                                  lambda rows: [r[0] for r in rows])))
-    run(db.command(q.set_clock_kind, {"test_clock": "on" if test_clock else "off"}))
-    if test_clock and CLOCK_MIGRATION in applied and not run(db.value(q.has_test_clock, {})):
+    if run(statements.migrate.migrations_table_exists(q)):
+        applied = run(statements.migrate.applied_migrations(q))
+    run(statements.migrate.set_clock_kind(q, test_clock=test_clock))
+    if test_clock and CLOCK_MIGRATION in applied and not run(statements.migrate.has_test_clock(q)):
         raise MigrationError(
             f"schema {schema!r} is a production schema: its clock is now() and cannot be "
             "made movable for tests; test on a schema of its own")
@@ -88,22 +87,22 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     for m in pending:
         if m.version in applied:
             continue
-        run(db.command(m.text))
-        run(db.command(q.record_migration, {"version": m.version, "name": m.name}))
+        run(statements.migrate.apply(m.text))
+        run(statements.migrate.record_migration(q, version=m.version, name=m.name))
         done.append(m.version)
         log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
-    for_tests = bool(run(db.value(q.has_test_clock, {})))
+    for_tests = run(statements.migrate.has_test_clock(q))
     if for_tests:
-        run(db.command(q.lock_test_clock))
+        run(statements.migrate.lock_test_clock(q))
     # Every function is replaced on every run (CREATE OR REPLACE) from sql/functions and
     # sql/partitions, the one place each is defined: a change to one needs no migration.
     for statement in functions(schema):
-        run(db.command(statement))
+        run(statements.migrate.apply(statement))
     if for_tests:
         for statement in movable_clock(schema):
-            run(db.command(statement))
-    run(db.command(q.ensure_current_partitions, {
-        "interval": history_interval, "ahead": history_ahead, "current": bool(done)}))
+            run(statements.migrate.apply(statement))
+    run(statements.migrate.ensure_current_partitions(
+        q, interval=history_interval, ahead=history_ahead, current=bool(done)))
     return done
 
 
@@ -124,6 +123,6 @@ def readiness(dsn: str, schema: str) -> tuple[bool, str]:
 def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
     """Return the newest applied migration of *schema*, 0 when none."""
     q = queries(schema)
-    if not db.run_sync(conn, db.value(q.migrations_table_exists, {})):
+    if not db.run_sync(conn, statements.migrate.migrations_table_exists(q)):
         return 0
-    return int(db.run_sync(conn, db.value(q.current_migration, {})) or 0)
+    return db.run_sync(conn, statements.migrate.current_migration(q))

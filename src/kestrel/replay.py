@@ -35,7 +35,7 @@ from typing import IO, Any
 import orjson
 import psycopg
 
-from kestrel import codec, db
+from kestrel import codec, db, statements
 from kestrel.definitions import WorkflowFn, retired_patches
 from kestrel.errors import (
     CodeTooOld,
@@ -370,12 +370,12 @@ def histories_from_db(dsn: str, schema: str, sel: Selection, *,
         try:
             ids: Sequence[uuid.UUID] = sel.ids
             if not ids:
-                rows = db.run_sync(conn, db.list_executions(
+                rows = db.run_sync(conn, statements.client.list_executions(
                     q, status=sel.status, workflow=sel.workflow, since=sel.since,
                     limit=sel.limit or DEFAULT_LIMIT))
                 ids = [r.id for r in rows]
             for eid in ids:
-                row = db.run_sync(conn, db.replay_history(
+                row = db.run_sync(conn, statements.versions.replay_history(
                     q, id=eid, max_history_bytes=max_history_bytes))
                 if row is None:
                     raise ExecutionNotFound(f"no execution {eid} in schema {schema}")
@@ -389,7 +389,8 @@ def history_from_row(row: Sequence[Any]) -> History:
     that cannot be decoded, a history over the bound: ``claimed.broken``)."""
     (eid, workflow, status, args, wait_step, waiting_for, app_version, created_at,
      steps) = row
-    claimed = db.claimed_from_texts(id=eid, workflow=workflow, args=args, steps=steps,
+    claimed = statements.executions.claimed_from_texts(
+        id=eid, workflow=workflow, args=args, steps=steps,
                                     wait_step=wait_step, waiting_for=waiting_for,
                                     created_at=created_at)
     return History(claimed=claimed, status=status, app_version=app_version)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, metrics, tracing
+from kestrel import codec, connections, db, metrics, tracing
 from kestrel.config import Config
 from kestrel.db import AnyConn
 from kestrel.definitions import retired_patches
@@ -41,6 +41,7 @@ from kestrel.lease import Lease, Leases
 from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
+from kestrel.statements import client, executions, steps
 from kestrel.types import (
     Claimed,
     Finish,
@@ -148,19 +149,19 @@ class Runner:
                         self._no_connection.pop(token, None)
                         return await op(conn)
                 except Exception as exc:
-                    pool = db.is_pool_timeout(exc) and not OUTAGE.down
+                    pool = connections.is_pool_timeout(exc) and not OUTAGE.down
                     if pool:
                         self._no_connection.setdefault(token, started)
-                    if not (db.is_transient(exc) or db.is_contended(exc)):
+                    if not (connections.is_transient(exc) or connections.is_contended(exc)):
                         raise
-                    if db.is_transient(exc) or pool:
+                    if connections.is_transient(exc) or pool:
                         OUTAGE.failed(exc, "workflow call")
                     elif not backoff.failures:
                         log.warning("a database call of %s met contention (%s); retrying "
                                     "with backoff while its lease holds", lease.claimed.id,
-                                    db.sqlstate(exc))
+                                    connections.sqlstate(exc))
                     if not lease.trusted():
-                        raise LeaseLost(f"{db.sqlstate(exc)} past the lease of "
+                        raise LeaseLost(f"{connections.sqlstate(exc)} past the lease of "
                                         f"{lease.claimed.id}") from exc
                     await asyncio.sleep(backoff.next_delay())
         finally:
@@ -175,7 +176,7 @@ class Runner:
                    seconds: float | None, seen_seq: int | None) -> str:
         """Park the execution at a wait; return parked, cancelled, signalled or lost.
 
-        See :func:`kestrel.db.park`. The lease counts as finishing while the statement is on its
+        See :func:`kestrel.statements.executions.park`. The lease counts as finishing while the statement is on its
         way, and is held again unless it parked. Retried while the database is unreachable and
         the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
         meanwhile and the park found a signal (the workflow would go on), it raises
@@ -185,10 +186,9 @@ class Runner:
 
         async def park(conn: AnyConn) -> str:
             await afailpoint("before_park")
-            outcome = await db.park(conn, self._q, id=lease.claimed.id,
-                                    epoch=lease.claimed.epoch, step_id=step_id,
-                                    waiting_for=waiting_for, seconds=seconds,
-                                    seen_seq=seen_seq)
+            outcome = await db.run(conn, executions.park(
+                self._q, id=lease.claimed.id, epoch=lease.claimed.epoch, step_id=step_id,
+                waiting_for=waiting_for, seconds=seconds, seen_seq=seen_seq))
             await afailpoint("after_park_commit")
             return outcome
 
@@ -214,8 +214,8 @@ class Runner:
         c = lease.claimed
 
         async def consume(conn: AnyConn) -> SignalTaken:
-            taken = await db.consume_signal(conn, self._q, id=c.id, epoch=c.epoch,
-                                            step_id=step_id, name=name, step_name=step_name)
+            taken = await db.run(conn, steps.consume_signal(
+                self._q, id=c.id, epoch=c.epoch, step_id=step_id, name=name, step_name=step_name))
             failpoint("after_consume_signal_commit", taken)
             return taken
 
@@ -223,8 +223,8 @@ class Runner:
 
     async def load_step(self, lease: Lease, *, step_id: int) -> RecordedStep | None:
         """Read the checkpoint recorded at *step_id*; retried as :meth:`park` is."""
-        return await self._with_retries(lease, lambda conn: db.load_step(
-            conn, self._q, execution_id=lease.claimed.id, step_id=step_id))
+        return await self._with_retries(lease, lambda conn: db.run(conn, steps.load_step(
+            self._q, execution_id=lease.claimed.id, step_id=step_id)))
 
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch; False if the lease is gone.
@@ -232,8 +232,8 @@ class Runner:
         Retried as :meth:`park` is.
         """
         c = lease.claimed
-        return await self._with_retries(lease, lambda conn: db.set_event(
-            conn, self._q, id=c.id, epoch=c.epoch, key=key, value=value))
+        return await self._with_retries(lease, lambda conn: db.run(conn, steps.set_event(
+            self._q, id=c.id, epoch=c.epoch, key=key, value=value)))
 
     async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
                            priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
@@ -244,13 +244,13 @@ class Runner:
         # The child continues this step's span when tracing is on; else submit() gives it
         # its parent's trace context (migration 0018).
         trace = tracing.current()
-        params = db.submit_params(workflow=workflow, args=args, queue=queue, priority=priority,
-                                  idempotency_key=key, parent=lease.claimed.id,
-                                  timeout_s=timeout_s,
-                                  traceparent=trace[0] if trace else None,
-                                  tracestate=trace[1] if trace else None)
+        params = client.submit_params(workflow=workflow, args=args, queue=queue,
+                                      priority=priority, idempotency_key=key,
+                                      parent=lease.claimed.id, timeout_s=timeout_s,
+                                      traceparent=trace[0] if trace else None,
+                                      tracestate=trace[1] if trace else None)
         child: uuid.UUID = await self._with_retries(
-            lease, lambda conn: db.run(conn, db.value(self._q.submit, params, key=key)))
+            lease, lambda conn: db.run(conn, client.submit(self._q, params)))
         return child
 
     async def send_signal(self, lease: Lease, execution_id: uuid.UUID, name: str,
@@ -259,10 +259,8 @@ class Runner:
 
         Returns False if that key was used already. Retried as :meth:`park` is.
         """
-        params = {"id": execution_id, "name": name, "payload": payload,
-                  "idempotency_key": key}
-        return bool(await self._with_retries(
-            lease, lambda conn: db.run(conn, db.value(self._q.signal, params))))
+        return await self._with_retries(lease, lambda conn: db.run(conn, client.signal(
+            self._q, id=execution_id, name=name, payload=payload, idempotency_key=key)))
 
     # -- running one execution ----------------------------------------------------------------
 
@@ -386,7 +384,7 @@ class Runner:
         """Give back an execution that newer code ran, unfailed and without counting the
         attempt, for a worker of another version (a rolling deploy, a rollback): it waits
         out a backoff that grows with its give-backs, and the claims of this app version
-        skip it from now on (db.give_back). Retried while the database is unreachable and
+        skip it from now on (statements.executions.give_back). Retried while the database is unreachable and
         the lease trusted; if that fails, the lease expires and the sweeper re-queues it.
         True when it was not given back because a cancel was requested meanwhile: the
         caller finishes it as cancelled."""
@@ -396,9 +394,9 @@ class Runner:
         m = metrics.get()
         m.child(m.give_backs, c.workflow).inc()
         try:
-            given = await self._with_retries(lease, lambda conn: db.give_back(
-                conn, self._q, id=c.id, epoch=c.epoch, app_version=self.cfg.app_version,
-                base_s=GIVE_BACK_BASE_S, cap_s=GIVE_BACK_CAP_S))
+            given = await self._with_retries(lease, lambda conn: db.run(conn, executions.give_back(
+                self._q, id=c.id, epoch=c.epoch, app_version=self.cfg.app_version,
+                base_s=GIVE_BACK_BASE_S, cap_s=GIVE_BACK_CAP_S)))
         except Exception as exc:
             log.warning("could not give %s back (%s); its lease will expire", c.id,
                         type(exc).__name__)
@@ -432,7 +430,7 @@ class Runner:
             log.info("dropping the completion of %s: %s", c.id, exc)
             return
         except Exception as exc:
-            if not db.is_data_error(exc) or finish.status is Status.FAILED:
+            if not connections.is_data_error(exc) or finish.status is Status.FAILED:
                 # Refused for a reason of the database's (a limit, its disk): this attempt
                 # ends here and counts; the sweeper retries it or quarantines it.
                 log.error("completion of %s refused (%s: %s); dropping this attempt", c.id,
@@ -476,7 +474,7 @@ class Runner:
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
-            saved = await db.save_steps(conn, self._q, writes)
+            saved = await db.run(conn, steps.save_steps(self._q, writes))
             failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
@@ -488,8 +486,8 @@ class Runner:
             # (only possible across epochs, which are fenced anyway): read it back.
             for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
                 if s.owned and s.recorded is None and not s.cancelled:
-                    rec = await db.load_step(conn, self._q, execution_id=w.execution_id,
-                                             step_id=w.step_id)
+                    rec = await db.run(conn, steps.load_step(
+                        self._q, execution_id=w.execution_id, step_id=w.step_id))
                     saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
         return saved
 
@@ -497,13 +495,14 @@ class Runner:
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_complete")
-            done = await db.complete_batch(conn, self._q, finishes)
+            done = await db.run(conn, executions.complete_batch(self._q, finishes))
             failpoint("after_complete_commit")
             missing = [f for f in finishes if f.execution_id not in done]
             if missing:
                 # Not finished by this statement: fenced by a newer claim, or finished by an
                 # earlier try whose reply was lost (FAULTS X4). History tells which.
-                done |= await db.finished_readback(conn, self._q, missing)
+                done |= await db.run(conn, executions.finished_readback(
+                    self._q, missing))
         m = metrics.get()
         m.completion_seconds.observe(time.monotonic() - started)
         m.completion_batch.observe(len(finishes))

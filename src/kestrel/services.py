@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, metrics
+from kestrel import codec, connections, db, metrics, statements
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.loops import Backoff, every
@@ -59,15 +59,16 @@ class Sweeper:
         limit = 500
         while True:
             async with self._pool.connection() as conn:
-                r = await db.reenqueue_expired(conn, self._q, limit=limit,
-                                               max_attempts=self._cfg.max_attempts)
+                r = await db.run(conn, statements.sweeper.reenqueue_expired(
+                    self._q, limit=limit, max_attempts=self._cfg.max_attempts))
             requeued += r.requeued
             quarantined += r.quarantined
             if r.examined < limit:
                 break
         while True:
             async with self._pool.connection() as conn:
-                expired = await db.expire_deadlines(conn, self._q, limit=limit)
+                expired = await db.run(conn, statements.sweeper.expire_deadlines(
+                    self._q, limit=limit))
             if expired:
                 log.info("failed %d queued or waiting executions past their deadline", expired)
             if expired < limit:
@@ -107,10 +108,11 @@ class Upkeep:
             return False, 0, 0
         try:
             async with self._pool.connection() as conn:
-                ran, created, dropped = await db.run_script(conn, db.run_maintenance(
-                    self._q, interval=self._cfg.history_interval,
-                    ahead=self._cfg.history_ahead,
-                    retention_days=self._cfg.history_retention_days))
+                ran, created, dropped = await db.run_script(
+                    conn, statements.history.run_maintenance(
+                        self._q, interval=self._cfg.history_interval,
+                        ahead=self._cfg.history_ahead,
+                        retention_days=self._cfg.history_retention_days))
         except psycopg.errors.LockNotAvailable:
             # lock_timeout: something held the history table; try again next round.
             log.warning("history partition upkeep skipped (a lock was busy)")
@@ -141,7 +143,7 @@ class Scheduler:
             try:
                 wait = await self.run_once()
             except psycopg.Error as exc:
-                if db.is_transient(exc):
+                if connections.is_transient(exc):
                     OUTAGE.failed(exc, "scheduler")
                 else:
                     log.warning("scheduler round failed (%s)", type(exc).__name__)
@@ -152,19 +154,19 @@ class Scheduler:
         """Start every due tick this process wins; return seconds until the next tick."""
         nearest = self._cfg.poll_interval
         async with self._pool.connection() as conn:
-            now = await db.run(conn, db.db_now(self._q))
+            now = await db.run(conn, statements.queues.db_now(self._q))
             for sch in self._schedules:
-                last = await db.get_schedule(conn, self._q, name=sch.name)
+                last = await db.run(conn, statements.queues.get_schedule(self._q, name=sch.name))
                 if last is None:
                     continue
                 for tick in due_ticks(sch.cron, last, now, sch.catch_up):
                     iso = tick.isoformat()
-                    params = db.submit_params(
+                    params = statements.client.submit_params(
                         workflow=sch.workflow, args=codec.encode([iso], what="tick"),
                         queue=sch.queue, priority=0,
                         idempotency_key=f"kestrel.cron:{sch.name}:{iso}")
-                    if not await db.start_tick(conn, self._q, name=sch.name, seen=last,
-                                               tick=tick, submit=params):
+                    if not await db.run_script(conn, statements.queues.start_tick(
+                            self._q, name=sch.name, seen=last, tick=tick, params=params)):
                         break  # another process started it (and will start the rest)
                     log.info("schedule %s: started the %s tick", sch.name, iso)
                     last = tick
@@ -232,9 +234,9 @@ class Stats:
             return
         try:
             async with self._pool.connection() as conn:
-                rows = await db.run(conn, db.queue_stats(self._q))
+                rows = await db.run(conn, statements.client.queue_stats(self._q))
                 acked = sorted(self._counted)
-                finishes = await db.run(conn, db.take_uncounted_finishes(
+                finishes = await db.run(conn, statements.history.take_uncounted_finishes(
                     self._q, workflows=self._workflows, collector=self._collector,
                     acked=acked))
         except psycopg.Error:
@@ -270,7 +272,7 @@ class Stats:
         m = metrics.get()
         try:
             async with self._pool.connection() as conn:
-                rows = await db.run(conn, db.waiting_stats(
+                rows = await db.run(conn, statements.waits.waiting_stats(
                     self._q, workflows=self._workflows, limit=MAX_WAITING_SERIES))
         except psycopg.Error:
             return
@@ -304,9 +306,9 @@ class Listener:
             try:
                 conn = await psycopg.AsyncConnection.connect(
                     self._dsn, autocommit=True, application_name="kestrel-listen",
-                    **db.link_params(self._dsn))
+                    **connections.link_params(self._dsn))
                 async with conn:
-                    await db.listen(conn, self._q)
+                    await db.run(conn, statements.notify.listen(self._q))
                     OUTAGE.succeeded(pooled=False)
                     backoff.reset()
                     self._on_work()  # anything submitted while we were not listening
@@ -314,7 +316,7 @@ class Listener:
                         self._on_work()
             except (psycopg.Error, OSError) as exc:
                 delay = backoff.next_delay()
-                if db.is_transient(exc):
+                if connections.is_transient(exc):
                     OUTAGE.failed(exc, "LISTEN")
                 else:
                     log.warning("LISTEN connection lost (%s); polling until it is back in "

@@ -28,57 +28,58 @@ def sql_dir() -> Path:
 
 @dataclass(frozen=True, slots=True)
 class Queries:
-    """Every named statement, ready to execute for one schema."""
+    """Every named statement, ready to execute for one schema, under the file that holds
+    it (``sql/queries/<file>.sql``, built by ``kestrel/statements/<file>.py``)."""
 
-    claim_batch: str
-    heartbeat: str
-    set_lock_timeout: str
-    complete_batch: str
-    release_batch: str
-    give_back: str
-    park: str
-    finished_readback: str
-    save_steps_batch: str
-    save_new_steps_batch: str
-    load_step: str
-    consume_signal: str
-    set_event: str
-    reenqueue_expired: str
-    expire_deadlines: str
-    expire_worker_leases: str
+    # sql/queries/client.sql (kestrel/statements/client.py)
     submit: str
     signal: str
     cancel: str
     retry: str
     fork: str
     get_event: str
+    listen_done: str
+    listen_events: str
     get_execution: str
     list_steps: str
     count_by_status: str
     list_executions: str
     queue_stats: str
-    take_uncounted_finishes: str
     worker_stats: str
-    waiting_stats: str
-    listen: str
-    listen_done: str
-    listen_events: str
+    fork_source: str
+    # sql/queries/executions.sql (kestrel/statements/executions.py)
+    claim_batch: str
+    set_lock_timeout: str
+    heartbeat: str
+    complete_batch: str
+    release_batch: str
+    give_back: str
+    park: str
+    finished_readback: str
+    # sql/queries/history.sql (kestrel/statements/history.py)
     maintenance_lock: str
     ensure_partitions: str
     drop_partitions: str
     list_partitions: str
-    upsert_queue_limit: str
-    lock_queue_limit: str
-    claim_limited: str
-    db_now: str
-    advance_clock: str
-    skip_to_next_sleep: str
-    waiting_for: str
-    reset_for_test: str
-    drop_schema: str
-    upsert_schedule: str
-    advance_schedule: str
-    get_schedule: str
+    take_uncounted_finishes: str
+    # sql/queries/http.sql (kestrel/statements/http.py)
+    create_token: str
+    list_tokens: str
+    revoke_token: str
+    get_token: str
+    create_session: str
+    get_session: str
+    end_session: str
+    page_executions: str
+    get_wait: str
+    list_events: str
+    pending_signals: str
+    list_children: str
+    list_queue_limits: str
+    list_schedules: str
+    signal_sent: str
+    hook_submit: str
+    # sql/queries/migrate.sql (kestrel/statements/migrate.py)
     migrate_lock: str
     create_schema: str
     migrations_table_exists: str
@@ -89,6 +90,38 @@ class Queries:
     set_clock_kind: str
     has_test_clock: str
     lock_test_clock: str
+    # sql/queries/notify.sql (kestrel/statements/notify.py)
+    listen: str
+    # sql/queries/queues.sql (kestrel/statements/queues.py)
+    upsert_queue_limit: str
+    lock_queue_limit: str
+    claim_limited: str
+    db_now: str
+    upsert_schedule: str
+    advance_schedule: str
+    get_schedule: str
+    # sql/queries/steps.sql (kestrel/statements/steps.py)
+    save_steps_batch: str
+    save_new_steps_batch: str
+    load_step: str
+    consume_signal: str
+    set_event: str
+    # sql/queries/sweeper.sql (kestrel/statements/sweeper.py)
+    reenqueue_expired: str
+    expire_deadlines: str
+    expire_worker_leases: str
+    # sql/queries/testing.sql (kestrel/statements/testing.py)
+    advance_clock: str
+    skip_to_next_sleep: str
+    waiting_for: str
+    reset_for_test: str
+    drop_schema: str
+    # sql/queries/ui.sql (kestrel/statements/ui.py)
+    ui_counts: str
+    search_history: str
+    ui_waits: str
+    ui_sent_signal: str
+    # sql/queries/versions.sql (kestrel/statements/versions.py)
     register_worker: str
     unregister_worker: str
     live_workers: str
@@ -96,29 +129,8 @@ class Queries:
     unclaimable_by_workflow: str
     patch_summary: str
     replay_history: str
-    # The HTTP door (sql/queries/http.sql).
-    create_token: str
-    list_tokens: str
-    revoke_token: str
-    get_token: str
-    create_session: str
-    get_session: str
-    end_session: str
-    fork_source: str
-    page_executions: str
-    get_wait: str
-    list_events: str
-    pending_signals: str
-    list_children: str
-    list_queue_limits: str
-    list_schedules: str
-    # The web UI (sql/queries/ui.sql).
-    ui_counts: str
-    search_history: str
-    ui_waits: str
-    ui_sent_signal: str
-    signal_sent: str
-    hook_submit: str
+    # sql/queries/waits.sql (kestrel/statements/waits.py)
+    waiting_stats: str
 
 
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 import psycopg
 import pytest
 
-from kestrel import db, failpoints
+from kestrel import db, failpoints, statements
 from kestrel.client import Client, SyncClient
 from kestrel.config import Config, mask_dsn
 from kestrel.definitions import StepInfo, _spec, registry
@@ -244,7 +244,8 @@ class KestrelTestEnv:
         conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
         if not self._checked:
             try:
-                self._own(db.run_sync(conn, db.value(queries(self.schema).has_test_clock, {})))
+                self._own(db.run_sync(conn, statements.migrate.has_test_clock(
+                    queries(self.schema))))
             except BaseException:
                 conn.close()
                 raise
@@ -270,7 +271,7 @@ class KestrelTestEnv:
         """Empty the schema's tables, set its clock back to the real time, disarm faults."""
         failpoints.disarm()
         with self._sync() as conn:
-            db.run_sync(conn, db.reset_for_test(queries(self.schema)))
+            db.run_sync(conn, statements.testing.reset_for_test(queries(self.schema)))
 
     def advance_clock(self, seconds: float) -> datetime:
         """Move the database clock forward by *seconds*; return the new database time.
@@ -287,14 +288,14 @@ class KestrelTestEnv:
             raise ValueError(f"advance_clock: seconds must be between 0 and {MAX_ADVANCE_S:.0f}"
                              f" (100 years), got {seconds}")
         with self._sync() as conn:
-            now: datetime = db.run_sync(conn, db.advance_clock(queries(self.schema),
+            now: datetime = db.run_sync(conn, statements.testing.advance_clock(queries(self.schema),
                                                                seconds=float(seconds)))
         return now
 
     def now(self) -> datetime:
         """The database clock as the runtime reads it (``kestrel_now()``)."""
         with self._sync() as conn:
-            now: datetime = db.run_sync(conn, db.db_now(queries(self.schema)))
+            now: datetime = db.run_sync(conn, statements.queues.db_now(queries(self.schema)))
         return now
 
     def fail_step(self, step: Callable[..., Any] | str,
@@ -465,7 +466,7 @@ class KestrelTestEnv:
         # One connection watches (no prepared statements: it may go through PgBouncer).
         async with await psycopg.AsyncConnection.connect(
                 self.dsn, autocommit=True, prepare_threshold=None) as conn:
-            submitted = await db.run(conn, db.get_execution(q, id=execution_id))
+            submitted = await db.run(conn, statements.client.get_execution(q, id=execution_id))
             if submitted is None:
                 raise LookupError(f"no execution {execution_id} in schema {self.schema}")
             while True:
@@ -486,9 +487,9 @@ class KestrelTestEnv:
                 # The worker died as a killed process does: its leases lapse, then another
                 # worker recovers the execution (the sweeper, then a claim and a replay).
                 crashes += 1
-                await db.run(conn, db.advance_clock(q, seconds=self.lease + 1.0))
-            ex = await db.run(conn, db.get_execution(q, id=execution_id))
-            steps = await db.run(conn, db.list_steps(q, id=execution_id))
+                await db.run(conn, statements.testing.advance_clock(q, seconds=self.lease + 1.0))
+            ex = await db.run(conn, statements.client.get_execution(q, id=execution_id))
+            steps = await db.run(conn, statements.client.list_steps(q, id=execution_id))
         assert ex is not None
         return Run(id=ex.id, workflow=ex.workflow, status=ex.status, result=ex.result,
                    error=ex.error, steps=steps, crashes=crashes, skipped_s=skipped)
@@ -500,7 +501,8 @@ class KestrelTestEnv:
         conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True,
                                                      prepare_threshold=None)
         try:
-            self._own(await db.run(conn, db.value(queries(self.schema).has_test_clock, {})))
+            self._own(await db.run(conn, statements.migrate.has_test_clock(
+                queries(self.schema))))
         finally:
             await conn.close()
 
@@ -512,13 +514,13 @@ class KestrelTestEnv:
         and the seconds of sleep skipped meanwhile."""
         skipped = 0.0
         while True:
-            ex = await db.run(conn, db.get_execution(q, id=execution_id))
+            ex = await db.run(conn, statements.client.get_execution(q, id=execution_id))
             if ex is None:
                 raise LookupError(f"no execution {execution_id} in schema {self.schema}")
             if ex.status.terminal:
                 return None, skipped
             if stop_at_wait and ex.status is Status.WAITING:
-                parked = await _parked(conn, q, ex, await db.run(conn, db.db_now(q)),
+                parked = await _parked(conn, q, ex, await db.run(conn, statements.queues.db_now(q)),
                                        skip_sleeps)
                 if parked is not None:
                     return parked, skipped
@@ -528,11 +530,11 @@ class KestrelTestEnv:
                 task.result()  # a worker that ended otherwise: its error is the test's
                 raise RuntimeError("the test worker stopped before the execution ended")
             if skip_sleeps:
-                jumped = await db.run(conn, db.skip_to_next_sleep(q))
+                jumped = await db.run(conn, statements.testing.skip_to_next_sleep(q))
                 skipped += jumped or 0.0
             if time.monotonic() > deadline:
                 raise TimeoutError(_describe_wait(execution_id, await db.run(
-                    conn, db.waiting_for(q, id=execution_id))))
+                    conn, statements.testing.waiting_for(q, id=execution_id))))
             await asyncio.sleep(0.05)
 
 
@@ -576,7 +578,7 @@ async def _parked(conn: psycopg.AsyncConnection[Any], q: Queries, ex: Execution,
     if on is None:
         return None
     if on.startswith("kestrel.child:"):
-        child = await db.run(conn, db.get_execution(
+        child = await db.run(conn, statements.client.get_execution(
             q, id=uuid.UUID(on.removeprefix("kestrel.child:"))))
         if child is None or child.status is not Status.WAITING or depth >= 64:
             return None
@@ -799,7 +801,7 @@ def kestrel_schema(kestrel_dsn: str) -> Iterator[str]:
     except psycopg.OperationalError:
         return  # the server went first (its fixture ended before this one): nothing to drop
     with conn:
-        db.run_sync(conn, db.command(queries(name).drop_schema))
+        db.run_sync(conn, statements.testing.drop_schema(queries(name)))
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import db, metrics
+from kestrel import db, metrics, statements
 from kestrel.config import APP_VERSION, Config
 from kestrel.errors import ConfigError
 from kestrel.loops import every
@@ -102,13 +102,13 @@ class Registration:
     async def run_once(self) -> None:
         """Upsert this worker's row; in the collecting process, set the gauges."""
         async with self._pool.connection() as conn:
-            await db.run(conn, db.register_worker(
+            await db.run(conn, statements.versions.register_worker(
                 self._q, worker_id=self._id, app_version=self._cfg.app_version,
                 workflows=self._workflows, queues=list(self._cfg.queues),
                 stale_after_s=self._stale_after))
             if self._collect:
                 executions, names, given_back = await db.run(
-                    conn, db.unclaimable_total(self._q))
+                    conn, statements.versions.unclaimable_total(self._q))
                 m = metrics.get()
                 m.unclaimable.set(executions)
                 m.unclaimable_workflows.set(names)
@@ -119,6 +119,7 @@ class Registration:
         stale on its own."""
         try:
             async with self._pool.connection(timeout=5) as conn:
-                await db.run(conn, db.unregister_worker(self._q, worker_id=self._id))
+                await db.run(conn, statements.versions.unregister_worker(
+                    self._q, worker_id=self._id))
         except Exception as exc:  # stopping anyway; the row goes stale by itself
             log.info("could not remove worker row %s (%s)", self._id, type(exc).__name__)

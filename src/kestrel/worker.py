@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
-from kestrel import db
+from kestrel import db, statements
 from kestrel.claimer import Claimer
 from kestrel.config import Config, incarnation_id
 from kestrel.lease import Heartbeat, Leases
@@ -107,13 +107,13 @@ class Worker:
         """Write this process's queue limits and schedules (idempotent upserts)."""
         async with self._pool.connection() as conn:
             for spec in self.claimer.limited:
-                await db.run(conn, db.upsert_queue_limit(
+                await db.run(conn, statements.queues.upsert_queue_limit(
                     self._q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
                     period_s=spec.period))
             if self._schedules:
-                now = await db.run(conn, db.db_now(self._q))
+                now = await db.run(conn, statements.queues.db_now(self._q))
                 for sch in self._schedules:
-                    await db.run(conn, db.upsert_schedule(
+                    await db.run(conn, statements.queues.upsert_schedule(
                         self._q, name=sch.name, cron=sch.cron.text, workflow=sch.workflow,
                         last_tick=now))
 
@@ -232,7 +232,8 @@ class Worker:
         if held:
             try:
                 async with self._pool.connection(timeout=5) as conn:
-                    released = await db.release_batch(conn, self._q, held=held)
+                    released = await db.run(conn, statements.executions.release_batch(
+                        self._q, held=held))
             except Exception as exc:  # the leases will expire and the sweeper recovers them
                 log.warning("could not release %d executions (%s); they will be recovered "
                             "when their leases expire", len(held), exc)

@@ -18,11 +18,11 @@ multi-row statement, so they cannot deadlock each other (FAULTS X3).
 
 What a failed flush means depends on the error, never on who else shared the batch:
 
-* A connection-level failure (:func:`kestrel.db.is_transient`) retries the same batch with
+* A connection-level failure (:func:`kestrel.connections.is_transient`) retries the same batch with
   backoff, for as long as it takes; the statements are idempotent (``ON CONFLICT``,
   epoch-guarded), so a retry after a lost reply changes nothing twice. Callers keep waiting;
   their leases decide when waiting is pointless.
-* Contention (:func:`kestrel.db.is_contended`: a lock or statement timeout, a deadlock, a
+* Contention (:func:`kestrel.connections.is_contended`: a lock or statement timeout, a deadlock, a
   serialization failure, too many connections, a full disk) and a pool that gave no
   connection in time retry the whole batch with backoff, bounded by the items' leases: an
   item whose lease is no longer trusted leaves the batch and its caller gets
@@ -49,7 +49,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, NoReturn, TypeVar
 
-from kestrel import db, metrics
+from kestrel import connections, metrics
 from kestrel.errors import LeaseLost
 from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
@@ -229,12 +229,12 @@ class GroupCommit(Generic[In, Out]):
                 finally:
                     gate.release()
             except Exception as exc:
-                pool = db.is_pool_timeout(exc) and not OUTAGE.down
-                if db.is_transient(exc) and not pool:
+                pool = connections.is_pool_timeout(exc) and not OUTAGE.down
+                if connections.is_transient(exc) and not pool:
                     OUTAGE.failed(exc, f"{self.name} flush")
                     await self._back_off(leg, backoff)
                     continue
-                if pool or db.is_contended(exc):
+                if pool or connections.is_contended(exc):
                     if pool:
                         OUTAGE.failed(exc, f"{self.name} flush")  # says "no connection"
                     else:
@@ -260,7 +260,7 @@ class GroupCommit(Generic[In, Out]):
                     return
                 self.rejected += 1
                 log.warning("%s: the database refused one item (%s); only its caller is "
-                            "affected", self.name, db.sqlstate(exc))
+                            "affected", self.name, connections.sqlstate(exc))
                 live[0][1].set_exception(exc)
                 return
             OUTAGE.succeeded()
@@ -292,7 +292,7 @@ class GroupCommit(Generic[In, Out]):
             log.warning("%s: a batch of %d was refused for contention (%s: a lock or "
                         "statement timeout, a deadlock, a serialization failure, too many "
                         "connections or a full disk); retrying it with backoff while its "
-                        "leases hold", self.name, count, db.sqlstate(exc))
+                        "leases hold", self.name, count, connections.sqlstate(exc))
 
     def _only_trusted(self, live: list[tuple[In, asyncio.Future[Out]]],
                       exc: BaseException) -> list[tuple[In, asyncio.Future[Out]]]:
@@ -305,7 +305,7 @@ class GroupCommit(Generic[In, Out]):
             elif not fut.done():
                 fut.set_exception(LeaseLost(
                     f"{self.name}: the lease ran out while the write was retried "
-                    f"({db.sqlstate(exc)})"))
+                    f"({connections.sqlstate(exc)})"))
         return kept
 
     def stall(self, now: float) -> tuple[float, str]:

@@ -206,7 +206,7 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
     heartbeating or that another worker re-claimed is left alone."""
     import asyncio
 
-    from kestrel import db
+    from kestrel import connections, db, statements
     from kestrel.sql import queries
 
     qs = queries(schema)
@@ -215,9 +215,13 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(direct_dsn, autocommit=True) as c:
-            db.configure_connection(c)
-            claimed = await db.claim_batch(c, qs, owner="w", queues=["default"], limit=3,
-                                           lease_s=1)
+            connections.configure_connection(c)
+            claimed = await db.run(
+                c,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=3, lease_s=1
+                ),
+            )
             assert {x.id for x in claimed} == set(ids)
             await c.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'5 seconds\'')
             owner = await psycopg.AsyncConnection.connect(direct_dsn)
@@ -228,16 +232,26 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
             await owner.execute(f'UPDATE "{schema}".workflow_executions SET lease_expires_at '
                                 f'= "{schema}".kestrel_now() + interval \'1 hour\' '
                                 "WHERE id = %s", [beat.id])
-            swept = await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)
+            swept = await db.run(
+                c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5)
+            )
             assert swept.requeued == 1  # only the row nobody is touching
             await owner.commit()
             await owner.close()
-            again = await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)
+            again = await db.run(
+                c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5)
+            )
             assert again.requeued == 0  # deleted stays gone; the heartbeat made it current
-            (reclaimed,) = await db.claim_batch(c, qs, owner="w2", queues=["default"],
-                                                limit=3, lease_s=60)
+            (reclaimed,) = await db.run(
+                c,
+                statements.executions.claim_batch(
+                    qs, owner="w2", queues=["default"], limit=3, lease_s=60
+                ),
+            )
             assert reclaimed.id == free.id and reclaimed.epoch == free.epoch + 1
-            assert (await db.reenqueue_expired(c, qs, limit=10, max_attempts=5)).requeued == 0
+            assert (
+                await db.run(c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5))
+            ).requeued == 0
 
     asyncio.run(main())
     rows = q(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions")

@@ -14,7 +14,7 @@ import asyncio
 
 import psycopg
 
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import StepWrite
@@ -33,20 +33,28 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            claimed = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=3,
-                                           lease_s=30)
+            connections.configure_connection(conn)
+            claimed = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=3, lease_s=30
+                ),
+            )
             epoch = {c.id: c.epoch for c in claimed}
             first = ids[0]
-            (was,) = await db.save_steps(conn, qs, [StepWrite(first, epoch[first], 0, "add",
-                                                              "10", None, 1, 0.0)])
+            (was,) = await db.run(
+                conn,
+                statements.steps.save_steps(
+                    qs, [StepWrite(first, epoch[first], 0, "add", "10", None, 1, 0.0)]
+                ),
+            )
             assert was.inserted and was.recorded is not None and was.recorded.output == 10
             # One batch: the recorded step again (a lost reply's retry, another output),
             # and new steps of every execution, with names that look like SQL.
             batch = [StepWrite(first, epoch[first], 0, "add", "77", None, 1, 0.0)]
             batch += [StepWrite(e, epoch[e], 1, HOSTILE_NAMES[i], f'{{"n": {i}}}', None, 1,
                                 0.0) for i, e in enumerate(ids)]
-            saved = await db.save_steps(conn, qs, batch)
+            saved = await db.run(conn, statements.steps.save_steps(qs, batch))
             assert saved[0].owned and not saved[0].inserted
             assert saved[0].recorded is not None and saved[0].recorded.output == 10
             for i, s in enumerate(saved[1:]):
@@ -54,7 +62,7 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
                 assert s.recorded is not None and s.recorded.output == {"n": i}
                 assert s.recorded.name == HOSTILE_NAMES[i]
             # The same batch once more (every step now recorded): nothing changes.
-            again = await db.save_steps(conn, qs, batch)
+            again = await db.run(conn, statements.steps.save_steps(qs, batch))
             assert [s.inserted for s in again] == [False] * len(batch)
             assert [s.recorded.output for s in again if s.recorded] == [
                 10, {"n": 0}, {"n": 1}, {"n": 2}]
@@ -76,19 +84,27 @@ def test_a_superseded_epoch_records_nothing_on_either_statement(
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
-                                        lease_s=30)
-            (ok,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "1",
-                                                             None, 1, 0.0)])
+            connections.configure_connection(conn)
+            (c,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=1, lease_s=30
+                ),
+            )
+            (ok,) = await db.run(
+                conn,
+                statements.steps.save_steps(
+                    qs, [StepWrite(h.id, c.epoch, 0, "add", "1", None, 1, 0.0)]
+                ),
+            )
             assert ok.inserted
             # Fenced on the plain statement (a new step) and on the fallback (a recorded one
             # in the same batch makes the plain statement fail over to ON CONFLICT).
             stale = [StepWrite(h.id, c.epoch - 1, 1, "add", "2", None, 1, 0.0)]
-            (fenced,) = await db.save_steps(conn, qs, stale)
+            (fenced,) = await db.run(conn, statements.steps.save_steps(qs, stale))
             assert not fenced.owned and not fenced.inserted
             mixed = [StepWrite(h.id, c.epoch, 0, "add", "5", None, 1, 0.0), *stale]
-            kept, fenced = await db.save_steps(conn, qs, mixed)
+            kept, fenced = await db.run(conn, statements.steps.save_steps(qs, mixed))
             assert kept.owned and not kept.inserted
             assert kept.recorded is not None and kept.recorded.output == 1
             assert not fenced.owned and not fenced.inserted
@@ -112,16 +128,20 @@ def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            claimed = await db.claim_batch(conn, qs, owner="w", queues=["default"],
-                                           limit=len(hs), lease_s=30)
+            connections.configure_connection(conn)
+            claimed = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=len(hs), lease_s=30
+                ),
+            )
             epoch = {c.id: c.epoch for c in claimed}
             batch = [StepWrite(h.id, epoch[h.id], 0, "s", out, None, 1, 0.0)
                      for h, out in zip(hs, OUTPUTS, strict=False)]
             failed = hs[-1].id  # an error and no output: SQL NULL, not JSON null
             batch.append(StepWrite(failed, epoch[failed], 0, "s", None,
                                    '{"type": "E", "message": "\\u00e9 \' \\""}', 1, 0.0))
-            saved = await db.save_steps(conn, qs, batch)
+            saved = await db.run(conn, statements.steps.save_steps(qs, batch))
             assert all(s.owned and s.inserted for s in saved)
             # What comes back is what jsonb stored: the value itself, exactly.
             for s, out in zip(saved, OUTPUTS, strict=False):
@@ -141,22 +161,30 @@ def test_text_the_database_cannot_store_is_a_data_error_of_its_batch(
     pg_dsn: str, schema: str
 ) -> None:
     """A NUL (PostgreSQL refuses it) or a lone surrogate (it cannot be encoded) in a name:
-    the statement fails with an error db.is_data_error recognises, so the group commit
+    the statement fails with an error connections.is_data_error recognises, so the group commit
     isolates the item and fails only its execution (FAULTS P1); nothing is written."""
     qs = queries(schema)
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
-                                        lease_s=30)
+            connections.configure_connection(conn)
+            (c,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=1, lease_s=30
+                ),
+            )
             for name in ("nul\x00name", "lone\ud800surrogate"):
                 try:
-                    await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, name, "1",
-                                                             None, 1, 0.0)])
+                    await db.run(
+                        conn,
+                        statements.steps.save_steps(
+                            qs, [StepWrite(h.id, c.epoch, 0, name, "1", None, 1, 0.0)]
+                        ),
+                    )
                 except Exception as exc:
-                    assert db.is_data_error(exc), repr(exc)
+                    assert connections.is_data_error(exc), repr(exc)
                 else:
                     raise AssertionError(f"{name!r} was accepted")
 

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from kestrel import db, demo
+from kestrel import db, demo, statements
 from kestrel.cli import build_parser, import_app, main
 from kestrel.cli import common as cli_common
 from kestrel.client import SyncClient
@@ -38,7 +38,7 @@ def cli(pg_dsn: str, schema: str, capsys: pytest.CaptureFixture[str]):  # type: 
 def live_worker(dsn: str, schema: str, workflows: list[str]) -> None:
     """A worker's row, as a running worker writes it (the statement it uses)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        db.run_sync(conn, db.register_worker(
+        db.run_sync(conn, statements.versions.register_worker(
             queries(schema), worker_id=f"test:{uuid.uuid4()}", app_version="v1",
             workflows=workflows, queues=["default"], stale_after_s=600))
 

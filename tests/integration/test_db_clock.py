@@ -78,12 +78,12 @@ def test_the_test_kit_refuses_a_production_schema(
     assert q(pg_dsn, production_schema, "SELECT id, status FROM {s}.workflow_executions") == [
         (live.id, "queued")]
     # The SQL refuses it too, whoever runs it.
-    from kestrel import db
+    from kestrel import db, statements
     from kestrel.sql import queries
 
     with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn, \
             pytest.raises(psycopg.errors.InsufficientPrivilege, match="not made for tests"):
-        db.run_sync(conn, db.reset_for_test(queries(production_schema)))
+        db.run_sync(conn, statements.testing.reset_for_test(queries(production_schema)))
     assert q1(pg_dsn, production_schema, "SELECT count(*) FROM {s}.workflow_executions") == 1
 
 
@@ -149,7 +149,7 @@ def test_a_finish_held_by_a_client_lock_across_a_clock_move_keeps_its_checkpoint
     in the PgBouncer pass too: the test finds the completion's server backend by its pid."""
     import asyncio
 
-    from kestrel import db
+    from kestrel import db, statements
     from kestrel.sql import queries
     from kestrel.types import Finish, Status, StepWrite
 
@@ -159,16 +159,24 @@ def test_a_finish_held_by_a_client_lock_across_a_clock_move_keeps_its_checkpoint
 
     async def run() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            [c] = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
-                                       lease_s=60)
-            await db.save_steps(conn, qs, [StepWrite(c.id, c.epoch, 0, "clock.a", "1", None,
-                                                     1, 0.0)])
+            [c] = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=1, lease_s=60
+                ),
+            )
+            await db.run(
+                conn,
+                statements.steps.save_steps(
+                    qs, [StepWrite(c.id, c.epoch, 0, "clock.a", "1", None, 1, 0.0)]
+                ),
+            )
             with psycopg.connect(pg_dsn, autocommit=False) as client_tx:
                 client_tx.execute(pgsql.SQL("SELECT 1 FROM {}.workflow_executions WHERE id = %s"
                                             " FOR UPDATE").format(pgsql.Identifier(schema)),
                                   [c.id])  # a client's open transaction holds the row
-                done = asyncio.ensure_future(db.complete_batch(conn, qs, [
-                    Finish(c.id, c.epoch, Status.COMPLETED, "7", None)]))
+                done = asyncio.ensure_future(db.run(conn, statements.executions.complete_batch(qs, [
+                    Finish(c.id, c.epoch, Status.COMPLETED, "7", None)])))
                 pid = conn.info.backend_pid
                 with psycopg.connect(pg_dsn, autocommit=True) as admin:
                     for _ in range(3000):  # until it is planned and waits on the row
@@ -179,7 +187,7 @@ def test_a_finish_held_by_a_client_lock_across_a_clock_move_keeps_its_checkpoint
                     else:
                         raise AssertionError("the completion never waited on the row")
                 with psycopg.connect(pg_dsn, autocommit=True) as admin:
-                    db.run_sync(admin, db.advance_clock(qs, seconds=3600))
+                    db.run_sync(admin, statements.testing.advance_clock(qs, seconds=3600))
                 client_tx.commit()
             assert await done == {c.id}
 

@@ -7,7 +7,7 @@ import asyncio
 
 import psycopg
 
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.sql import queries
 from kestrel.types import SweepResult
 from tests.helpers import q, q1, submit_many
@@ -17,9 +17,13 @@ def _claim(dsn: str, schema: str, owner: str, limit: int) -> list[object]:
     async def main() -> list[object]:
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True,
                                                          prepare_threshold=None) as c:
-            db.configure_connection(c)
-            got = await db.claim_batch(c, queries(schema), owner=owner, queues=["default"],
-                                       limit=limit, lease_s=3600)
+            connections.configure_connection(c)
+            got = await db.run(
+                c,
+                statements.executions.claim_batch(
+                    queries(schema), owner=owner, queues=["default"], limit=limit, lease_s=3600
+                ),
+            )
             return [x.id for x in got]
 
     return asyncio.run(main())
@@ -27,7 +31,7 @@ def _claim(dsn: str, schema: str, owner: str, limit: int) -> list[object]:
 
 def _recover(dsn: str, schema: str, owner: str, max_attempts: int = 5) -> SweepResult:
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
-        return db.run_script_sync(conn, db.recover_dead_worker(
+        return db.run_script_sync(conn, statements.sweeper.recover_dead_worker(
             queries(schema), worker_id=owner, max_attempts=max_attempts))
 
 

@@ -25,7 +25,7 @@ import pytest
 from psycopg import sql as pgsql
 
 import kestrel
-from kestrel import codec, db
+from kestrel import codec, db, statements
 from kestrel.client import Client, SyncClient
 from kestrel.config import QUEUE_NAME
 from kestrel.sql import queries
@@ -500,7 +500,7 @@ def test_child_submitted_against_an_open_cancel_is_refused(
     # Submitting later is refused the same way, as the typed error through the client code.
     with psycopg.connect(pg_dsn, autocommit=True) as conn, \
             pytest.raises(kestrel.ParentCancelled):
-        db.run_sync(conn, db.value(queries(schema).submit, db.submit_params(
+        db.run_sync(conn, statements.value(queries(schema).submit, statements.client.submit_params(
             workflow="child", args="[]", queue="nobody", priority=0, idempotency_key=None,
             parent=parent)))
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.executions "

@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY
 from psycopg import sql as pgsql
 
 import kestrel
-from kestrel import db, failpoints
+from kestrel import connections, db, failpoints, statements
 from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import Claimed, Finish, SignalTaken, Status, StepWrite
@@ -57,7 +57,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, spec: str) -> None:
 async def _connect(dsn: str, *, autocommit: bool = True) -> psycopg.AsyncConnection[Any]:
     conn = await psycopg.AsyncConnection.connect(dsn, autocommit=autocommit,
                                                  prepare_threshold=None)
-    db.configure_connection(conn)
+    connections.configure_connection(conn)
     return conn
 
 
@@ -96,21 +96,30 @@ def _consume_while_a_transaction_commits(
         client = await _connect(dsn, autocommit=False)
         watch = await _connect(dsn)
         try:
-            claimed = {c.id: c for c in await db.claim_batch(
-                worker, qs, owner="w", queues=["default"], limit=10, lease_s=60)}
+            claimed = {c.id: c for c in await db.run(worker, statements.executions.claim_batch(
+                qs, owner="w", queues=["default"], limit=10, lease_s=60))}
             c = claimed[waiter]
             await send(client, claimed)
-            consume = asyncio.create_task(db.consume_signal(
-                worker, qs, id=c.id, epoch=c.epoch, step_id=0, name=name,
-                step_name="kestrel.signal:" + name))
+            consume = asyncio.create_task(db.run(worker, statements.steps.consume_signal(
+                qs, id=c.id, epoch=c.epoch, step_id=0, name=name,
+                step_name="kestrel.signal:" + name)))
             await _consume_waits_for_a_lock(watch, schema)
             await client.commit()
             taken = await asyncio.wait_for(consume, 10)
             parked = None
             if taken.owned and taken.output is None:
-                parked = await db.park(worker, qs, id=c.id, epoch=c.epoch, step_id=0,
-                                       waiting_for=name, seconds=None,
-                                       seen_seq=taken.signal_seq)
+                parked = await db.run(
+                    worker,
+                    statements.executions.park(
+                        qs,
+                        id=c.id,
+                        epoch=c.epoch,
+                        step_id=0,
+                        waiting_for=name,
+                        seconds=None,
+                        seen_seq=taken.signal_seq,
+                    ),
+                )
             return taken, parked
         finally:
             for conn in (worker, client, watch):
@@ -172,8 +181,8 @@ def test_child_completion_committed_while_parent_consume_waits_is_consumed(
 
     async def complete(conn: psycopg.AsyncConnection[Any],
                        claimed: dict[uuid.UUID, Claimed]) -> None:
-        done = await db.complete_batch(conn, qs, [
-            Finish(child, claimed[child].epoch, Status.COMPLETED, "7", None)])
+        done = await db.run(conn, statements.executions.complete_batch(qs, [
+            Finish(child, claimed[child].epoch, Status.COMPLETED, "7", None)]))
         assert done == {child}
 
     name = f"kestrel.child:{child}"
@@ -248,8 +257,12 @@ def test_heartbeats_checkpoints_and_completions_never_deadlock(pg_dsn: str, sche
             "SELECT {s}.submit('rx_x3', '[]'::jsonb, 'default', 0, NULL, NULL, p) "
             "FROM unnest(%s::uuid[]) AS p, generate_series(1, 3)").format(
                 s=pgsql.Identifier(schema)), [parents])
-        for c in await db.claim_batch(conn, qs, owner="x3", queues=["default"], limit=4 * n,
-                                      lease_s=300):
+        for c in await db.run(
+            conn,
+            statements.executions.claim_batch(
+                qs, owner="x3", queues=["default"], limit=4 * n, lease_s=300
+            ),
+        ):
             with lock:
                 held[c.id] = c.epoch
 
@@ -261,7 +274,7 @@ def test_heartbeats_checkpoints_and_completions_never_deadlock(pg_dsn: str, sche
                     pairs = list(held.items())
                 rng.shuffle(pairs)
                 try:
-                    db.run_sync(conn, db.heartbeat(qs, held=pairs, lease_s=300))
+                    db.run_sync(conn, statements.executions.heartbeat(qs, held=pairs, lease_s=300))
                 except psycopg.errors.DeadlockDetected as exc:
                     deadlocks.append(f"heartbeat: {exc}")
                 rounds["heartbeat"] += 1
@@ -277,14 +290,14 @@ def test_heartbeats_checkpoints_and_completions_never_deadlock(pg_dsn: str, sche
                 rng.shuffle(pairs)
                 step += 1
                 try:
-                    await db.save_steps(conn, qs, [
+                    await db.run(conn, statements.steps.save_steps(qs, [
                         StepWrite(i, e, step, "rx_x3_step", "1", None, 1, 0.0)
-                        for i, e in pairs[: len(pairs) * 2 // 3]])
+                        for i, e in pairs[: len(pairs) * 2 // 3]]))
                     rounds["checkpoint"] += 1
                     if step % 4 == 0:
                         done = pairs[: rng.randint(4, 12)]
-                        await db.complete_batch(conn, qs, [
-                            Finish(i, e, Status.COMPLETED, "1", None) for i, e in done])
+                        await db.run(conn, statements.executions.complete_batch(qs, [
+                            Finish(i, e, Status.COMPLETED, "1", None) for i, e in done]))
                         rounds["completion"] += 1
                         with lock:
                             for i, _ in done:

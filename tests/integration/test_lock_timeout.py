@@ -14,7 +14,7 @@ import asyncio
 import psycopg
 import pytest
 
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.config import Config
 from kestrel.sql import queries
 from kestrel.types import StepWrite
@@ -70,19 +70,23 @@ def test_a_worker_statement_on_a_row_a_client_holds_times_out_instead_of_waiting
         await pool.open(wait=True)
         try:
             async with pool.connection() as conn:
-                (claimed,) = await db.claim_batch(conn, qs, owner="t", queues=["default"],
-                                                  limit=1, lease_s=30)
+                (claimed,) = await db.run(
+                    conn,
+                    statements.executions.claim_batch(
+                        qs, owner="t", queues=["default"], limit=1, lease_s=30
+                    ),
+                )
                 assert claimed.id == eid
                 with psycopg.connect(direct_dsn) as client:
                     client.execute(f'UPDATE "{schema}".workflow_executions SET priority = 1 '
                                    "WHERE id = %s", [eid])
                     with pytest.raises(psycopg.errors.LockNotAvailable) as err:
-                        await db.save_steps(conn, qs, [StepWrite(
-                            eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)])
-                    assert db.is_contended(err.value)
+                        await db.run(conn, statements.steps.save_steps(qs, [StepWrite(
+                            eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)]))
+                    assert connections.is_contended(err.value)
                     client.rollback()
-                (saved,) = await db.save_steps(conn, qs, [StepWrite(
-                    eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)])
+                (saved,) = await db.run(conn, statements.steps.save_steps(qs, [StepWrite(
+                    eid, claimed.epoch, 0, "add", "1", None, 1, 0.0)]))
                 assert saved.owned and saved.inserted
         finally:
             await pool.close()

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import db, failpoints, metrics
+from kestrel import db, failpoints, metrics, statements
 from kestrel.client import SyncClient
 from kestrel.config import Config
 from kestrel.errors import InvalidState
@@ -341,9 +341,9 @@ def _run_scheduler(env: Env, *, rounds: int) -> int:
     async def go(pool: Any) -> int:
         q_ = env.q
         async with pool.connection() as conn:
-            now = await db.run(conn, db.db_now(q_))
+            now = await db.run(conn, statements.queues.db_now(q_))
             # Registered an hour and a minute ago: exactly one tick is due.
-            await db.run(conn, db.upsert_schedule(
+            await db.run(conn, statements.queues.upsert_schedule(
                 q_, name=sch.name, cron=sch.cron.text, workflow=sch.workflow,
                 last_tick=now.replace(minute=0, second=0, microsecond=0)
                 - timedelta(hours=1)))
@@ -364,7 +364,7 @@ def upsert_schedule(env: Env) -> None:
     tick = q1(env.dsn, env.schema, "SELECT {s}.kestrel_now()")
 
     async def go(pool: Any) -> Any:
-        stmt = db.upsert_schedule(env.q, name="s", cron="* * * * *", workflow="w",
+        stmt = statements.queues.upsert_schedule(env.q, name="s", cron="* * * * *", workflow="w",
                                   last_tick=tick)
         async with pool.connection() as conn:
             with pytest.raises(psycopg.OperationalError):
@@ -535,7 +535,7 @@ def token_revoke(env: Env) -> None:
 def hook_submit(env: Env) -> None:
     # A webhook's submit commits and loses its reply; the sender delivers again (same
     # delivery, same key) and gets the same execution.
-    from kestrel.http import store
+    from kestrel.statements import http as store
 
     stmt = store.hook_submit(env.q, workflow="quick", body=b'{"n": 1}', envelope=None,
                              queue="default", key="github:delivery-1", max_bytes=1 << 20)
@@ -551,7 +551,7 @@ def hook_submit(env: Env) -> None:
 
 
 def _ui_session(env: Env, stmt_of: Callable[[bytes], Any], lose_first: bool) -> Any:
-    from kestrel.http import store
+    from kestrel.statements import http as store
 
     async def go(pool: Any) -> Any:
         async with pool.connection() as conn:
@@ -575,7 +575,7 @@ def ui_login(env: Env) -> None:
     # A login's session row commits and its reply is lost: the browser got no cookie, so the
     # user logs in again and gets a session of their own; the orphan's secret reached nobody
     # (only its hash is stored) and it expires unused.
-    from kestrel.http import store
+    from kestrel.statements import http as store
 
     make = lambda secret: store.create_session(  # noqa: E731
         env.q, secret_hash=secret, token_id="kst_sweep0001", ttl_s=60.0)
@@ -587,7 +587,7 @@ def ui_login(env: Env) -> None:
 def ui_logout(env: Env) -> None:
     # A logout's DELETE commits and its reply is lost: sent again it deletes nothing and the
     # session is gone all the same.
-    from kestrel.http import store
+    from kestrel.statements import http as store
 
     failpoints.disarm()  # the session is made first, with its reply
     send = _ui_session(env, lambda secret: store.create_session(
@@ -629,17 +629,24 @@ def dead_worker(env: Env) -> None:
 
     async def claim(pool: Any) -> None:
         async with pool.connection() as conn:
-            [c] = await db.claim_batch(conn, env.q, owner=dead, queues=["default"], limit=1,
-                                       lease_s=3600.0)
+            [c] = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    env.q, owner=dead, queues=["default"], limit=1, lease_s=3600.0
+                ),
+            )
             assert c.id == h.id
 
     env.run_async(claim)
     with psycopg.connect(env.dsn, autocommit=True, prepare_threshold=None) as conn, \
             pytest.raises(psycopg.OperationalError):
-        db.run_script_sync(conn, db.recover_dead_worker(env.q, worker_id=dead, max_attempts=5))
+        db.run_script_sync(
+            conn, statements.sweeper.recover_dead_worker(env.q, worker_id=dead, max_attempts=5)
+        )
     with psycopg.connect(env.dsn, autocommit=True, prepare_threshold=None) as conn:
-        again = db.run_script_sync(conn, db.recover_dead_worker(env.q, worker_id=dead,
-                                                                max_attempts=5))
+        again = db.run_script_sync(
+            conn, statements.sweeper.recover_dead_worker(env.q, worker_id=dead, max_attempts=5)
+        )
     assert again.examined == 0
     assert env.client.get(h.id).status.value == "queued"
     env.work(env.finished())

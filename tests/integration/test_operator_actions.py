@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import kestrel
-from kestrel import db, failpoints
+from kestrel import db, failpoints, statements
 from kestrel.errors import (
     ChildFailed,
     ConfigError,
@@ -407,7 +407,7 @@ def test_fork_sent_again_after_a_lost_reply_returns_the_fork_it_made(
     assert q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 1
     assert q1(dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 2
     with pytest.raises(IdempotencyConflict, match="already used by the fork of"):
-        kestrel_env.client._run(db.value(kestrel_env.client._q.fork, {
+        kestrel_env.client._run(statements.value(kestrel_env.client._q.fork, {
             "id": h.id, "from_step": 1, "new_id": new, "idempotency_key": None}))
 
 

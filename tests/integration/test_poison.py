@@ -18,7 +18,7 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import StepWrite
@@ -183,13 +183,19 @@ def test_a_history_over_the_bound_fails_at_claim_and_the_queue_moves(
     async def record_history() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
                                                          prepare_threshold=None) as conn:
-            db.configure_connection(conn)
-            (c,) = await db.claim_batch(conn, qs, owner="earlier", queues=["default"],
-                                        limit=1, lease_s=30)
-            await db.save_steps(conn, qs, [
+            connections.configure_connection(conn)
+            (c,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="earlier", queues=["default"], limit=1, lease_s=30
+                ),
+            )
+            await db.run(conn, statements.steps.save_steps(qs, [
                 StepWrite(c.id, c.epoch, k, "rx_p3_big", orjson.dumps(str(k) * 100_000).decode(),
-                          None, 1, 0.0) for k in range(3)])
-            assert await db.release_batch(conn, qs, held=[(c.id, c.epoch)]) == {c.id}
+                          None, 1, 0.0) for k in range(3)]))
+            assert await db.run(
+                conn, statements.executions.release_batch(qs, held=[(c.id, c.epoch)])
+            ) == {c.id}
 
     asyncio.run(record_history())
     good = [client.submit(_good, n) for n in range(10)]
@@ -258,12 +264,22 @@ def _run_p6(pg_dsn: str, schema: str, act: str) -> tuple[str, Any, Any]:
         async def record() -> None:
             async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
                                                              prepare_threshold=None) as conn:
-                db.configure_connection(conn)
-                (c,) = await db.claim_batch(conn, qs, owner="v1", queues=["default"],
-                                            limit=1, lease_s=30)
-                await db.save_steps(conn, qs, [StepWrite(c.id, c.epoch, 0, "rx_p6_old_name",
-                                                         '"old"', None, 1, 0.0)])
-                assert await db.release_batch(conn, qs, held=[(c.id, c.epoch)]) == {c.id}
+                connections.configure_connection(conn)
+                (c,) = await db.run(
+                    conn,
+                    statements.executions.claim_batch(
+                        qs, owner="v1", queues=["default"], limit=1, lease_s=30
+                    ),
+                )
+                await db.run(
+                    conn,
+                    statements.steps.save_steps(
+                        qs, [StepWrite(c.id, c.epoch, 0, "rx_p6_old_name", '"old"', None, 1, 0.0)]
+                    ),
+                )
+                assert await db.run(
+                    conn, statements.executions.release_batch(qs, held=[(c.id, c.epoch)])
+                ) == {c.id}
 
         asyncio.run(record())
     # Rare heartbeats: the worker learns of the cancel or the lost lease from the refused

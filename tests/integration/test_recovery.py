@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 
 import kestrel
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import Finish, Status, StepWrite
@@ -116,29 +116,54 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            (zombie,) = await db.claim_batch(conn, qs, owner="zombie", queues=["default"],
-                                             limit=10, lease_s=1)
+            connections.configure_connection(conn)
+            (zombie,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="zombie", queues=["default"], limit=10, lease_s=1
+                ),
+            )
             # The zombie freezes; the database clock passes its lease; the sweeper requeues;
             # a healthy worker claims under the next epoch.
             await conn.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'1 minute\'')
-            swept = await db.reenqueue_expired(conn, qs, limit=10, max_attempts=5)
+            swept = await db.run(
+                conn, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5)
+            )
             assert swept.requeued == 1
-            (fresh,) = await db.claim_batch(conn, qs, owner="healthy", queues=["default"],
-                                            limit=10, lease_s=30)
+            (fresh,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="healthy", queues=["default"], limit=10, lease_s=30
+                ),
+            )
             assert fresh.epoch == zombie.epoch + 1
             write = StepWrite(h.id, zombie.epoch, 0, "add", "999", None, 1, 0.0)
-            (saved,) = await db.save_steps(conn, qs, [write])
+            (saved,) = await db.run(conn, statements.steps.save_steps(qs, [write]))
             assert not saved.owned and not saved.inserted
-            assert await db.run(conn, db.heartbeat(qs, held=[(h.id, zombie.epoch)],
-                                                   lease_s=30)) == {}
-            done = await db.complete_batch(conn, qs, [Finish(h.id, zombie.epoch,
-                                                             Status.COMPLETED, "1", None)])
+            assert (
+                await db.run(
+                    conn,
+                    statements.executions.heartbeat(qs, held=[(h.id, zombie.epoch)], lease_s=30),
+                )
+                == {}
+            )
+            done = await db.run(
+                conn,
+                statements.executions.complete_batch(
+                    qs, [Finish(h.id, zombie.epoch, Status.COMPLETED, "1", None)]
+                ),
+            )
             assert done == set()
-            assert await db.release_batch(conn, qs, held=[(h.id, zombie.epoch)]) == set()
+            assert (
+                await db.run(
+                    conn, statements.executions.release_batch(qs, held=[(h.id, zombie.epoch)])
+                )
+                == set()
+            )
             # The owner of the current epoch is unaffected.
-            assert await db.run(conn, db.heartbeat(qs, held=[(h.id, fresh.epoch)],
-                                                   lease_s=30)) == {h.id: False}
+            assert await db.run(
+                conn, statements.executions.heartbeat(qs, held=[(h.id, fresh.epoch)], lease_s=30)
+            ) == {h.id: False}
 
     asyncio.run(main())
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 0
@@ -153,14 +178,26 @@ def test_first_committed_checkpoint_wins_and_is_returned(pg_dsn: str, schema: st
 
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
-            db.configure_connection(conn)
-            (c,) = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=1,
-                                        lease_s=30)
-            (first,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "10",
-                                                                None, 1, 0.0)])
+            connections.configure_connection(conn)
+            (c,) = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=1, lease_s=30
+                ),
+            )
+            (first,) = await db.run(
+                conn,
+                statements.steps.save_steps(
+                    qs, [StepWrite(h.id, c.epoch, 0, "add", "10", None, 1, 0.0)]
+                ),
+            )
             assert first.owned and first.inserted and first.recorded.output == 10
-            (again,) = await db.save_steps(conn, qs, [StepWrite(h.id, c.epoch, 0, "add", "77",
-                                                                None, 1, 0.0)])
+            (again,) = await db.run(
+                conn,
+                statements.steps.save_steps(
+                    qs, [StepWrite(h.id, c.epoch, 0, "add", "77", None, 1, 0.0)]
+                ),
+            )
             assert again.owned and not again.inserted and again.recorded.output == 10
 
     asyncio.run(main())

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import db
+from kestrel import db, statements
 from kestrel.client import SyncClient
 from kestrel.errors import SerializationError
 from kestrel.sql import queries
@@ -302,16 +302,33 @@ def test_a_give_back_backs_off_counts_learns_its_outcome_and_binds_its_version(
 
     async def claim(conn: Any, version: str) -> list[Claimed]:
         if limited:
-            got = await db.claim_limited(conn, qs, queue=queue, owner="w", limit=5, lease_s=30,
-                                         app_version=version)
+            got = await db.run_script(
+                conn,
+                statements.queues.claim_limited(
+                    qs, queue=queue, owner="w", limit=5, lease_s=30, app_version=version
+                ),
+            )
             assert got is not None
             return got
-        return await db.claim_batch(conn, qs, owner="w", queues=[queue], limit=5, lease_s=30,
-                                    app_version=version)
+        return await db.run(
+            conn,
+            statements.executions.claim_batch(
+                qs, owner="w", queues=[queue], limit=5, lease_s=30, app_version=version
+            ),
+        )
 
     async def give(conn: Any, c: Claimed, version: str, epoch: int | None = None) -> Any:
-        return await db.give_back(conn, qs, id=c.id, epoch=c.epoch if epoch is None else epoch,
-                                  app_version=version, base_s=1.0, cap_s=60.0)
+        return await db.run(
+            conn,
+            statements.executions.give_back(
+                qs,
+                id=c.id,
+                epoch=c.epoch if epoch is None else epoch,
+                app_version=version,
+                base_s=1.0,
+                cap_s=60.0,
+            ),
+        )
 
     def due_now() -> None:
         q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET wake_at = {s}.kestrel_now() "
@@ -364,12 +381,23 @@ def test_a_cancel_requested_before_the_give_back_is_not_parked_for_another_versi
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
                                                      prepare_threshold=None) as conn:
-            [c] = await db.claim_batch(conn, qs, owner="w", queues=["default"], limit=5,
-                                       lease_s=30, app_version="old")
+            [c] = await db.run(
+                conn,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=5, lease_s=30, app_version="old"
+                ),
+            )
             assert client.cancel(h.id) == "cancelling"
             for _ in range(2):  # and sent again after a lost reply: the same answer
-                assert await db.give_back(conn, qs, id=c.id, epoch=c.epoch, app_version="old",
-                                          base_s=1.0, cap_s=60.0) == "cancelled"
+                assert (
+                    await db.run(
+                        conn,
+                        statements.executions.give_back(
+                            qs, id=c.id, epoch=c.epoch, app_version="old", base_s=1.0, cap_s=60.0
+                        ),
+                    )
+                    == "cancelled"
+                )
             assert q(pg_dsn, schema, "SELECT status, give_backs FROM {s}.workflow_executions "
                      "WHERE id = %s", [h.id]) == [("running", 0)]
 

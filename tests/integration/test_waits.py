@@ -311,7 +311,7 @@ def test_parent_and_child_finishing_in_one_statement(pg_dsn: str, schema: str) -
     word to its parent must not touch the parent row the statement is deleting."""
     import uuid as _uuid
 
-    from kestrel import db
+    from kestrel import connections, db, statements
     from kestrel.sql import queries
     from kestrel.types import Finish, Status
 
@@ -326,18 +326,24 @@ def test_parent_and_child_finishing_in_one_statement(pg_dsn: str, schema: str) -
     async def main() -> None:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
                                                          prepare_threshold=None) as c:
-            db.configure_connection(c)
-            claimed = await db.claim_batch(c, qs, owner="w", queues=["default"], limit=10,
-                                           lease_s=1)
+            connections.configure_connection(c)
+            claimed = await db.run(
+                c,
+                statements.executions.claim_batch(
+                    qs, owner="w", queues=["default"], limit=10, lease_s=1
+                ),
+            )
             assert len(claimed) == 3
             first_two = [x for x in claimed if x.id == parent][:1] + [
                 x for x in claimed if x.id != parent][:1]
-            done = await db.complete_batch(c, qs, [
-                Finish(x.id, x.epoch, Status.COMPLETED, "1", None) for x in first_two])
+            done = await db.run(c, statements.executions.complete_batch(qs, [
+                Finish(x.id, x.epoch, Status.COMPLETED, "1", None) for x in first_two]))
             assert len(done) == 2
             # The third (a child of a finished parent) is quarantined by a sweep.
             await c.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'1 minute\'')
-            swept = await db.reenqueue_expired(c, qs, limit=10, max_attempts=1)
+            swept = await db.run(
+                c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=1)
+            )
             assert swept.quarantined == 1
 
     asyncio.run(main())

@@ -41,7 +41,7 @@ falsifying example, then ``git checkout -- <file>``:
   ``git show 861b348:sql/queries/steps.sql``. Expected: ``invariant_x1`` fails after a
   ``park`` that follows a ``consume_signal`` blocked on a transaction's ``signal()``.
 * P1 (a poison item fails its whole batch): in ``src/kestrel/writer.py``, ``_send``, replace
-  everything after the ``db.is_transient`` branch of the ``except`` with
+  everything after the ``connections.is_transient`` branch of the ``except`` with
   ``for _, fut in live: fut.done() or fut.set_exception(exc)`` and ``return``. Expected:
   "P1: a good checkpoint ... failed" from ``advance_all``.
 """
@@ -67,7 +67,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from psycopg import sql as pgsql
 from psycopg.pq import TransactionStatus
 
-from kestrel import codec, db
+from kestrel import codec, connections, db, statements
 from kestrel.client import Client
 from kestrel.errors import (
     ExecutionNotFound,
@@ -114,7 +114,7 @@ SEEN_KNOWN: set[str] = set()
 
 def _call(conn: Any, query: str, params: dict[str, Any]) -> Awaitable[Any]:
     """One call of a kestrel SQL function on *conn*, its errors mapped to typed ones."""
-    return db.run(conn, db.value(query, params))
+    return db.run(conn, statements.value(query, params))
 
 
 def known(bug: str, detail: str) -> None:
@@ -315,7 +315,7 @@ class InterleavingMachine(RuleBasedStateMachine):
         conn = await psycopg.AsyncConnection.connect(
             self.dsn, autocommit=autocommit, prepare_threshold=None,
             application_name=f"{self.tag}-{name}")
-        db.configure_connection(conn)
+        connections.configure_connection(conn)
         try:
             # Deadlocks between a user's transaction and a worker are legal; find them fast.
             await conn.execute("SET deadlock_timeout = '20ms'")
@@ -420,18 +420,22 @@ class InterleavingMachine(RuleBasedStateMachine):
     # -- group commit flushes (kestrel.worker's, minus metrics) -----------------------------
 
     async def flush_checkpoints(self, writes: list[StepWrite]) -> list[Any]:
-        return await self.ckpt_conn.run(lambda c: db.save_steps(c, self.q, writes))  # type: ignore[no-any-return]
+        return await self.ckpt_conn.run(
+            lambda c: db.run(c, statements.steps.save_steps(self.q, writes))
+        )  # type: ignore[no-any-return]
 
     async def flush_completions(self, finishes: list[Finish]) -> list[bool]:
-        done = await self.done_conn.run(lambda c: db.complete_batch(c, self.q, finishes))
+        done = await self.done_conn.run(
+            lambda c: db.run(c, statements.executions.complete_batch(self.q, finishes))
+        )
         return [f.execution_id in done for f in finishes]
 
     # -- the simulated worker ---------------------------------------------------------------
 
     async def claim(self, conn: Conn, owner: str, limit: int) -> None:
-        got = await conn.run(lambda c: db.claim_batch(
-            c, self.q, owner=owner, queues=["default"], limit=limit, lease_s=LEASE,
-            workflows=list(WORKFLOWS)))
+        got = await conn.run(lambda c: db.run(c, statements.executions.claim_batch(
+            self.q, owner=owner, queues=["default"], limit=limit, lease_s=LEASE,
+            workflows=list(WORKFLOWS))))
         for c in got:
             assert c.id in self.execs, f"claimed {c.id}, which was never submitted"
             ex = self.execs[c.id]
@@ -474,7 +478,7 @@ class InterleavingMachine(RuleBasedStateMachine):
         try:
             saved = await self.ckpt.submit(write)
         except Exception as exc:
-            if not db.is_data_error(exc):
+            if not connections.is_data_error(exc):
                 L.gone = True  # refused for the database's own reasons: the attempt ends
                 return
             # P1: the database refused a value; it must be this item's own.
@@ -505,9 +509,9 @@ class InterleavingMachine(RuleBasedStateMachine):
 
     async def look(self, L: Lease, conn: Conn) -> None:
         name = L.ex.wait_name
-        taken = await conn.run(lambda c: db.consume_signal(
-            c, self.q, id=L.ex.id, epoch=L.epoch, step_id=WAIT, name=name,
-            step_name="kestrel.signal:" + name))
+        taken = await conn.run(lambda c: db.run(c, statements.steps.consume_signal(
+            self.q, id=L.ex.id, epoch=L.epoch, step_id=WAIT, name=name,
+            step_name="kestrel.signal:" + name)))
         if not taken.owned:
             L.gone = True
         elif taken.cancelled:
@@ -524,9 +528,9 @@ class InterleavingMachine(RuleBasedStateMachine):
             L.seq = taken.signal_seq
 
     async def park(self, L: Lease, conn: Conn) -> None:
-        outcome = await conn.run(lambda c: db.park(
-            c, self.q, id=L.ex.id, epoch=L.epoch, step_id=WAIT, waiting_for=L.ex.wait_name,
-            seconds=None, seen_seq=L.seq))
+        outcome = await conn.run(lambda c: db.run(c, statements.executions.park(
+            self.q, id=L.ex.id, epoch=L.epoch, step_id=WAIT, waiting_for=L.ex.wait_name,
+            seconds=None, seen_seq=L.seq)))
         if outcome == "signalled":
             L.seq = None
         elif outcome == "cancelled":
@@ -558,7 +562,7 @@ class InterleavingMachine(RuleBasedStateMachine):
             done = await self.completions.submit(Finish(
                 ex.id, L.epoch, status, None if result is None else str(result), encoded_error))
         except Exception as exc:
-            assert not db.is_data_error(exc), f"a completion was refused: {exc!r}"
+            assert not connections.is_data_error(exc), f"a completion was refused: {exc!r}"
             return False  # refused for the database's own reasons (a deadlock): retried later
         return bool(done)
 
@@ -686,11 +690,17 @@ class InterleavingMachine(RuleBasedStateMachine):
                     return (await self.pyclient.submit(ex.workflow, *orjson.loads(args),
                                                      idempotency_key=ex.key)).id
         else:
-            params = db.submit_params(workflow=ex.workflow, args=args, queue="default",
-                                      priority=0, idempotency_key=ex.key, parent=ex.parent)
+            params = statements.client.submit_params(
+                workflow=ex.workflow,
+                args=args,
+                queue="default",
+                priority=0,
+                idempotency_key=ex.key,
+                parent=ex.parent,
+            )
 
             async def stmt(c: psycopg.AsyncConnection[Any]) -> Any:
-                return await db.run(c, db.value(self.q.submit, params, key=ex.key))
+                return await db.run(c, statements.value(self.q.submit, params, key=ex.key))
 
         # Until its reply is processed, an AUTO submit may or may not have committed.
         sig, racing = (ex.workflow, ex.n), self.inflight_keys.setdefault(ex.key or "", [])
@@ -1008,7 +1018,7 @@ class InterleavingMachine(RuleBasedStateMachine):
 
         async def beat() -> None:
             try:
-                owned = await conn.run(lambda c: db.run(c, db.heartbeat(
+                owned = await conn.run(lambda c: db.run(c, statements.executions.heartbeat(
                     self.q, held=[(L.ex.id, L.epoch) for L in idle], lease_s=LEASE)))
             except psycopg.errors.DeadlockDetected:
                 return  # against a user's transaction: the next beat tries again
@@ -1026,8 +1036,8 @@ class InterleavingMachine(RuleBasedStateMachine):
     def sweep(self) -> None:
         if self.sweeper.inflight:
             return
-        self.spawn(self.sweeper.run(lambda c: db.reenqueue_expired(
-            c, self.q, limit=100, max_attempts=MAX_ATTEMPTS)))
+        self.spawn(self.sweeper.run(lambda c: db.run(c, statements.sweeper.reenqueue_expired(
+            self.q, limit=100, max_attempts=MAX_ATTEMPTS))))
         self.settled()
 
     # -- invariants -------------------------------------------------------------------------
@@ -1258,8 +1268,8 @@ class InterleavingMachine(RuleBasedStateMachine):
     async def drain(self) -> None:
         """Sweep, then one well-behaved worker runs everything claimable to its end."""
         for _ in range(1000):
-            r = await self.sweeper.run(lambda c: db.reenqueue_expired(
-                c, self.q, limit=100, max_attempts=MAX_ATTEMPTS))
+            r = await self.sweeper.run(lambda c: db.run(c, statements.sweeper.reenqueue_expired(
+                self.q, limit=100, max_attempts=MAX_ATTEMPTS)))
             if r.examined == 0:
                 break
         closer = self.workers[0]

@@ -75,7 +75,7 @@ from psycopg import sql as pgsql
 from psycopg.pq import TransactionStatus
 
 import kestrel
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.client import Client
 from kestrel.config import Config
 from kestrel.errors import ChildFailed, InvalidState, KestrelError, StepFailed
@@ -370,7 +370,7 @@ class OperatorMachine(RuleBasedStateMachine):
         conn = await psycopg.AsyncConnection.connect(
             self.dsn, autocommit=autocommit, prepare_threshold=None,
             application_name=f"{self.tag}-{name}")
-        db.configure_connection(conn)
+        connections.configure_connection(conn)
         if fast_deadlock:
             # A deadlock between the machine's own statements and a worker's makes the
             # machine's statement the victim (workers keep the 1 s default): found at once.
@@ -570,9 +570,9 @@ class OperatorMachine(RuleBasedStateMachine):
     async def claim(self, sim: Sim) -> bool:
         sim.inflight += 1
         try:
-            got = await db.claim_batch(
-                sim.conn, self.q, owner=sim.app, queues=["default"], limit=1, lease_s=LEASE,
-                workflows=sorted(APPS[sim.version]), app_version=sim.version)
+            got = await db.run(sim.conn, statements.executions.claim_batch(
+                self.q, owner=sim.app, queues=["default"], limit=1, lease_s=LEASE,
+                workflows=sorted(APPS[sim.version]), app_version=sim.version))
         finally:
             sim.inflight -= 1
         if not got:
@@ -629,7 +629,12 @@ class OperatorMachine(RuleBasedStateMachine):
                     " WHERE id = %s AND lease_epoch = %s AND status = 'running'").format(
                         s=pgsql.Identifier(self.schema))
                 await c.execute(stmt, [held.id, held.epoch])
-                await db.reenqueue_expired(c, self.q, limit=100, max_attempts=MAX_ATTEMPTS)
+                await db.run(
+                    c,
+                    statements.sweeper.reenqueue_expired(
+                        self.q, limit=100, max_attempts=MAX_ATTEMPTS
+                    ),
+                )
 
             self.call(self.sweeper, expire, lambda _: None)
 
@@ -692,7 +697,9 @@ class OperatorMachine(RuleBasedStateMachine):
     @rule(seconds=st.sampled_from([1, SLEEP_S + 1]))
     def advance_clock(self, seconds: int) -> None:
         """Time passes (by the database clock): sleeps end."""
-        self.run(db.run(self.admin, db.advance_clock(self.q, seconds=float(seconds))))
+        self.run(
+            db.run(self.admin, statements.testing.advance_clock(self.q, seconds=float(seconds)))
+        )
 
     # -- rules: the operator ----------------------------------------------------------------
 
@@ -790,7 +797,7 @@ class OperatorMachine(RuleBasedStateMachine):
         new_id = uuid.uuid5(ex.id, f"fork:{k}:{len(self.order)}")
 
         async def stmt(c: psycopg.AsyncConnection[Any]) -> Any:
-            return await db.run(c, db.value(self.q.fork, {
+            return await db.run(c, statements.value(self.q.fork, {
                 "id": ex.id, "from_step": k, "new_id": new_id, "idempotency_key": None}))
 
         def forked(new: Any) -> None:
@@ -1047,9 +1054,17 @@ class OperatorMachine(RuleBasedStateMachine):
         worker = self.sims[0]
         for _ in range(100):
             progress = False
-            self.run(db.run(self.admin, db.advance_clock(self.q, seconds=2 * LEASE)))
-            while self.run(db.reenqueue_expired(self.admin, self.q, limit=100,
-                                                max_attempts=MAX_ATTEMPTS)).examined:
+            self.run(
+                db.run(self.admin, statements.testing.advance_clock(self.q, seconds=2 * LEASE))
+            )
+            while self.run(
+                db.run(
+                    self.admin,
+                    statements.sweeper.reenqueue_expired(
+                        self.q, limit=100, max_attempts=MAX_ATTEMPTS
+                    ),
+                )
+            ).examined:
                 pass
             for _ in range(1000):
                 if not self.run(self.claim(worker)):

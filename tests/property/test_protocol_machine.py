@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 from psycopg import sql as pgsql
 
-from kestrel import db
+from kestrel import connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.errors import IdempotencyConflict
 from kestrel.sql import queries
@@ -87,7 +87,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.q = queries(self.schema)
         self.conn = self.loop.run_until_complete(psycopg.AsyncConnection.connect(
             self.dsn, autocommit=True, prepare_threshold=None))
-        db.configure_connection(self.conn)
+        connections.configure_connection(self.conn)
         self.sql(
             "TRUNCATE {s}.workflow_executions, {s}.operation_outputs, {s}.workflow_history,"
             " {s}.step_history, {s}.idempotency_keys, {s}.signals, {s}.events,"
@@ -157,8 +157,14 @@ class ProtocolMachine(RuleBasedStateMachine):
     def claim(self, w: SimWorker) -> None:
         if w.eid is not None:
             return
-        got = self.run(db.claim_batch(self.conn, self.q, owner=w.name, queues=["default"],
-                                      limit=1, lease_s=LEASE))
+        got = self.run(
+            db.run(
+                self.conn,
+                statements.executions.claim_batch(
+                    self.q, owner=w.name, queues=["default"], limit=1, lease_s=LEASE
+                ),
+            )
+        )
         if not got:
             return
         c = got[0]
@@ -193,7 +199,7 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         k, out = w.pending
         write = StepWrite(w.eid, w.epoch, k, "add", str(out), None, 1, 0.0)
-        (saved,) = self.run(db.save_steps(self.conn, self.q, [write]))
+        (saved,) = self.run(db.run(self.conn, statements.steps.save_steps(self.q, [write])))
         current = self.sql("SELECT lease_epoch, status FROM {s}.workflow_executions "
                            "WHERE id = %s", [w.eid])
         holds = bool(current) and current[0] == (w.epoch, "running")
@@ -221,8 +227,12 @@ class ProtocolMachine(RuleBasedStateMachine):
     def heartbeat(self, w: SimWorker) -> None:
         if w.eid is None:
             return
-        owned = self.run(db.run(self.conn, db.heartbeat(self.q, held=[(w.eid, w.epoch)],
-                                                        lease_s=LEASE)))
+        owned = self.run(
+            db.run(
+                self.conn,
+                statements.executions.heartbeat(self.q, held=[(w.eid, w.epoch)], lease_s=LEASE),
+            )
+        )
         if w.eid not in owned:
             self.lose(w)
 
@@ -231,8 +241,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         if w.eid is None or w.next_step() is not None:
             return
         result = sum(w.recorded.values())
-        done = self.run(db.complete_batch(self.conn, self.q, [Finish(
-            w.eid, w.epoch, Status.COMPLETED, str(result), None)]))
+        done = self.run(db.run(self.conn, statements.executions.complete_batch(self.q, [Finish(
+            w.eid, w.epoch, Status.COMPLETED, str(result), None)])))
         if w.eid in done:
             assert w.eid not in self.finished  # I5: one terminal transition
             assert result == model_result(self.args[w.eid])
@@ -284,8 +294,8 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     @rule()
     def sweep(self) -> None:
-        r = self.run(db.reenqueue_expired(self.conn, self.q, limit=100,
-                                          max_attempts=MAX_ATTEMPTS))
+        r = self.run(db.run(self.conn, statements.sweeper.reenqueue_expired(self.q, limit=100,
+                                          max_attempts=MAX_ATTEMPTS)))
         assert r.examined >= r.requeued + r.quarantined
 
     # -- invariants -----------------------------------------------------------------------

@@ -117,15 +117,15 @@ def test_boot_and_cli_modules_stay_short(path: Path) -> None:
 
 # The two HTTP doors (issue 25). The API's side: the route table (app), its handlers (api)
 # and the webhooks (webhooks). The UI's side: the ui package (render, pages, forms) on the
-# sessions it alone uses. They share tokens (auth), refusals, request parts, statements
-# (store) and metrics (observe) through modules of their own; neither side imports the
+# sessions it alone uses. They share tokens (auth), refusals, request parts and metrics
+# (observe) through modules of their own, and their statements are kestrel.statements.http; neither side imports the
 # other, sessions imports neither door, and the shared modules import neither door nor
 # sessions. Within the API's side the arrows point one way: app -> webhooks -> api.
 HTTP = SRC / "http"
 API_SIDE = {"kestrel.http.app", "kestrel.http.api", "kestrel.http.webhooks"}
 UI_SIDE = {"kestrel.http.ui", "kestrel.http.sessions"}
 HTTP_DOORS = API_SIDE | {"kestrel.http.ui"}
-HTTP_SHARED = ["auth", "refusals", "requests", "store", "observe"]
+HTTP_SHARED = ["auth", "refusals", "requests", "observe"]
 UI_FILES = sorted(p.relative_to(HTTP).as_posix() for p in (HTTP / "ui").glob("*.py"))
 DOOR_FILES = ["app.py", "api.py", "webhooks.py", "sessions.py", *UI_FILES]
 
@@ -266,7 +266,7 @@ def module_imports(path: Path) -> set[str]:
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             typing_only |= {id(n) for n in ast.walk(node)}
     found = set()
-    known = {p.stem for p in SRC.glob("*.py")} | {"cli"}
+    known = {p.stem for p in SRC.glob("*.py")} | {"cli", "http", "statements"}
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
@@ -311,11 +311,98 @@ def test_cycle_finder_finds_a_cycle() -> None:
         ["a", "b", "c", "a"]]
 
 
+PACKAGES = ("cli", "http", "statements")
+
+
 def test_no_import_cycles() -> None:
+    """Between the top-level modules, each package (cli, http, statements) one node."""
     graph = {p.stem: module_imports(p) for p in SRC.glob("*.py") if p.stem != "__init__"}
-    graph["cli"] = set().union(*(module_imports(p) for p in (SRC / "cli").glob("*.py")))
+    for package in PACKAGES:
+        graph[package] = set().union(*(module_imports(p) - {package}
+                                       for p in (SRC / package).rglob("*.py")))
     graph = {k: {m for m in v if m != "__init__"} for k, v in graph.items()}
     assert import_cycles(graph) == []
+
+
+# -- statements: one module of kestrel/statements per file of sql/queries --------------------
+
+STATEMENTS = SRC / "statements"
+RAW_TEXT = {"set_lock_timeout"}
+"""Statements the connection layer sends as raw text ahead of another statement (the
+pipelined lock_timeout of a connection behind a pooler), so they have no builder."""
+
+
+def query_files() -> dict[str, str]:
+    """Every named statement of sql/queries by name: the file (stem) that holds it."""
+    from kestrel.sql import parse_named, sql_dir
+
+    return {name: path.stem for path in sorted((sql_dir() / "queries").glob("*.sql"))
+            for name in parse_named(path.read_text())}
+
+
+def queries_read(source: str) -> set[str]:
+    """The named statements *source* reads off a Queries value: ``q.name``,
+    ``self._q.name``, ``app.state.q.name`` or ``queries(schema).name``."""
+    names = set(query_files())
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            base = node.value
+            if (isinstance(base, ast.Name) and base.id == "q"
+                    or isinstance(base, ast.Attribute) and base.attr in ("q", "_q")
+                    or isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                    and base.func.id == "queries"):
+                found.add(node.attr)
+    return found
+
+
+def test_queries_scanner_sees_every_form() -> None:
+    source = ("a = q.submit\nb = self._q.signal\nc = app.state.q.fork\n"
+              "d = queries(s).listen\ne = client.submit\n")
+    assert queries_read(source) == {"submit", "signal", "fork", "listen"}
+
+
+def test_each_sql_file_has_one_statements_module() -> None:
+    files = set(query_files().values())
+    modules = {p.stem for p in STATEMENTS.glob("*.py")} - {"__init__", "stmt"}
+    assert modules == files
+
+
+@pytest.mark.parametrize("name", sorted(set(query_files()) - RAW_TEXT))
+def test_each_statement_is_built_in_the_module_of_its_file(name: str) -> None:
+    """``-- name: X`` of sql/queries/F.sql is built in kestrel/statements/F.py, and read
+    off a Queries value nowhere else."""
+    home = query_files()[name]
+    readers = {str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+               if name in queries_read(p.read_text())}
+    assert readers == {f"statements/{home}.py"}
+
+
+STATEMENT_DEPS = {"kestrel.statements", "kestrel.sql", "kestrel.types", "kestrel.codec",
+                  "kestrel.errors", "kestrel.config"}
+
+
+@pytest.mark.parametrize("path", sorted(STATEMENTS.glob("*.py")), ids=lambda p: p.name)
+def test_statements_do_no_io(path: Path) -> None:
+    """A builder says what to send and how to read the rows; it imports nothing that
+    connects, executes or runs workflows."""
+    found = {m for m in imported_modules(ast.parse(path.read_text()))
+             if m.startswith("kestrel.")}
+    outside = {m for m in found if not any(m == d or m.startswith(d + ".")
+                                           for d in STATEMENT_DEPS)}
+    assert outside == set(), path.name
+
+
+def test_db_is_only_the_executor() -> None:
+    """db.py builds no statement: it reads no named statement off a Queries value and
+    defines no function that takes one."""
+    source = (SRC / "db.py").read_text()
+    assert queries_read(source) == set()
+    takes_queries = [node.name for node in ast.walk(ast.parse(source))
+                     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                     and any(ast.unparse(a.annotation or ast.Constant(None)) == "Queries"
+                             for a in node.args.args + node.args.kwonlyargs)]
+    assert takes_queries == []
 
 
 def test_the_sync_client_is_generated_from_the_async_one() -> None:

@@ -66,12 +66,12 @@ def test_migrations_reject_invalid_schema() -> None:
 
 def test_the_claim_spells_the_suspect_threshold_as_db_says() -> None:
     """claim_batch writes SUSPECT_AFTER as a constant (a partial index needs one)."""
-    from kestrel import db
+    from kestrel import statements
     from kestrel.sql import named_statements
 
     claim = named_statements()["claim_batch"]
-    assert f"e.attempts >= {db.SUSPECT_AFTER}" in claim
-    assert f"e.attempts < {db.SUSPECT_AFTER}" in claim
+    assert f"e.attempts >= {statements.executions.SUSPECT_AFTER}" in claim
+    assert f"e.attempts < {statements.executions.SUSPECT_AFTER}" in claim
 
 
 def test_the_claims_change_and_result_are_written_once() -> None:
@@ -87,7 +87,7 @@ def test_the_claims_change_and_result_are_written_once() -> None:
         assert parts["claim_flip"] in statements[name]
         assert parts["claim_result"] in statements[name]
         assert "-- include:" not in statements[name]
-    from kestrel.db import _CLAIMED
+    from kestrel.statements.executions import _CLAIMED
     from kestrel.types import Claimed
 
     columns = set(_CLAIMED) | {"args", "steps"}
@@ -100,7 +100,7 @@ def test_the_claims_change_and_result_are_written_once() -> None:
 def test_a_claim_row_is_decoded_by_name_in_any_order() -> None:
     import uuid
 
-    from kestrel.db import _claimed
+    from kestrel.statements.executions import claimed as _claimed
 
     row = {"tracestate": None, "steps": '[[0, "a", 1, null]]', "epoch": 3, "attempt": 2,
            "args": "[1]", "workflow": "w", "id": uuid.UUID(int=1), "wait_step": None,

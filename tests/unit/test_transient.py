@@ -14,7 +14,7 @@ import psycopg
 from psycopg import errors
 from psycopg_pool import PoolTimeout
 
-from kestrel.db import is_transient
+from kestrel.connections import is_transient
 
 TRANSIENT = [
     psycopg.OperationalError("server closed the connection unexpectedly"),  # no SQLSTATE
@@ -65,7 +65,7 @@ def test_contention_is_retried_and_a_refused_value_never_is() -> None:
     """Issue 22: contention is sent again unchanged (the group commit retries the whole
     batch); data errors and program limits are isolated and never retried; a pool timeout
     is told apart from the database being unreachable (FAULTS R3)."""
-    from kestrel.db import is_contended, is_data_error, is_pool_timeout
+    from kestrel.connections import is_contended, is_data_error, is_pool_timeout
 
     assert [type(e).__name__ for e in CONTENDED if not is_contended(e)] == []
     assert [type(e).__name__ for e in CONTENDED if is_transient(e) or is_data_error(e)] == []

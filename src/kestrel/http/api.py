@@ -22,13 +22,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel import codec, db
+from kestrel import codec, statements
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import (
     IdempotencyConflict,
     InvalidState,
 )
-from kestrel.http import auth, store
+from kestrel.http import auth
 from kestrel.http.refusals import Refusal
 from kestrel.http.requests import (
     DIGITS,
@@ -167,7 +167,7 @@ async def send_signal(app: Starlette, eid: uuid.UUID | str, name: str, payload: 
         return bool(await app.state.client.signal(eid, name, payload, idempotency_key=key))
     except InvalidState:
         if key is not None and await app.state.client.read(
-                store.signal_sent(app.state.q, id=uuid.UUID(str(eid)), key=key)):
+                statements.http.signal_sent(app.state.q, id=uuid.UUID(str(eid)), key=key)):
             return False
         raise
 
@@ -222,7 +222,7 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
     new = uuid.uuid5(FORK_KEYS, key)
 
     async def made_before() -> bool:
-        source = await app.state.client.read(store.fork_source(app.state.q, id=new))
+        source = await app.state.client.read(statements.client.fork_source(app.state.q, id=new))
         if source is None:
             return False
         if source != (eid, step):
@@ -234,8 +234,8 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
         return new, False
     try:
         # fork() with a caller-chosen id (the statement the client's fork() runs).
-        await app.state.client.read(db.value(app.state.q.fork, {
-            "id": eid, "from_step": step, "new_id": new, "idempotency_key": None}))
+        await app.state.client.read(statements.client.fork(
+            app.state.q, id=eid, from_step=step, new_id=new, idempotency_key=None))
     except (IdempotencyConflict, psycopg.errors.UniqueViolation):
         # The same key sent twice at once: the other request made the fork first.
         if await made_before():
@@ -280,7 +280,7 @@ async def list_executions(request: Request) -> Response:
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
     state = request.app.state
-    rows = await state.client.read(store.page_executions(
+    rows = await state.client.read(statements.http.page_executions(
         state.q, status=status, workflow=workflow, queue=queue, since=_time(params, "since"),
         until=_time(params, "until"), after=after, limit=limit + 1))
     page = rows[:limit]
@@ -305,7 +305,7 @@ async def get_execution(request: Request) -> Response:
     state = request.app.state
     ex = await state.client.get(eid)
     steps = await state.client.steps(eid)
-    wait = await state.client.read(store.get_wait(state.q, id=eid)) or {}
+    wait = await state.client.read(statements.http.get_wait(state.q, id=eid)) or {}
     return ok({
         "id": str(ex.id), "workflow": ex.workflow, "queue": ex.queue, "priority": ex.priority,
         "status": ex.status.value, "claims": ex.attempts, "args": ex.args,
@@ -315,9 +315,10 @@ async def get_execution(request: Request) -> Response:
         "finished_at": ex.finished_at.isoformat() if ex.finished_at else None,
         **wait,
         "steps": [_step(s, ex.created_at) for s in steps],
-        "events": await state.client.read(store.list_events(state.q, id=eid)),
-        "pending_signals": await state.client.read(store.pending_signals(state.q, id=eid)),
-        "children": await state.client.read(store.list_children(state.q, id=eid)),
+        "events": await state.client.read(statements.http.list_events(state.q, id=eid)),
+        "pending_signals": await state.client.read(statements.http.pending_signals(
+            state.q, id=eid)),
+        "children": await state.client.read(statements.http.list_children(state.q, id=eid)),
     })
 
 
@@ -326,7 +327,7 @@ async def list_queues(request: Request) -> Response:
     await require(request, "read")
     state = request.app.state
     stats = await state.client.stats()
-    limits = await state.client.read(store.list_queue_limits(state.q))
+    limits = await state.client.read(statements.http.list_queue_limits(state.q))
     found: dict[str, dict[str, Any]] = {}
     for name in sorted({*(s.queue for s in stats.queues), *limits}):
         found[name] = {"queue": name, "depth": {}, "oldest_queued_age_s": None,
@@ -342,7 +343,7 @@ async def list_schedules(request: Request) -> Response:
     """Every cron schedule with its last tick."""
     await require(request, "read")
     state = request.app.state
-    return ok({"schedules": await state.client.read(store.list_schedules(state.q))})
+    return ok({"schedules": await state.client.read(statements.http.list_schedules(state.q))})
 
 
 async def list_workflows(request: Request) -> Response:

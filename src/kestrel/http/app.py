@@ -11,7 +11,7 @@ answers to routes nobody serves.
 
 What the handlers of both doors find on ``app.state``: ``client`` (a :class:`HttpClient`,
 opened at start-up in the serving process, after any fork), ``q`` (the statements, for
-:mod:`kestrel.http.store` reads run with ``client.read``), ``workflows``, ``hooks`` and
+:mod:`kestrel.statements.http` reads run with ``client.read``), ``workflows``, ``hooks`` and
 ``cfg``.
 
 Errors are one line of JSON, ``{"error": "..."}``, with a 4xx status and nothing written;
@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import codec, db, tracing
+from kestrel import codec, statements, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -223,8 +223,8 @@ class HttpClient(Client):
         super().__init__(*args, **kwargs)
         self._hooks = Client(*args, **{**kwargs, "pool_size": hook_pool_size})
 
-    async def read(self, stmt: db.Stmt[Any]) -> Any:
-        """Run one read statement of :mod:`kestrel.http.store` on a pooled connection."""
+    async def read(self, stmt: statements.Stmt[Any]) -> Any:
+        """Run one read statement of :mod:`kestrel.statements.http` on a pooled connection."""
         return await self._run(stmt)
 
     @asynccontextmanager
@@ -259,7 +259,7 @@ class HttpClient(Client):
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
         params["id"] = chosen = uuid.uuid4()
-        eid = await self._run(db.value(self._q.submit, params, key=idempotency_key))
+        eid = await self._run(statements.client.submit(self._q, params))
         if eid == chosen:
             count_submitted(params["workflow"])
         return eid, eid == chosen

@@ -20,9 +20,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from kestrel import codec
+from kestrel import codec, statements
 from kestrel.errors import ConfigError
-from kestrel.http import store
 from kestrel.http.refusals import Refusal
 
 SCOPES = ("read", "operate", "submit")
@@ -146,7 +145,7 @@ async def check_token(state: Any, token: str, scope: str) -> Caller:
     parts = split(f"Bearer {token}")
     if parts is None:
         raise Refusal(401, "malformed token (kst_…)")
-    row = await state.client.read(store.get_token(state.q, id=parts[0]))
+    row = await state.client.read(statements.http.get_token(state.q, id=parts[0]))
     caller = verify(parts[1], row, parts[0])
     if caller is None:
         raise Refusal(401, "invalid or revoked token")

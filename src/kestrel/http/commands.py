@@ -11,10 +11,10 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from kestrel import codec, db
+from kestrel import codec, connections, db, statements
 from kestrel.config import Config
 from kestrel.errors import ConfigError, MigrationError
-from kestrel.http import auth, store
+from kestrel.http import auth
 from kestrel.sql import Queries, queries
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ def _resending(dsn: str, write: Callable[[psycopg.Connection[Any], bool], T]) ->
             with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
                 return write(conn, attempt > 0)
         except psycopg.OperationalError as exc:
-            if not db.is_transient(exc) or attempt == RESENDS:
+            if not connections.is_transient(exc) or attempt == RESENDS:
                 raise
             time.sleep(0.2 * (attempt + 1))
     raise AssertionError("unreachable")
@@ -63,8 +63,9 @@ def _token_command(q: Queries, dsn: str, action: str, args: dict[str, Any],
         scopes = auth.parse_scopes(args["scopes"])
         token = auth.new_token()
         try:
-            created = _resending(dsn, lambda conn, _: db.run_sync(conn, store.create_token(
-                q, id=token.id, name=name, scopes=scopes, secret_hash=token.secret_hash)))
+            created = _resending(dsn, lambda conn, _: db.run_sync(
+                conn, statements.http.create_token(q, id=token.id, name=name, scopes=scopes,
+                                                   secret_hash=token.secret_hash)))
         except psycopg.errors.UniqueViolation:
             raise ConfigError(f"a live token is already named {name!r}; revoke it or "
                               "choose another name") from None
@@ -76,7 +77,7 @@ def _token_command(q: Queries, dsn: str, action: str, args: dict[str, Any],
                       f"{','.join(scopes)}: shown once, only its hash is stored)")
     if action == "list":
         with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
-            rows = db.run_sync(conn, store.list_tokens(q))
+            rows = db.run_sync(conn, statements.http.list_tokens(q))
         lines = [f"{'id':<16}  {'name':<24} {'scopes':<20} {'created':<25} revoked"]
         lines += [f"{r['id']:<16}  {r['name'][:24]:<24} {','.join(r['scopes']):<20} "
                   f"{r['created_at'][:25]:<25} {r['revoked_at'] or ''}" for r in rows]
@@ -84,11 +85,11 @@ def _token_command(q: Queries, dsn: str, action: str, args: dict[str, Any],
     key = codec.check_text(args["token"], what="token name or id", max_chars=128)
 
     def revoke(conn: psycopg.Connection[Any], resent: bool) -> list[str]:
-        revoked = db.run_sync(conn, store.revoke_token(q, key=key))
+        revoked = db.run_sync(conn, statements.http.revoke_token(q, key=key))
         if not revoked and resent:
             # The first try may have revoked it and lost its reply: the newest revoked token
             # of that id or name is the one it revoked (no live one is left either way).
-            gone = [r for r in db.run_sync(conn, store.list_tokens(q))
+            gone = [r for r in db.run_sync(conn, statements.http.list_tokens(q))
                     if key in (r["id"], r["name"]) and r["revoked_at"] is not None]
             revoked = [max(gone, key=lambda r: r["revoked_at"])["id"]] if gone else []
         return revoked

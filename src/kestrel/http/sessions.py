@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel.http import auth, store
+from kestrel import statements
+from kestrel.http import auth
 from kestrel.http.refusals import Refusal
 from kestrel.http.requests import MAX_FORM_BYTES, read_form
 
@@ -67,7 +68,7 @@ async def current_session(request: Request) -> Session | None:
     if cookie is None or secret_hash is None:
         return None
     state = request.app.state
-    row = await state.client.read(store.get_session(state.q, secret_hash=secret_hash))
+    row = await state.client.read(statements.http.get_session(state.q, secret_hash=secret_hash))
     if row is None:
         return None
     caller = auth.Caller(token_id=row[0], name=row[1], scopes=frozenset(row[2]))
@@ -111,7 +112,7 @@ async def start(request: Request, token: str) -> tuple[auth.Caller, str]:
     state = request.app.state
     caller = await auth.check_token(state, token, "read")
     cookie, secret_hash = auth.new_session()
-    started = await state.client.read(store.create_session(
+    started = await state.client.read(statements.http.create_session(
         state.q, secret_hash=secret_hash, token_id=caller.token_id, ttl_s=SESSION_TTL_S))
     if started is None:  # revoked between the check and the insert
         raise Refusal(401, "invalid or revoked token")
@@ -121,7 +122,7 @@ async def start(request: Request, token: str) -> tuple[auth.Caller, str]:
 async def end(request: Request, session: Session) -> None:
     """End *session* on the server: its row is deleted, its cookie opens nothing more."""
     state = request.app.state
-    await state.client.read(store.end_session(state.q, secret_hash=session.secret_hash))
+    await state.client.read(statements.http.end_session(state.q, secret_hash=session.secret_hash))
 
 
 def set_cookie(response: Response, request: Request, cookie: str) -> None:

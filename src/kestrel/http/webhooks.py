@@ -20,9 +20,8 @@ import psycopg
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel import codec
+from kestrel import codec, statements
 from kestrel._client_common import count_submitted
-from kestrel.http import store
 from kestrel.http.api import ok, send_signal
 from kestrel.http.hooks import (
     Hook,
@@ -153,7 +152,7 @@ async def _hook_submit(request: Request, spec: Hook, key: str, body: bytes,
     if not body.strip():
         raise Refusal(400, "malformed JSON body: it is empty")
     try:
-        eid: uuid.UUID = await state.client.read(store.hook_submit(
+        eid: uuid.UUID = await state.client.read(statements.http.hook_submit(
             state.q, workflow=spec.workflow, body=body, envelope=envelope,
             queue=spec.queue, key=key, max_bytes=cap, trace=trace_context(request)))
     except psycopg.errors.CharacterNotInRepertoire:

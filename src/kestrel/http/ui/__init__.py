@@ -5,7 +5,7 @@ when), one execution (first its alert: what it waits for with approve/reject/sen
 its failure with the traceback as text; then the step timeline, events, child tree, cancel
 and retry; a form redirects back to it saying what it sent, and its script reloads it when
 the execution's state changes), queues, schedules and a search over history. Every read is
-a statement of :mod:`kestrel.http.store` (shared with the JSON API) or of
+a statement of :mod:`kestrel.statements.http` (shared with the JSON API) or of
 ``sql/queries/ui.sql``; every change goes through the kestrel client, so the same SQL
 functions and rules as at every other door.
 

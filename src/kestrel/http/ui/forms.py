@@ -16,9 +16,9 @@ from urllib.parse import urlencode
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from kestrel import codec
+from kestrel import codec, statements
 from kestrel.errors import ExecutionNotFound
-from kestrel.http import auth, sessions, store
+from kestrel.http import auth, sessions
 from kestrel.http.refusals import Refusal
 from kestrel.http.requests import read_form
 from kestrel.http.sessions import Session, current_session
@@ -27,10 +27,10 @@ from kestrel.http.ui.pages import (
     check_query,
     checked,
     execution_id,
+    queries_of,
     query_params,
     read,
     refusal_page,
-    statements,
 )
 from kestrel.http.ui.render import error_page, render
 
@@ -133,8 +133,8 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
         if action != "signal":
             waited = await _waited_for(request, eid, str(name))
             if waited is None:
-                if form_key and await read(request, store.signal_sent(
-                        statements(request), id=eid, key=form_key)):
+                if form_key and await read(request, statements.http.signal_sent(
+                        queries_of(request), id=eid, key=form_key)):
                     return "duplicate"
                 raise Refusal(409, f"this execution is not waiting for signal "
                               f"{codec.printable(str(name), 80)!r}: nothing was sent")
@@ -166,7 +166,7 @@ async def _waited_for(request: Request, eid: uuid.UUID, name: str) -> str | None
     Raises:
         ExecutionNotFound: no such execution.
     """
-    wait = await read(request, store.get_wait(statements(request), id=eid))
+    wait = await read(request, statements.http.get_wait(queries_of(request), id=eid))
     if wait is None:
         raise ExecutionNotFound(f"no execution {eid}")
     waiting = wait.get("waiting") or {}

@@ -4,7 +4,7 @@ search over history; and what every page and form does with a request first
 (:func:`page`, :func:`check_query`, :func:`query_params`, :func:`checked`,
 :func:`execution_id`, :func:`refusal_page`).
 
-Every read is a statement of :mod:`kestrel.http.store` (shared with the JSON API) or of
+Every read is a statement of :mod:`kestrel.statements.http` (shared with the JSON API) or of
 ``sql/queries/ui.sql``, run with :func:`read`.
 """
 
@@ -21,16 +21,15 @@ from urllib.parse import urlencode
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from kestrel import codec
+from kestrel import codec, statements
 from kestrel.codec import QUEUE_NAME
-from kestrel.db import Stmt
 from kestrel.errors import KestrelError
-from kestrel.http import store
 from kestrel.http.refusals import Refusal, classify
 from kestrel.http.requests import decode_cursor, encode_cursor, parse_time
 from kestrel.http.sessions import Session, current_session
 from kestrel.http.ui.render import error_page, failure_view, render, wait_view
 from kestrel.sql import Queries
+from kestrel.statements import Stmt
 from kestrel.types import Status
 
 PAGE = 50
@@ -138,7 +137,7 @@ async def read(request: Request, stmt: Stmt[Any]) -> Any:
     return await request.app.state.client.read(stmt)
 
 
-def statements(request: Request) -> Queries:
+def queries_of(request: Request) -> Queries:
     """The statements of the schema this server serves."""
     q: Queries = request.app.state.q
     return q
@@ -166,9 +165,8 @@ def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
 
 async def counts(request: Request) -> dict[str, Any]:
     """Live executions by status and those finished in the last 24 hours by status."""
-    rows = await read(request, Stmt(statements(request).ui_counts,
-                                    {"finished_window": FINISHED_WINDOW},
-                                    lambda rows: rows))
+    rows = await read(request, statements.ui.ui_counts(queries_of(request),
+                                                       finished_window=FINISHED_WINDOW))
     live = {s.value: 0 for s in Status if not s.terminal}
     finished = dict.fromkeys(TERMINAL, 0)
     for status, n, is_live in rows:
@@ -176,10 +174,10 @@ async def counts(request: Request) -> dict[str, Any]:
     return {"live": live, "finished_24h": finished}
 
 
-def _waits(request: Request, ids: list[uuid.UUID]) -> Awaitable[dict[str, dict[str, Any]]]:
+async def _waits(request: Request, ids: list[uuid.UUID]) -> dict[str, dict[str, Any]]:
     """What each waiting execution of *ids* waits for and since when, by id."""
-    return read(request, Stmt(statements(request).ui_waits, {"ids": ids}, lambda rows: {
-        str(r[0]): wait_view(r) for r in rows}))
+    return {eid: wait_view(row) for eid, row in (await read(request, statements.ui.ui_waits(
+        queries_of(request), ids=ids))).items()}
 
 
 async def executions(request: Request, session: Session) -> Response:
@@ -194,8 +192,8 @@ async def executions(request: Request, session: Session) -> Response:
         raise Refusal(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
-    rows = await read(request, store.page_executions(
-        statements(request), status=status, workflow=workflow, queue=queue,
+    rows = await read(request, statements.http.page_executions(
+        queries_of(request), status=status, workflow=workflow, queue=queue,
         since=_time(params, "since"), until=_time(params, "until"), after=after,
         limit=PAGE + 1))
     page_rows = rows[:PAGE]
@@ -225,7 +223,8 @@ async def _tree(request: Request, root: uuid.UUID) -> list[dict[str, Any]]:
     async def walk(eid: uuid.UUID, depth: int) -> None:
         if depth > TREE_DEPTH or len(found) >= TREE_NODES:
             return
-        for child in await read(request, store.list_children(statements(request), id=eid)):
+        for child in await read(request, statements.http.list_children(
+                queries_of(request), id=eid)):
             if len(found) >= TREE_NODES:
                 return
             found.append({**child, "depth": depth})
@@ -243,7 +242,7 @@ async def execution(request: Request, session: Session) -> Response:
     ex = await client.get(eid)
     notice = await _notice(request, eid, params)
     steps = await client.steps(eid)
-    wait = await read(request, store.get_wait(statements(request), id=eid)) or {}
+    wait = await read(request, statements.http.get_wait(queries_of(request), id=eid)) or {}
     waits = await _waits(request, [eid]) if ex.status.value == "waiting" else {}
     end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
     span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
@@ -262,8 +261,8 @@ async def execution(request: Request, session: Session) -> Response:
         waits=waits.get(str(eid)), failure=failure_view(ex.error, steps)
         if ex.status.value in ("failed", "quarantined") else None,
         state=None if ex.status.terminal else _state(ex, waits.get(str(eid))),
-        events=await read(request, store.list_events(statements(request), id=eid)),
-        signals=await read(request, store.pending_signals(statements(request), id=eid)),
+        events=await read(request, statements.http.list_events(queries_of(request), id=eid)),
+        signals=await read(request, statements.http.pending_signals(queries_of(request), id=eid)),
         tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
         forked=await client.forked_from(eid),
         hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
@@ -294,10 +293,8 @@ async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str],
     notice: dict[str, Any] = {"text": NOTICES[done], "signal": None}
     sent = checked(params, "sent", what="sent", max_chars=80, required=False)
     if sent and sent.partition(":")[0] in SIGNAL_ACTIONS:
-        notice["signal"] = await read(request, Stmt(
-            statements(request).ui_sent_signal, {"id": eid, "key": f"ui:{sent}"},
-            lambda rows: {"name": rows[0][0], "payload": rows[0][1], "at": rows[0][2]}
-            if rows else None))
+        notice["signal"] = await read(request, statements.ui.ui_sent_signal(
+            queries_of(request), id=eid, key=f"ui:{sent}"))
     return notice
 
 
@@ -327,7 +324,7 @@ async def queues(request: Request, session: Session) -> Response:
     workers (what they claim, their app version) and the work none of them can claim."""
     query_params(request, ())
     stats = await request.app.state.client.stats()
-    limits = await read(request, store.list_queue_limits(statements(request)))
+    limits = await read(request, statements.http.list_queue_limits(queries_of(request)))
     found: dict[str, dict[str, Any]] = {}
     for name in sorted({*(s.queue for s in stats.queues), *limits}):
         found[name] = {"queue": name, "depth": {}, "oldest": None, "limits": limits.get(name)}
@@ -344,7 +341,7 @@ async def queues(request: Request, session: Session) -> Response:
 async def schedules(request: Request, session: Session) -> Response:
     """Every cron schedule with its last tick."""
     query_params(request, ())
-    rows = await read(request, store.list_schedules(statements(request)))
+    rows = await read(request, statements.http.list_schedules(queries_of(request)))
     return render(request, "schedules.html", session=session, schedules=rows)
 
 
@@ -368,13 +365,9 @@ async def search(request: Request, session: Session) -> Response:
     now = datetime.now(UTC)
     since = _time(params, "since") or now - timedelta(days=SEARCH_DAYS)
     until = _time(params, "until") or now + timedelta(days=1)
-    rows = await read(request, Stmt(statements(request).search_history, {
-        "since": since, "until": until, "status": status, "pattern": like_pattern(text),
-        "limit": PAGE}, lambda rows: [
-            {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
-             "claims": r[4], "created_at": r[5], "finished_at": r[6],
-             "parent_id": str(r[7]) if r[7] else None,
-             "error": f"{r[8]}: {r[9]}" if r[8] else None} for r in rows]))
+    rows = await read(request, statements.ui.search_history(
+        queries_of(request), since=since, until=until, status=status,
+        pattern=like_pattern(text), limit=PAGE))
     return render(request, "search.html", session=session, q=text, filters=params,
                   since=since, until=until, rows=rows, limit=PAGE)
 
@@ -398,8 +391,8 @@ __all__ = [
     "execution_id",
     "like_pattern",
     "page",
+    "queries_of",
     "query_params",
     "read",
     "refusal_page",
-    "statements",
 ]

@@ -1,8 +1,9 @@
-"""The HTTP door's statements (``sql/queries/http.sql``) as :class:`~kestrel.db.Stmt` values.
+"""The HTTP door's statements (``sql/queries/http.sql``): tokens, UI sessions, the reads
+the API and the UI share, a fork's source, and webhook submits.
 
-Nothing here executes SQL: the server runs these with :func:`kestrel.db.run` on a pooled
-connection and the ``token`` commands with :func:`kestrel.db.run_sync`. Each read returns
-plain JSON-ready dicts, so the API and the web UI render the same shapes.
+The server runs these with :func:`kestrel.db.run` on a pooled connection and the ``token``
+commands with :func:`kestrel.db.run_sync`. Each read returns plain JSON-ready dicts, so the
+API and the web UI render the same shapes.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from typing import Any
 
 from psycopg.types.json import Jsonb
 
-from kestrel.db import Stmt
 from kestrel.sql import Queries
-from kestrel.statements import fork_source as fork_source  # the client reads it too
+from kestrel.statements.stmt import Stmt, nothing
 
 Row = dict[str, Any]
 
@@ -72,7 +72,7 @@ def get_session(q: Queries, *, secret_hash: bytes,
 
 def end_session(q: Queries, *, secret_hash: bytes) -> Stmt[None]:
     """Delete a UI session (logout); nothing when it is already gone."""
-    return Stmt(q.end_session, {"secret_hash": secret_hash}, lambda rows: None)
+    return Stmt(q.end_session, {"secret_hash": secret_hash}, nothing)
 
 
 def _summary(r: Sequence[Any]) -> Row:
@@ -157,7 +157,6 @@ def list_schedules(q: Queries) -> Stmt[list[Row]]:
 def signal_sent(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
     """Whether a signal with idempotency key *key* reached execution *id*."""
     return Stmt(q.signal_sent, {"id": id, "key": key}, lambda rows: bool(rows[0][0]))
-
 
 
 def hook_submit(q: Queries, *, workflow: str, body: bytes, envelope: str | None,

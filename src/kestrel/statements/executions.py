@@ -1,0 +1,177 @@
+"""The worker's statements on execution rows (``sql/queries/executions.sql``): the claim,
+the heartbeat, parking at a wait, giving back, releasing, completing, and reading back a
+completion whose reply was lost.
+
+Writes carry the lease epoch; they match zero rows for a superseded epoch and the caller
+learns it from what comes back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any, Literal
+
+import orjson
+
+from kestrel import codec
+from kestrel.codec import MAX_HISTORY_BYTES
+from kestrel.errors import HistoryTooLarge, UndecodableInput
+from kestrel.sql import Queries
+from kestrel.statements.stmt import Stmt, json_rows, wrapped
+from kestrel.types import Claimed, Finish, RecordedStep
+
+SUSPECT_AFTER = 2
+"""Claims without finishing after which an execution is a suspect (see claim_batch, where
+it is written as a constant so that the planner can use the suspects' partial index)."""
+
+
+_CLAIMED = ("id", "workflow", "epoch", "attempt", "wait_step", "wait_deadline", "signal_seq",
+            "deadline", "cancel_requested", "db_now", "created_at", "waiting_for",
+            "traceparent", "tracestate")
+"""The columns of a claim's result (sql/fragments/claim.sql: claim_result) passed to
+:class:`Claimed` as they are; ``args`` and ``steps`` are decoded first."""
+
+
+def _recorded(steps: list[list[Any]] | None) -> dict[int, RecordedStep]:
+    if not steps:
+        return {}
+    return {s[0]: RecordedStep(s[1], s[2], s[3]) for s in steps}
+
+
+def claimed(row: Mapping[str, Any]) -> Claimed:
+    """A row of claim_batch or claim_limited by column name (both end with the same
+    claim_result, named as Claimed's fields). Arguments and checkpoints arrive as JSON text
+    and are decoded here, one execution at a time, so a value that cannot be decoded fails
+    that execution only (FAULTS P2)."""
+    broken: Exception | None = None
+    args: list[Any] = []
+    steps: dict[int, RecordedStep] = {}
+    try:
+        args = codec.decode_exact(row["args"])
+        history = orjson.loads(row["steps"]) if row["steps"] is not None else None
+    except ValueError as exc:
+        broken = UndecodableInput(
+            f"the stored arguments or checkpoints of execution {row['id']} cannot be decoded "
+            f"unchanged ({exc}); submit them within JSON's double range and 64-bit integers")
+    else:
+        if isinstance(history, dict):
+            broken = HistoryTooLarge(
+                f"execution {row['id']} has {history.get('too_large')} bytes of recorded "
+                "checkpoints, over --max-history-bytes: it cannot be loaded to replay")
+        else:
+            steps = _recorded(history)
+    return Claimed(args=args, steps=steps, broken=broken,
+                   **{k: row[k] for k in _CLAIMED if k in row})
+
+
+def claims(rows: list[Mapping[str, Any]]) -> list[Claimed]:
+    """The rows of a claim (by column name), each as :func:`claimed` decodes it."""
+    return [claimed(r) for r in rows]
+
+
+def claimed_from_texts(*, id: uuid.UUID, workflow: str, args: str, steps: str | None,
+                       wait_step: int | None, waiting_for: str | None,
+                       created_at: datetime | None) -> Claimed:
+    """An execution as a claim would hand it to the runner, from its arguments and
+    checkpoints as the database returns them (JSON text, ``history_of``'s shape), decoded as
+    a claim's row is: what cannot be decoded, or a history over the bound, is ``broken``. A
+    replay before deploy (kestrel.replay) loads histories through this, so it sees exactly
+    what a worker would (no lease, no trace context)."""
+    return claimed({"id": id, "workflow": workflow, "args": args, "epoch": 0, "attempt": 1,
+                    "steps": steps, "wait_step": wait_step, "waiting_for": waiting_for,
+                    "created_at": created_at})
+
+
+def claim_params(*, owner: str, limit: int, lease_s: float, workflows: Sequence[str] | None,
+                 max_history_bytes: int, app_version: str | None) -> dict[str, Any]:
+    """The parameters both claims (this one and ``queues.claim_limited``) share."""
+    return {"owner": owner, "limit": limit, "lease_s": lease_s,
+            "workflows": list(workflows or ()), "any_workflow": workflows is None,
+            "max_history_bytes": max_history_bytes, "app_version": app_version}
+
+
+def claim_batch(
+    q: Queries, *, owner: str, queues: Sequence[str], limit: int, lease_s: float,
+    workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
+    take_suspect: bool = True, app_version: str | None = None,
+) -> Stmt[list[Claimed]]:
+    """Claim up to *limit* queued executions of *workflows* (None: any) with their recorded
+    checkpoints.
+
+    At most one of them is a suspect (claimed :data:`SUSPECT_AFTER` times before), and none
+    when *take_suspect* is false. A first claim records *app_version* on the row.
+    """
+    params = claim_params(owner=owner, limit=limit, lease_s=lease_s, workflows=workflows,
+                          max_history_bytes=max_history_bytes, app_version=app_version)
+    params.update(queues=list(queues), take_suspect=take_suspect)
+    return Stmt(q.claim_batch, params, claims, by_name=True)
+
+
+def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
+              lease_s: float) -> Stmt[dict[uuid.UUID, bool | None]]:
+    """Extend the leases in *held*: the ids still owned, each with its cancel flag, or None
+    when another transaction holds the row (busy: still ours, not extended this time)."""
+    return Stmt(q.heartbeat, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held],
+                              "lease_s": lease_s},
+                lambda rows: {r[0]: bool(r[1]) if r[2] else None for r in rows})
+
+
+def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
+         seconds: float | None, seen_seq: int | None) -> Stmt[str]:
+    """Park the execution at a wait. Returns ``parked`` (now, or by an earlier try whose
+    reply was lost), ``cancelled`` (a cancel was requested), ``signalled`` (a signal arrived
+    since *seen_seq* was read: look again), ``recorded`` (the position has a checkpoint:
+    replay it) or ``lost`` (no longer ours)."""
+    return Stmt(q.park, {"id": id, "epoch": epoch, "step_id": step_id,
+                         "waiting_for": waiting_for, "seconds": seconds, "seen_seq": seen_seq},
+                lambda rows: str(rows[0][0]))
+
+
+def complete_batch(q: Queries, finishes: Sequence[Finish]) -> Stmt[set[uuid.UUID]]:
+    """Finish executions and move them to history; the ids that were still owned."""
+    return Stmt(q.complete_batch,
+                {"rows": json_rows([f.execution_id, f.epoch, f.status.value,
+                                    wrapped(f.result), wrapped(f.error)] for f in finishes)},
+                _ids)
+
+
+def finished_readback(q: Queries, finishes: Sequence[Finish]) -> Stmt[set[uuid.UUID]]:
+    """Of *finishes*, the ids that are in history under their epoch and status: our own
+    completion committed, though its reply was lost."""
+    return Stmt(q.finished_readback,
+                {"ids": [f.execution_id for f in finishes],
+                 "epochs": [f.epoch for f in finishes],
+                 "statuses": [f.status.value for f in finishes]}, _ids)
+
+
+def release_batch(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]]
+                  ) -> Stmt[set[uuid.UUID]]:
+    """Put still-owned executions back in the queue at once (drain)."""
+    return Stmt(q.release_batch, {"ids": [h[0] for h in held],
+                                  "epochs": [h[1] for h in held]}, _ids)
+
+
+def _ids(rows: list[tuple[Any, ...]]) -> set[uuid.UUID]:
+    return {row[0] for row in rows}
+
+
+def give_back(q: Queries, *, id: uuid.UUID, epoch: int, app_version: str | None,
+              base_s: float, cap_s: float,
+              ) -> Stmt[tuple[int, datetime] | Literal["cancelled"] | None]:
+    """Give back an execution this worker's code is too old for (CodeTooOld), unrun: it
+    waits until now + ``min(cap_s, base_s * 2**give_backs)``, its give-back counted and
+    *app_version* recorded, whose claims skip it from then on. Returns the execution's
+    give-back count and when it can be claimed again (also on a retry after a lost reply),
+    ``"cancelled"`` if a cancel was requested meanwhile (nothing given back: the worker
+    finishes it as cancelled), or None if it is no longer ours."""
+
+    def decode(rows: list[tuple[Any, ...]]
+               ) -> tuple[int, datetime] | Literal["cancelled"] | None:
+        if not rows:
+            return None
+        return "cancelled" if rows[0][2] else (int(rows[0][0]), rows[0][1])
+
+    return Stmt(q.give_back, {"id": id, "epoch": epoch, "app_version": app_version,
+                              "base_s": base_s, "cap_s": cap_s}, decode)

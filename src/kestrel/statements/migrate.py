@@ -1,0 +1,64 @@
+"""The statements of ``kestrel-runtime migrate`` (``sql/queries/migrate.sql``), run in one
+transaction by :mod:`kestrel.migrate`; the advisory lock is transaction-level."""
+
+from __future__ import annotations
+
+from kestrel.sql import Queries
+from kestrel.statements.stmt import Stmt, command, first
+
+
+def migrate_lock(q: Queries) -> Stmt[None]:
+    """Wait for any other migrate of this schema (released at COMMIT)."""
+    return command(q.migrate_lock)
+
+
+def create_schema(q: Queries) -> Stmt[None]:
+    """Create the schema if it does not exist."""
+    return command(q.create_schema)
+
+
+def migrations_table_exists(q: Queries) -> Stmt[bool]:
+    """Whether the schema has its migration record."""
+    return Stmt(q.migrations_table_exists, None, lambda rows: bool(first(rows)))
+
+
+def applied_migrations(q: Queries) -> Stmt[set[int]]:
+    """The versions of the migrations applied."""
+    return Stmt(q.applied_migrations, None, lambda rows: {int(r[0]) for r in rows})
+
+
+def current_migration(q: Queries) -> Stmt[int]:
+    """The newest applied migration, 0 when none."""
+    return Stmt(q.current_migration, None, lambda rows: int(first(rows) or 0))
+
+
+def record_migration(q: Queries, *, version: int, name: str) -> Stmt[None]:
+    """Record migration *version* as applied."""
+    return command(q.record_migration, {"version": version, "name": name})
+
+
+def apply(text: str) -> Stmt[None]:
+    """One migration or function definition of ``sql/`` (rendered for the schema)."""
+    return command(text)
+
+
+def ensure_current_partitions(q: Queries, *, interval: str, ahead: int,
+                              current: bool) -> Stmt[None]:
+    """History partitions *ahead*, and the current period's on install or upgrade only."""
+    return command(q.ensure_current_partitions,
+                   {"interval": interval, "ahead": ahead, "current": current})
+
+
+def set_clock_kind(q: Queries, *, test_clock: bool) -> Stmt[None]:
+    """Which clock a migration that makes one gives the schema (transaction-local)."""
+    return command(q.set_clock_kind, {"test_clock": "on" if test_clock else "off"})
+
+
+def has_test_clock(q: Queries) -> Stmt[bool]:
+    """Whether the schema was made for tests (it has the movable clock)."""
+    return Stmt(q.has_test_clock, None, lambda rows: bool(first(rows)))
+
+
+def lock_test_clock(q: Queries) -> Stmt[None]:
+    """Wait for a test moving the clock to commit."""
+    return command(q.lock_test_clock)

@@ -1,0 +1,11 @@
+"""The worker's wake-up channel (``sql/queries/notify.sql``)."""
+
+from __future__ import annotations
+
+from kestrel.sql import Queries
+from kestrel.statements.stmt import Stmt, command
+
+
+def listen(q: Queries) -> Stmt[None]:
+    """LISTEN for this schema's wake-ups (on a direct, non-pooled connection)."""
+    return command(q.listen)
