@@ -176,9 +176,9 @@ class Runner:
                    seconds: float | None, seen_seq: int | None) -> str:
         """Park the execution at a wait; return parked, cancelled, signalled or lost.
 
-        See :func:`kestrel.statements.executions.park`. The lease counts as finishing while the statement is on its
-        way, and is held again unless it parked. Retried while the database is unreachable and
-        the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
+        See :func:`kestrel.statements.executions.park`. The lease counts as finishing while
+        the statement is on its way, and is held again unless it parked. Retried while the
+        database is unreachable and the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
         meanwhile and the park found a signal (the workflow would go on), it raises
         CancelledError as the deadline timer would: the execution fails DeadlineExceeded.
         """
@@ -384,8 +384,9 @@ class Runner:
         """Give back an execution that newer code ran, unfailed and without counting the
         attempt, for a worker of another version (a rolling deploy, a rollback): it waits
         out a backoff that grows with its give-backs, and the claims of this app version
-        skip it from now on (statements.executions.give_back). Retried while the database is unreachable and
-        the lease trusted; if that fails, the lease expires and the sweeper re-queues it.
+        skip it from now on (statements.executions.give_back). Retried while the database is
+        unreachable and the lease trusted; if that fails, the lease expires and the sweeper
+        re-queues it.
         True when it was not given back because a cancel was requested meanwhile: the
         caller finishes it as cancelled."""
         c = lease.claimed

@@ -112,7 +112,8 @@ class Writer(Protocol):
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
-        """Consume a pending signal into the wait's checkpoint (see statements.steps.consume_signal)."""
+        """Consume a pending signal into the wait's checkpoint
+        (statements.steps.consume_signal)."""
 
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch."""

@@ -118,9 +118,10 @@ def test_boot_and_cli_modules_stay_short(path: Path) -> None:
 # The two HTTP doors (issue 25). The API's side: the route table (app), its handlers (api)
 # and the webhooks (webhooks). The UI's side: the ui package (render, pages, forms) on the
 # sessions it alone uses. They share tokens (auth), refusals, request parts and metrics
-# (observe) through modules of their own, and their statements are kestrel.statements.http; neither side imports the
-# other, sessions imports neither door, and the shared modules import neither door nor
-# sessions. Within the API's side the arrows point one way: app -> webhooks -> api.
+# (observe) through modules of their own, and their statements (kestrel.statements.http);
+# neither side imports the other, sessions imports neither door, and the shared modules
+# import neither door nor sessions. Within the API's side the arrows point one way:
+# app -> webhooks -> api.
 HTTP = SRC / "http"
 API_SIDE = {"kestrel.http.app", "kestrel.http.api", "kestrel.http.webhooks"}
 UI_SIDE = {"kestrel.http.ui", "kestrel.http.sessions"}
@@ -348,10 +349,10 @@ def queries_read(source: str) -> set[str]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute) and node.attr in names:
             base = node.value
-            if (isinstance(base, ast.Name) and base.id == "q"
-                    or isinstance(base, ast.Attribute) and base.attr in ("q", "_q")
-                    or isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
-                    and base.func.id == "queries"):
+            if ((isinstance(base, ast.Name) and base.id == "q")
+                    or (isinstance(base, ast.Attribute) and base.attr in ("q", "_q"))
+                    or (isinstance(base, ast.Call) and isinstance(base.func, ast.Name)
+                        and base.func.id == "queries")):
                 found.add(node.attr)
     return found
 
