@@ -178,9 +178,10 @@ class Runner:
 
         See :func:`kestrel.statements.executions.park`. The lease counts as finishing while
         the statement is on its way, and is held again unless it parked. Retried while the
-        database is unreachable and the lease is trusted; past that it raises LeaseLost. If the workflow deadline passed
-        meanwhile and the park found a signal (the workflow would go on), it raises
-        CancelledError as the deadline timer would: the execution fails DeadlineExceeded.
+        database is unreachable and the lease is trusted; past that it raises LeaseLost. If
+        the workflow deadline passed meanwhile and the park found a signal (the workflow
+        would go on), it raises CancelledError as the deadline timer would: the execution
+        fails DeadlineExceeded.
         """
         lease.finish()  # a heartbeat that now misses the row is seeing our own park
 
