@@ -12,7 +12,7 @@ The webhooks (:mod:`kestrel.http.webhooks`) signal as :func:`send_signal` does.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -34,8 +34,8 @@ from kestrel.http.requests import (
     DIGITS,
     decode_cursor,
     encode_cursor,
-    parse_time,
     read_json,
+    time_param,
     trace_context,
 )
 from kestrel.types import Status
@@ -244,14 +244,6 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
     return new, True
 
 
-def _time(params: Mapping[str, str], name: str) -> datetime | None:
-    text = params.get(name)
-    if text is None:
-        return None
-    try:
-        return parse_time(text)
-    except ValueError:
-        raise Refusal(400, f"{name} must be an ISO 8601 time") from None
 
 
 LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor")
@@ -281,8 +273,8 @@ async def list_executions(request: Request) -> Response:
     after = decode_cursor(cursor) if cursor else None
     state = request.app.state
     rows = await state.client.read(statements.http.page_executions(
-        state.q, status=status, workflow=workflow, queue=queue, since=_time(params, "since"),
-        until=_time(params, "until"), after=after, limit=limit + 1))
+        state.q, status=status, workflow=workflow, queue=queue, since=time_param(params, "since"),
+        until=time_param(params, "until"), after=after, limit=limit + 1))
     page = rows[:limit]
     more = len(rows) > limit
     next_cursor = encode_cursor(page[-1][1], page[-1][0]["id"]) if more and page else None

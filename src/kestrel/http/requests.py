@@ -10,6 +10,7 @@ import base64
 import binascii
 import re
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -127,13 +128,20 @@ def decode_cursor(text: str) -> tuple[datetime, uuid.UUID]:
         raise Refusal(400, "cursor is not one this API returned") from None
 
 
-def parse_time(text: str) -> datetime:
-    """An ISO 8601 time; one without a zone is UTC.
+def time_param(params: Mapping[str, str], name: str) -> datetime | None:
+    """The query parameter *name* as an ISO 8601 time (one without a zone is UTC), or None
+    when it is absent.
 
     Raises:
-        ValueError: *text* is not an ISO 8601 time.
+        Refusal: 400, it is not an ISO 8601 time.
     """
-    when = datetime.fromisoformat(text)
+    text = params.get(name)
+    if text is None:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise Refusal(400, f"{name} must be an ISO 8601 time like 2026-01-31T09:30") from None
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 

@@ -25,7 +25,7 @@ from kestrel import codec, statements
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import KestrelError
 from kestrel.http.refusals import Refusal, classify
-from kestrel.http.requests import decode_cursor, encode_cursor, parse_time
+from kestrel.http.requests import decode_cursor, encode_cursor, time_param
 from kestrel.http.sessions import Session, current_session
 from kestrel.http.ui.render import error_page, failure_view, render, wait_view
 from kestrel.sql import Queries
@@ -143,14 +143,6 @@ def queries_of(request: Request) -> Queries:
     return q
 
 
-def _time(params: Mapping[str, str], name: str) -> datetime | None:
-    text = params.get(name)
-    if text is None:
-        return None
-    try:
-        return parse_time(text)
-    except ValueError:
-        raise Refusal(400, f"{name} must be a time like 2026-01-31T09:30") from None
 
 
 def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
@@ -194,7 +186,7 @@ async def executions(request: Request, session: Session) -> Response:
     after = decode_cursor(cursor) if cursor else None
     rows = await read(request, statements.http.page_executions(
         queries_of(request), status=status, workflow=workflow, queue=queue,
-        since=_time(params, "since"), until=_time(params, "until"), after=after,
+        since=time_param(params, "since"), until=time_param(params, "until"), after=after,
         limit=PAGE + 1))
     page_rows = rows[:PAGE]
     waiting = [uuid.UUID(r["id"]) for r, _ in page_rows if r["status"] == "waiting"]
@@ -363,8 +355,8 @@ async def search(request: Request, session: Session) -> Response:
         pass
     status = _status(params, TERMINAL)
     now = datetime.now(UTC)
-    since = _time(params, "since") or now - timedelta(days=SEARCH_DAYS)
-    until = _time(params, "until") or now + timedelta(days=1)
+    since = time_param(params, "since") or now - timedelta(days=SEARCH_DAYS)
+    until = time_param(params, "until") or now + timedelta(days=1)
     rows = await read(request, statements.ui.search_history(
         queries_of(request), since=since, until=until, status=status,
         pattern=like_pattern(text), limit=PAGE))
