@@ -23,9 +23,8 @@ from typing import Any
 
 from kestrel import codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
-from kestrel.config import SCHEMA_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
-from kestrel.sql import queries
+from kestrel.sql import SCHEMA_NAME, queries
 from kestrel.types import Execution, Status
 from kestrel.workflow import WorkflowFn, workflow_name
 

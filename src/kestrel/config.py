@@ -20,11 +20,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_HISTORY_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError
+from kestrel.sql import SCHEMA_NAME
 
 if TYPE_CHECKING:
     from kestrel.queues import QueueSpec
 
-SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 # An application version (--app-version): a release name, a tag or a commit hash.
 APP_VERSION = re.compile(r"[A-Za-z0-9_.:+/@-]{1,128}")
 

@@ -14,8 +14,11 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from kestrel.config import SCHEMA_NAME
 from kestrel.errors import ConfigError
+
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+"""What a schema name may be: it is written into every statement (``__schema__``), so it is
+checked here, where that happens, and by :class:`kestrel.config.Config` before."""
 
 
 def sql_dir() -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -406,14 +407,20 @@ def test_db_is_only_the_executor() -> None:
     assert takes_queries == []
 
 
-def test_the_sync_client_is_generated_from_the_async_one() -> None:
-    """client_sync.py is exactly what tools/unasync.py makes of client_async.py."""
+def load_tool(name: str) -> Any:
+    """The module ``tools/<name>.py`` (tools/ is not a package on the path)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("unasync", ROOT / "tools" / "unasync.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    unasync = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(unasync)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sync_client_is_generated_from_the_async_one() -> None:
+    """client_sync.py is exactly what tools/unasync.py makes of client_async.py."""
+    unasync = load_tool("unasync")
     want = unasync.generate((SRC / "client_async.py").read_text())
     assert (SRC / "client_sync.py").read_text() == want, "run `make unasync`"
 
@@ -460,3 +467,20 @@ def test_public_functions_and_classes_have_docstrings() -> None:
                 if not ast.get_docstring(n):
                     missing.append(f"{path.name}:{n.lineno} {n.name}")
     assert missing == []
+
+
+def test_contributing_shows_the_import_layers_drawn_from_the_code() -> None:
+    """CONTRIBUTING.md's layers are what tools/layers.py draws from the imports now (run
+    ``python -m tools.layers --write`` after a change of them); drawing them also proves the
+    module-level imports have no cycle."""
+    layers = load_tool("layers")
+    assert layers.current() == layers.block(), "run `python -m tools.layers --write`"
+
+
+def test_layers_are_drawn_from_the_longest_chain() -> None:
+    layers = load_tool("layers")
+    edges = {"a": {"b", "c"}, "b": {"c"}, "c": set(), "d": {"a"}}
+    assert layers.layers(edges) == {"a": 2, "b": 1, "c": 0, "d": 3}
+    assert layers.longest_chain(edges) == ["d", "a", "b", "c"]
+    with pytest.raises(ValueError, match="import cycle"):
+        layers.layers({"a": {"b"}, "b": {"a"}})

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from markupsafe import Markup
@@ -21,8 +21,10 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from kestrel import codec
-from kestrel.http.sessions import Session
 from kestrel.types import Status
+
+if TYPE_CHECKING:
+    from kestrel.http.sessions import Session
 
 HERE = Path(__file__).parent.parent
 """The folder of the UI's ``templates/`` and ``static/`` (``kestrel/http``)."""
