@@ -49,7 +49,7 @@ from kestrel.lease import Lease
 from kestrel.sql import queries
 from kestrel.types import Claimed, RecordedStep, SignalTaken, Status, StepSaved, StepWrite
 from kestrel.workflow import Context
-from kestrel.workflow_steps import HistoryEnd
+from kestrel.workflow_steps import PATCH_STEP, HistoryEnd
 
 FORMAT = "kestrel-history/1"
 """The ``format`` of every line ``export-histories`` writes; a reader refuses any other."""
@@ -65,7 +65,6 @@ LIVE = frozenset({Status.QUEUED.value, Status.RUNNING.value, Status.WAITING.valu
 # failed, cancelled or quarantined one ended otherwise; it runs again only if retried.
 _MUST_RUN = LIVE | {Status.COMPLETED.value}
 
-_PATCH = "kestrel.patch:"
 _MAX_STEP_ID = 2**31 - 1
 
 
@@ -155,11 +154,11 @@ class ReadOnlyWriter:
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Keep a new patch marker in memory; answer it as recorded."""
-        if write.step_id >= 0 or not write.name.startswith(_PATCH) or write.output is None:
+        if write.step_id >= 0 or not write.name.startswith(PATCH_STEP) or write.output is None:
             raise AssertionError(f"a replay writes nothing, but was asked to checkpoint "
                                  f"{write.name!r} at {write.step_id}")
         output = orjson.loads(write.output)
-        self.markers.append((write.name[len(_PATCH):], int(output.get("at", 0))))
+        self.markers.append((write.name[len(PATCH_STEP):], int(output.get("at", 0))))
         return StepSaved(owned=True, inserted=True,
                          recorded=RecordedStep(write.name, output, None))
 
