@@ -30,7 +30,7 @@ from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, overload
 from uuid import UUID
 
-from kestrel import codec, db, metrics, tracing
+from kestrel import codec, connections, metrics, tracing
 from kestrel.definitions import (
     RetryPolicy,
     StepInfo,
@@ -69,14 +69,15 @@ class Writer(Protocol):
     async def park(self, lease: Lease, *, step_id: int, waiting_for: str,
                    seconds: float | None, seen_seq: int | None) -> str:
         """Park the execution at a wait: parked, cancelled, signalled, recorded or lost
-        (db.park)."""
+        (statements.executions.park)."""
 
     async def load_step(self, lease: Lease, *, step_id: int) -> RecordedStep | None:
         """Read the checkpoint recorded at *step_id* (a wait park refused as recorded)."""
 
     async def consume_signal(self, lease: Lease, *, step_id: int, name: str,
                              step_name: str) -> SignalTaken:
-        """Consume a pending signal into the wait's checkpoint (see db.consume_signal)."""
+        """Consume a pending signal into the wait's checkpoint (see
+        statements.steps.consume_signal)."""
 
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch."""
@@ -285,7 +286,7 @@ class StepContext:
             # database's own (a limit, its disk, a timeout) ends this attempt, which counts
             # toward max_attempts, so a repeat ends in quarantine, never in a loop.
             metrics.get().rejected_writes.labels("checkpoint").inc()
-            if db.is_data_error(exc):
+            if connections.is_data_error(exc):
                 self._decide(WriteRejected(
                     f"the database refused the checkpoint of step {name!r}: "
                     f"{type(exc).__name__}: {exc}"))
