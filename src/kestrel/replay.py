@@ -7,7 +7,7 @@ status. :func:`replay_one` runs the workflow code on it with a :class:`Context` 
 recorded output (or raises its recorded error), exactly as at a claim, through the same
 checks (``NonDeterminismError``, ``CodeTooOld``); at the first position the history does not
 hold, after the checks a claim makes there, the replay of that execution ends
-(:class:`~kestrel.workflow.HistoryEnd`). No step body runs, nothing is parked, signalled or
+(:class:`~kestrel.workflow_steps.HistoryEnd`). No step body runs, nothing is parked, signalled or
 written: a new patch marker stays in the writer's memory, which is how the replay knows the
 code takes a new path. One mechanism decides both at claim time and here, so a replay and a
 deploy cannot disagree.
@@ -48,7 +48,8 @@ from kestrel.errors import (
 from kestrel.lease import Lease
 from kestrel.sql import queries
 from kestrel.types import Claimed, RecordedStep, SignalTaken, Status, StepSaved, StepWrite
-from kestrel.workflow import Context, HistoryEnd
+from kestrel.workflow import Context
+from kestrel.workflow_steps import PATCH_STEP, HistoryEnd
 
 FORMAT = "kestrel-history/1"
 """The ``format`` of every line ``export-histories`` writes; a reader refuses any other."""
@@ -64,7 +65,6 @@ LIVE = frozenset({Status.QUEUED.value, Status.RUNNING.value, Status.WAITING.valu
 # failed, cancelled or quarantined one ended otherwise; it runs again only if retried.
 _MUST_RUN = LIVE | {Status.COMPLETED.value}
 
-_PATCH = "kestrel.patch:"
 _MAX_STEP_ID = 2**31 - 1
 
 
@@ -154,11 +154,11 @@ class ReadOnlyWriter:
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Keep a new patch marker in memory; answer it as recorded."""
-        if write.step_id >= 0 or not write.name.startswith(_PATCH) or write.output is None:
+        if write.step_id >= 0 or not write.name.startswith(PATCH_STEP) or write.output is None:
             raise AssertionError(f"a replay writes nothing, but was asked to checkpoint "
                                  f"{write.name!r} at {write.step_id}")
         output = orjson.loads(write.output)
-        self.markers.append((write.name[len(_PATCH):], int(output.get("at", 0))))
+        self.markers.append((write.name[len(PATCH_STEP):], int(output.get("at", 0))))
         return StepSaved(owned=True, inserted=True,
                          recorded=RecordedStep(write.name, output, None))
 

@@ -45,8 +45,9 @@ expect a falsifying example, then ``git checkout`` the file:
   ``git show b36b934:sql/functions/functions.sql > sql/functions/functions.sql`` (every
   migrate re-applies it). Expected, e.g.: ``setup(fails=['none', 'risky'])``,
   ``fleet()``, ``fork(e=0, k=3)``, ``fleet()``: the fork fails with NonDeterminismError.
-* row 4 (an old worker runs its old path over a new marker):
-  ``git show b36b934:src/kestrel/workflow.py > src/kestrel/workflow.py``. Expected:
+* row 4 (an old worker runs its old path over a new marker): the Context as at b36b934
+  (then all in ``src/kestrel/workflow.py``; since issue 25 its checks of a position are in
+  ``workflow_steps.py`` and its markers in ``workflow_patches.py``). Expected:
   ``setup(versions=['v2', 'v1', 'v1'])``, a ``go`` signal, ``fleet(first=0, fault='crash',
   at=4)`` (v2 dies after the marker, before its sleep), ``fleet(first=1)``: v1 runs its
   old path: "no child started at 5" (the model's path has the audit there).

@@ -13,7 +13,8 @@ from kestrel.testing import INTERNAL_STEPS, Run, is_internal
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-CONTEXT = ROOT / "src" / "kestrel" / "workflow.py"
+# The Context, in the modules it is put together from (kestrel/workflow*.py).
+CONTEXT = sorted((ROOT / "src" / "kestrel").glob("workflow*.py"))
 
 
 def readme_names() -> list[str]:
@@ -25,13 +26,15 @@ def readme_names() -> list[str]:
 
 
 def written_by_the_context() -> set[str]:
-    """Every ``"kestrel.…"`` text in workflow.py: whole names (``"kestrel.now"``) and the
-    fixed part of formatted ones (``f"kestrel.set_event:{key}"`` gives ``kestrel.set_event:``)."""
+    """Every ``"kestrel.…"`` text in the Context's modules: whole names (``"kestrel.now"``)
+    and the fixed part of formatted ones (``f"kestrel.set_event:{key}"`` gives
+    ``kestrel.set_event:``)."""
     found = set()
-    for node in ast.walk(ast.parse(CONTEXT.read_text())):
-        if (isinstance(node, ast.Constant) and isinstance(node.value, str)
-                and re.fullmatch(r"kestrel\.[a-z_]+:?", node.value)):
-            found.add(node.value)
+    for path in CONTEXT:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and re.fullmatch(r"kestrel\.[a-z_]+:?", node.value)):
+                found.add(node.value)
     return found
 
 

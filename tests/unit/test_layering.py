@@ -15,7 +15,8 @@ import kestrel
 
 SRC = Path(kestrel.__file__).resolve().parent
 ROOT = SRC.parents[1]
-LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow", "db",
+LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow",
+             "workflow_steps", "workflow_waits", "workflow_patches", "workflow_calls", "db",
              "loops"]
 HIGH_LEVEL = {"kestrel.supervisor", "kestrel.cli", "kestrel.boot", "kestrel.migrate",
               "kestrel.demo"}
