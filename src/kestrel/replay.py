@@ -7,7 +7,7 @@ status. :func:`replay_one` runs the workflow code on it with a :class:`Context` 
 recorded output (or raises its recorded error), exactly as at a claim, through the same
 checks (``NonDeterminismError``, ``CodeTooOld``); at the first position the history does not
 hold, after the checks a claim makes there, the replay of that execution ends
-(:class:`~kestrel.workflow_steps.HistoryEnd`). No step body runs, nothing is parked, signalled or
+(:class:`~kestrel.workflow.steps.HistoryEnd`). No step body runs, nothing is parked, signalled or
 written: a new patch marker stays in the writer's memory, which is how the replay knows the
 code takes a new path. One mechanism decides both at claim time and here, so a replay and a
 deploy cannot disagree.
@@ -49,7 +49,7 @@ from kestrel.lease import Lease
 from kestrel.sql import queries
 from kestrel.types import Claimed, RecordedStep, SignalTaken, Status, StepSaved, StepWrite
 from kestrel.workflow import Context
-from kestrel.workflow_steps import PATCH_STEP, HistoryEnd
+from kestrel.workflow.steps import PATCH_STEP, HistoryEnd
 
 FORMAT = "kestrel-history/1"
 """The ``format`` of every line ``export-histories`` writes; a reader refuses any other."""

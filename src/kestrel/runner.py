@@ -52,7 +52,7 @@ from kestrel.types import (
     StepWrite,
 )
 from kestrel.workflow import Context, WorkflowFn, describe_error
-from kestrel.workflow_waits import Park
+from kestrel.workflow.waits import Park
 from kestrel.writer import GroupCommit
 
 log = logging.getLogger("kestrel.worker")
@@ -125,7 +125,7 @@ class Runner:
         # lease watchdog reads them (no_connection_for), FAULTS R3.
         self._no_connection: dict[object, float] = {}
 
-    # -- what a Context asks of its worker (kestrel.workflow_steps.Writer) --------------------
+    # -- what a Context asks of its worker (kestrel.workflow.steps.Writer) --------------------
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Checkpoint *write* in the next group commit; return what is now recorded."""

@@ -47,7 +47,7 @@ expect a falsifying example, then ``git checkout`` the file:
   ``fleet()``, ``fork(e=0, k=3)``, ``fleet()``: the fork fails with NonDeterminismError.
 * row 4 (an old worker runs its old path over a new marker): the Context as at b36b934
   (then all in ``src/kestrel/workflow.py``; since issue 25 its checks of a position are in
-  ``workflow_steps.py`` and its markers in ``workflow_patches.py``). Expected:
+  ``workflow/steps.py`` and its markers in ``workflow/patches.py``). Expected:
   ``setup(versions=['v2', 'v1', 'v1'])``, a ``go`` signal, ``fleet(first=0, fault='crash',
   at=4)`` (v2 dies after the marker, before its sleep), ``fleet(first=1)``: v1 runs its
   old path: "no child started at 5" (the model's path has the audit there).

@@ -13,8 +13,8 @@ from kestrel.testing import INTERNAL_STEPS, Run, is_internal
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-# The Context, in the modules it is put together from (kestrel/workflow*.py).
-CONTEXT = sorted((ROOT / "src" / "kestrel").glob("workflow*.py"))
+# The Context, in the modules it is put together from (the kestrel/workflow package).
+CONTEXT = sorted((ROOT / "src" / "kestrel" / "workflow").glob("*.py"))
 
 
 def readme_names() -> list[str]:

@@ -268,7 +268,7 @@ def waits_for(ex: Execution) -> dict[str, Any] | None:
     ``slot`` (queued in a limited queue) or ``version`` (given back by workers whose code is
     older than its history, it waits for a worker of another app version); a wait's
     ``waiting_for`` is the signal's name, or ``kestrel.sleep`` / ``kestrel.child:<id>`` (see
-    :mod:`kestrel.workflow_waits`). *until* is when the wait ends by itself (a sleep's end, a
+    :mod:`kestrel.workflow.waits`). *until* is when the wait ends by itself (a sleep's end, a
     delayed start, a give-back's backoff) or times out (a signal wait's timeout), if ever.
     """
     status = ex.status.value

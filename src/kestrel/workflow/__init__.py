@@ -11,13 +11,13 @@ This module is the public face: the declarations (``@workflow``, ``@step``, the 
 :mod:`kestrel.definitions`) and :class:`Context`, put together from its parts, each in a
 module of its own:
 
-- :mod:`kestrel.workflow_steps`: the Context's state, the step path (replay or run and
+- :mod:`kestrel.workflow.steps`: the Context's state, the step path (replay or run and
   record), sticky decisions, the checks every unrecorded position gets, the ``Writer`` port
   and ``HistoryEnd``;
-- :mod:`kestrel.workflow_waits`: durable sleeps and signal waits, parking (``Park``),
+- :mod:`kestrel.workflow.waits`: durable sleeps and signal waits, parking (``Park``),
   ``Signal``;
-- :mod:`kestrel.workflow_patches`: ``patched`` and ``deprecate_patch``;
-- :mod:`kestrel.workflow_calls`: signals sent, events, children (``ChildHandle``), recorded
+- :mod:`kestrel.workflow.patches`: ``patched`` and ``deprecate_patch``;
+- :mod:`kestrel.workflow.calls`: signals sent, events, children (``ChildHandle``), recorded
   ``now``/``random``/``uuid``.
 """
 
@@ -72,10 +72,10 @@ from kestrel.definitions import (
 from kestrel.definitions import (
     workflow_name as workflow_name,
 )
-from kestrel.workflow_calls import Calls
-from kestrel.workflow_calls import ChildHandle as ChildHandle
-from kestrel.workflow_patches import Patches
-from kestrel.workflow_waits import Signal as Signal
+from kestrel.workflow.calls import Calls
+from kestrel.workflow.calls import ChildHandle as ChildHandle
+from kestrel.workflow.patches import Patches
+from kestrel.workflow.waits import Signal as Signal
 
 
 class Context(Calls, Patches):

@@ -5,14 +5,14 @@ the point under code that has the patch (a marker is checkpointed at a negative 
 the numbering of steps, with the position it was asked at), False when its history went past
 that point before the change. The markers a history holds and the check that this code knows
 each of them (:class:`~kestrel.errors.CodeTooOld` otherwise) are part of every position's
-checks, in :mod:`kestrel.workflow_steps`.
+checks, in :mod:`kestrel.workflow.steps`.
 """
 
 from __future__ import annotations
 
 from kestrel import codec
 from kestrel.errors import NonDeterminismError
-from kestrel.workflow_steps import PATCH_STEP, StepContext
+from kestrel.workflow.steps import PATCH_STEP, StepContext
 
 
 class Patches(StepContext):

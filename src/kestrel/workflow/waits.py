@@ -2,7 +2,7 @@
 
 A wait takes a step position like a step. Recorded there, it replays its checkpoint
 (``{"slept": true}``, or the signal's ``{"received", "payload"}``). Unrecorded, after the
-checks of :mod:`kestrel.workflow_steps`, it ends at once when it is already over (a sleep or
+checks of :mod:`kestrel.workflow.steps`, it ends at once when it is already over (a sleep or
 a timeout whose deadline the database clock has passed: the checkpoint is recorded and the
 workflow goes on), takes a pending signal into its checkpoint (``consume_signal``), or parks
 the execution as a row (``_park``, which unwinds with :class:`Park`) and frees its slot; a
@@ -20,7 +20,7 @@ from typing import Any
 from kestrel import codec
 from kestrel.errors import LeaseLost
 from kestrel.types import RecordedStep
-from kestrel.workflow_steps import SIGNAL_STEP, SLEEP_STEP, StepContext
+from kestrel.workflow.steps import SIGNAL_STEP, SLEEP_STEP, StepContext
 
 
 class Park(BaseException):

@@ -20,7 +20,7 @@ import orjson
 from kestrel import codec
 from kestrel.definitions import WorkflowFn, current_step, workflow_name
 from kestrel.errors import ChildFailed, LeaseLost
-from kestrel.workflow_waits import Waits
+from kestrel.workflow.waits import Waits
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,9 +12,9 @@ workflow goes on. The runtime's decisions about an attempt (lease lost, cancelle
 write) are sticky (``_decide``).
 
 The other parts of a Context build on this one: durable waits in
-:mod:`kestrel.workflow_waits`, patch markers in :mod:`kestrel.workflow_patches`, what is
+:mod:`kestrel.workflow.waits`, patch markers in :mod:`kestrel.workflow.patches`, what is
 recorded through internal steps (``_internal``: signals sent, events, children, ``now``) in
-:mod:`kestrel.workflow_calls`; :mod:`kestrel.workflow` puts them together.
+:mod:`kestrel.workflow.calls`; :mod:`kestrel.workflow` puts them together.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class HistoryEnd(BaseException):
     first position its history does not hold, after the checks a claim makes there: from
     here a worker would run a step body or write, and a replay does neither.
 
-    A BaseException, as :class:`~kestrel.workflow_waits.Park` is, so that workflow code
+    A BaseException, as :class:`~kestrel.workflow.waits.Park` is, so that workflow code
     cannot swallow it.
     """
 
