@@ -1,8 +1,8 @@
 """Checkpoints are written by a plain INSERT first, ON CONFLICT only when needed (issue 16).
 
-``db.save_steps`` sends ``save_new_steps_batch`` (no speculative insertion, one WAL record
-less per checkpoint); a batch holding a step that is already recorded (a retry after a lost
-reply, FAULTS F3) fails whole with unique_violation and is sent again with
+``statements.steps.save_steps`` sends ``save_new_steps_batch`` (no speculative insertion, one
+WAL record less per checkpoint); a batch holding a step that is already recorded (a retry
+after a lost reply, FAULTS F3) fails whole with unique_violation and is sent again with
 ``ON CONFLICT DO NOTHING``. These tests hold the guarantees across that fallback: the first
 committed output is returned, the batch's other checkpoints are recorded exactly once, and a
 superseded epoch still writes nothing.

@@ -86,7 +86,7 @@ def _consume_while_a_transaction_commits(
     dsn: str, schema: str, *, waiter: uuid.UUID, name: str, send: Send
 ) -> tuple[SignalTaken, Any]:
     """Claim what is queued; in a client transaction run *send* (it locks *waiter*'s row);
-    run db.consume_signal of *name* for *waiter* while that transaction is open (it waits
+    run consume_signal of *name* for *waiter* while that transaction is open (it waits
     for the row lock); commit; then do what the worker does with the answer: park with its
     signal_seq when no signal was taken. Returns (consume's answer, park's answer or None)."""
     qs = queries(schema)

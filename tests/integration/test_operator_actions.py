@@ -27,6 +27,7 @@ from kestrel.errors import (
     SerializationError,
     StepFailed,
 )
+from kestrel.sql import queries
 from kestrel.testing import KestrelTestEnv
 from kestrel.workflow import Context
 from tests.helpers import config, q, q1, run_worker_until
@@ -208,20 +209,23 @@ def test_a_wait_replays_the_checkpoint_its_position_got_instead_of_parking(
         kestrel_env: KestrelTestEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     client = kestrel_env.client
     h = client.submit(one_approval)
-    real_park = db.park
+    real_run = db.run
+    park = queries(kestrel_env.schema).park
     recorded = {"received": True, "payload": "recorded meanwhile"}
 
-    async def park_after_a_record(conn: db.AnyConn, q_: Any, **kw: Any) -> str:
-        # The position got its checkpoint between the look for a signal and the park.
-        await conn.execute(
-            f'INSERT INTO "{kestrel_env.schema}".operation_outputs (execution_id, step_id, '
-            "step_name, output, attempt, lease_epoch, started_at) VALUES (%s, %s, "
-            "'kestrel.signal:approval', %s::jsonb, 1, %s, now()) ON CONFLICT DO NOTHING",
-            [kw["id"], kw["step_id"], '{"received": true, "payload": "recorded meanwhile"}',
-             kw["epoch"]])
-        return await real_park(conn, q_, **kw)
+    async def park_after_a_record(conn: db.AnyConn, stmt: statements.Stmt[Any]) -> Any:
+        if stmt.query == park:
+            # The position got its checkpoint between the look for a signal and the park.
+            kw = dict(stmt.params or {})
+            await conn.execute(
+                f'INSERT INTO "{kestrel_env.schema}".operation_outputs (execution_id, '
+                "step_id, step_name, output, attempt, lease_epoch, started_at) VALUES (%s, %s, "
+                "'kestrel.signal:approval', %s::jsonb, 1, %s, now()) ON CONFLICT DO NOTHING",
+                [kw["id"], kw["step_id"], '{"received": true, "payload": "recorded meanwhile"}',
+                 kw["epoch"]])
+        return await real_run(conn, stmt)
 
-    monkeypatch.setattr(db, "park", park_after_a_record)
+    monkeypatch.setattr(db, "run", park_after_a_record)
     run = kestrel_env.run_until_finished(h.id, timeout=20)
     assert run.assert_completed() == recorded["payload"]
     assert run.timeline == [("kestrel.signal:approval", 1, "ok")]
