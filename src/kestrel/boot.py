@@ -20,8 +20,7 @@ import os
 import sys
 from typing import Any
 
-import psycopg
-
+from kestrel import connections
 from kestrel.config import Config, mask_dsn, tls_warning
 from kestrel.embedded import resolve_dsn
 from kestrel.errors import ConfigError
@@ -67,7 +66,7 @@ def check_schema_current(dsn: str, schema: str) -> None:
     from kestrel.migrate import current_version
     from kestrel.sql import migrations
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connections.connect(dsn) as conn:
         have = current_version(conn, schema)
     want = len(migrations(schema))
     if have != want:
@@ -80,7 +79,7 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
     from kestrel import db
     from kestrel.sql import queries
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connections.connect(dsn) as conn:
         return db.run_script_sync(conn, db.run_maintenance(
             queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
             retention_days=cfg.history_retention_days, detach=detach))

@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -61,9 +61,8 @@ class Client(ClientBase):
         self._lock = asyncio.Lock()
 
     async def _connect(self, dsn: str | None = None) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(dsn or self.dsn, **self._conn_kwargs)
-        db.configure_connection(conn)
-        return conn
+        kwargs = self._conn_kwargs
+        return await connections.connect_async(dsn or self.dsn, configure=True, **kwargs)
 
     @asynccontextmanager
     async def _borrow(self, timeout: float | None = None,

@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import codec, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -60,9 +60,8 @@ class SyncClient(ClientBase):
         self._lock = threading.Lock()
 
     def _connect(self, dsn: str | None = None) -> psycopg.Connection[Any]:
-        conn = psycopg.Connection.connect(dsn or self.dsn, **self._conn_kwargs)
-        db.configure_connection(conn)
-        return conn
+        kwargs = self._conn_kwargs
+        return connections.connect(dsn or self.dsn, configure=True, **kwargs)
 
     @contextmanager
     def _borrow(self, timeout: float | None = None,

@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 
-from kestrel import db, metrics
+from kestrel import connections, db, metrics
 from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.sql import Queries
@@ -253,12 +253,11 @@ class Heartbeat:
                                   else backoff.next_delay()):
             try:
                 if conn is None:
-                    conn = db.connect_sync(
-                        self._dsn, lock_timeout=self._lock_timeout, session=self._session,
-                        **{**db.link_params(self._dsn), "autocommit": True,
-                           "application_name": "kestrel-heartbeat",
-                           "prepare_threshold": 0 if self._prepared else None,
-                           "connect_timeout": max(1, int(self._interval))})
+                    conn = connections.connect(
+                        self._dsn, link=True, lock_timeout=self._lock_timeout,
+                        session=self._session, application_name="kestrel-heartbeat",
+                        prepare_threshold=0 if self._prepared else None,
+                        connect_timeout=max(1, int(self._interval)))
                 self.beat(conn)
                 OUTAGE.succeeded(pooled=False)
                 backoff.reset()

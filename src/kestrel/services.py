@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, db, metrics
+from kestrel import codec, connections, db, metrics
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.loops import Backoff, every
@@ -302,9 +302,8 @@ class Listener:
         backoff = Backoff(base=0.2, cap=10.0)
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(
-                    self._dsn, autocommit=True, application_name="kestrel-listen",
-                    **db.link_params(self._dsn))
+                conn = await connections.connect_async(
+                    self._dsn, link=True, application_name="kestrel-listen")
                 async with conn:
                     await db.listen(conn, self._q)
                     OUTAGE.succeeded(pooled=False)

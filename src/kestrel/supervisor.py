@@ -301,14 +301,13 @@ class Supervisor:
             return
         import psycopg
 
-        from kestrel import db, metrics
+        from kestrel import connections, db, metrics
         from kestrel.sql import queries
 
         try:
-            with psycopg.connect(self.dsn, **{
-                    **db.link_params(self.dsn), "autocommit": True, "prepare_threshold": None,
-                    "application_name": "kestrel-supervisor",
-                    "connect_timeout": RELEASE_CONNECT_TIMEOUT_S}) as conn:
+            with connections.connect(self.dsn, link=True, prepare_threshold=None,
+                                     application_name="kestrel-supervisor",
+                                     connect_timeout=RELEASE_CONNECT_TIMEOUT_S) as conn:
                 done = db.run_script_sync(conn, db.recover_dead_worker(
                     queries(self.cfg.schema), worker_id=worker_id,
                     max_attempts=self.cfg.max_attempts))

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 import psycopg
 import pytest
 
-from kestrel import db, failpoints
+from kestrel import connections, db, failpoints
 from kestrel.client import Client, SyncClient
 from kestrel.config import Config, mask_dsn
 from kestrel.definitions import StepInfo, _spec, registry
@@ -241,7 +241,7 @@ class KestrelTestEnv:
                       listen_dsn=os.environ.get("KESTREL_LISTEN_DSN", ""))
 
     def _sync(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+        conn = connections.connect(self.dsn, prepare_threshold=None)
         if not self._checked:
             try:
                 self._own(db.run_sync(conn, db.value(queries(self.schema).has_test_clock, {})))
@@ -463,8 +463,7 @@ class KestrelTestEnv:
         deadline = time.monotonic() + timeout
         crashes, skipped = 0, 0.0
         # One connection watches (no prepared statements: it may go through PgBouncer).
-        async with await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, prepare_threshold=None) as conn:
+        async with await connections.connect_async(self.dsn, prepare_threshold=None) as conn:
             submitted = await db.run(conn, db.get_execution(q, id=execution_id))
             if submitted is None:
                 raise LookupError(f"no execution {execution_id} in schema {self.schema}")
@@ -497,8 +496,7 @@ class KestrelTestEnv:
         """Refuse a schema not made for tests (see the class), before anything runs."""
         if self._checked:
             return
-        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True,
-                                                     prepare_threshold=None)
+        conn = await connections.connect_async(self.dsn, prepare_threshold=None)
         try:
             self._own(await db.run(conn, db.value(queries(self.schema).has_test_clock, {})))
         finally:
@@ -742,7 +740,7 @@ def _reachable(dsn: str, source: str) -> None:
     """Fail the test with one line unless *dsn* (given by *source*) accepts a connection."""
     __tracebackhide__ = True
     try:
-        psycopg.connect(dsn, connect_timeout=10).close()
+        connections.connect(dsn, autocommit=False, connect_timeout=10).close()
         return
     except psycopg.Error as exc:
         # psycopg's first line says what failed ("connection refused", "password
@@ -795,7 +793,7 @@ def kestrel_schema(kestrel_dsn: str) -> Iterator[str]:
     migrate(kestrel_dsn, name, test_clock=True)
     yield name
     try:
-        conn = psycopg.connect(kestrel_dsn, autocommit=True)
+        conn = connections.connect(kestrel_dsn)
     except psycopg.OperationalError:
         return  # the server went first (its fixture ended before this one): nothing to drop
     with conn:

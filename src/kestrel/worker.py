@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
 
-from kestrel import db
+from kestrel import connections, db
 from kestrel.claimer import Claimer
 from kestrel.config import Config, incarnation_id
 from kestrel.lease import Heartbeat, Leases
@@ -65,7 +65,7 @@ class Worker:
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
         self._loop_tick = time.monotonic()
-        self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
+        self._pool = connections.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
                                   prepared=cfg.prepared_statements,
                                   lock_timeout=cfg.statement_lock_timeout,
                                   session=cfg.connection_mode == "direct")
