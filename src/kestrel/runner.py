@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from psycopg_pool import AsyncConnectionPool
 
 from kestrel import codec, db, metrics, tracing
+from kestrel.commits import CheckpointCommits, Completions
 from kestrel.config import Config
 from kestrel.db import AnyConn
 from kestrel.definitions import retired_patches
@@ -51,7 +52,6 @@ from kestrel.types import (
     StepWrite,
 )
 from kestrel.workflow import Context, Park, WorkflowFn, describe_error
-from kestrel.writer import GroupCommit
 
 log = logging.getLogger("kestrel.worker")
 
@@ -86,14 +86,6 @@ class WorkerStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-def _write_size(w: StepWrite) -> int:
-    return len(w.output or "") + len(w.error or "") + len(w.name)
-
-
-def _finish_size(f: Finish) -> int:
-    return len(f.result or "") + len(f.error or "")
-
-
 class Runner:
     """Runs claimed executions; the ``Writer`` every Context talks to."""
 
@@ -111,14 +103,9 @@ class Runner:
         self.stats = stats
         self._stopping = stopping
         self._slot_freed = slot_freed
-        self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
-            "checkpoint", self._flush_checkpoints, size=_write_size,
-            trusted=lambda w: leases.trusted(w.execution_id, w.epoch),
-            in_flight=FLUSHES_IN_FLIGHT)
-        self.completions: GroupCommit[Finish, bool] = GroupCommit(
-            "completion", self._flush_completions, size=_finish_size,
-            trusted=lambda f: leases.trusted(f.execution_id, f.epoch),
-            in_flight=FLUSHES_IN_FLIGHT)
+        # The group commits, each owning its statement; the worker runs them as services.
+        self.checkpoints = CheckpointCommits(pool, q, leases, in_flight=FLUSHES_IN_FLIGHT)
+        self.completions = Completions(pool, q, leases, in_flight=FLUSHES_IN_FLIGHT)
         # Workflow calls (_with_retries) waiting for a pool connection, and since when: the
         # lease watchdog reads them (no_connection_for), FAULTS R3.
         self._no_connection: dict[object, float] = {}
@@ -127,7 +114,7 @@ class Runner:
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Checkpoint *write* in the next group commit; return what is now recorded."""
-        return await self.checkpoints.submit(write)
+        return await self.checkpoints.writer.submit(write)
 
     async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
         """Run a workflow's own database call, retrying while the lease is still trusted: while
@@ -422,7 +409,7 @@ class Runner:
         m = metrics.get()
         tracing.mark(attempt, "refused")  # until the completion says otherwise
         try:
-            done = await self.completions.submit(finish)
+            done = await self.completions.writer.submit(finish)
         except LeaseLost as exc:
             # Retried for contention until the lease was no longer trusted: not refused,
             # not counted; whoever claims it next finishes it.
@@ -443,7 +430,7 @@ class Runner:
             finish = self._failure(c, WriteRejected(
                 f"the database refused the result of workflow {c.workflow!r}: "
                 f"{type(exc).__name__}: {exc}"))
-            done = await self.completions.submit(finish)
+            done = await self.completions.writer.submit(finish)
         tracing.mark(attempt, finish.status.value if done else "fenced")
         if done:
             if finish.status is Status.COMPLETED:
@@ -469,42 +456,3 @@ class Runner:
                  described["message"][:500])
         return Finish(c.id, c.epoch, Status.FAILED, None,
                       codec.encode(described, what="workflow error"))
-
-    # -- group-commit flushes -----------------------------------------------------------------
-
-    async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
-        started = time.monotonic()
-        async with self._pool.connection() as conn:
-            await afailpoint("before_checkpoint_commit")
-            saved = await db.save_steps(conn, self._q, writes)
-            failpoint("after_checkpoint_commit_before_ack", writes)
-            m = metrics.get()
-            m.checkpoint_seconds.observe(time.monotonic() - started)
-            m.checkpoint_batch.observe(len(writes))
-            fenced = sum(1 for s in saved if not s.owned)
-            if fenced:
-                m.fenced.labels("checkpoint").inc(fenced)
-            # A conflicting row committed after our snapshot is invisible to the statement
-            # (only possible across epochs, which are fenced anyway): read it back.
-            for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
-                if s.owned and s.recorded is None and not s.cancelled:
-                    rec = await db.load_step(conn, self._q, execution_id=w.execution_id,
-                                             step_id=w.step_id)
-                    saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
-        return saved
-
-    async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
-        started = time.monotonic()
-        async with self._pool.connection() as conn:
-            await afailpoint("before_complete")
-            done = await db.complete_batch(conn, self._q, finishes)
-            failpoint("after_complete_commit")
-            missing = [f for f in finishes if f.execution_id not in done]
-            if missing:
-                # Not finished by this statement: fenced by a newer claim, or finished by an
-                # earlier try whose reply was lost (FAULTS X4). History tells which.
-                done |= await db.finished_readback(conn, self._q, missing)
-        m = metrics.get()
-        m.completion_seconds.observe(time.monotonic() - started)
-        m.completion_batch.observe(len(finishes))
-        return [f.execution_id in done for f in finishes]

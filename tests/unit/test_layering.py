@@ -14,8 +14,8 @@ import kestrel
 
 SRC = Path(kestrel.__file__).resolve().parent
 ROOT = SRC.parents[1]
-LOW_LEVEL = ["worker", "runner", "claimer", "writer", "lease", "services", "workflow", "db",
-             "loops"]
+LOW_LEVEL = ["worker", "runner", "claimer", "commits", "writer", "lease", "services",
+             "workflow", "db", "loops", "connections"]
 HIGH_LEVEL = {"kestrel.supervisor", "kestrel.cli", "kestrel.boot", "kestrel.migrate",
               "kestrel.demo"}
 SQL_ALLOWED = {"sql.py", "db.py"}
