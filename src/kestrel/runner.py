@@ -2,11 +2,11 @@
 
 A claimed execution becomes a task under its :class:`~kestrel.lease.Lease`. Its workflow
 runs with a :class:`~kestrel.workflow.Context` whose every database call goes through this
-module (the ``Writer`` protocol): checkpoints and completions through the writers' group
-commits, waits and signals as single fenced statements. When the workflow ends,
-:meth:`Runner._outcome` turns what happened — a result, an error, a park, a cancel, a lost
-lease, a passed deadline, a refused write — into one action: a Finish to commit, or nothing
-(parked, or dropped for the owner of a newer epoch).
+module (the ``Writer`` protocol): checkpoints and completions through their group commits
+(:mod:`kestrel.commits`, which own those statements), waits and signals as single fenced
+statements. When the workflow ends, :meth:`Runner._outcome` turns what happened — a result,
+an error, a park, a cancel, a lost lease, a passed deadline, a refused write — into one
+action: a Finish to commit, or nothing (parked, or dropped for the owner of a newer epoch).
 """
 
 from __future__ import annotations
