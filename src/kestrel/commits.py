@@ -11,7 +11,8 @@ one commit.
 from __future__ import annotations
 
 import time
-from typing import Any, NoReturn
+import uuid
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -23,29 +24,56 @@ from kestrel.types import Finish, StepSaved, StepWrite
 from kestrel.writer import GroupCommit
 
 
-def _write_size(w: StepWrite) -> int:
-    return len(w.output or "") + len(w.error or "") + len(w.name)
+class _Fenced(Protocol):
+    @property
+    def execution_id(self) -> uuid.UUID: ...
+    @property
+    def epoch(self) -> int: ...
 
 
-def _finish_size(f: Finish) -> int:
-    return len(f.result or "") + len(f.error or "")
+In = TypeVar("In", bound=_Fenced)
+Out = TypeVar("Out")
 
 
-class CheckpointCommits:
-    """Checkpoints, group-committed: ``writer.submit`` one and wait for what is recorded."""
+class _Commits(Generic[In, Out]):
+    """A group commit of one kind of fenced write: its writer, whose every flush is one
+    :meth:`run_once`; an item is retried for contention only while its lease is trusted."""
 
-    name = "checkpoint-writer"
+    name: str  # the service's, in the worker's log lines
+    kind: ClassVar[str]  # the writer's, in its log lines and metrics labels
 
     def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
                  in_flight: int) -> None:
         self._pool, self._q = pool, q
-        self.writer: GroupCommit[StepWrite, StepSaved] = GroupCommit(
-            "checkpoint", self.run_once, size=_write_size,
-            trusted=lambda w: leases.trusted(w.execution_id, w.epoch), in_flight=in_flight)
+        self.writer: GroupCommit[In, Out] = GroupCommit(
+            self.kind, self.run_once, size=self.size,
+            trusted=lambda item: leases.trusted(item.execution_id, item.epoch),
+            in_flight=in_flight)
 
     async def run(self) -> NoReturn:
         """Flush forever (:meth:`GroupCommit.run`)."""
         await self.writer.run()
+
+    @staticmethod
+    def size(item: Any) -> int:
+        """*item*'s encoded bytes, for the batch's byte bound."""
+        raise NotImplementedError
+
+    async def run_once(self, batch: list[In]) -> list[Out]:
+        """Commit *batch* in one statement; return one result per item, in order."""
+        raise NotImplementedError
+
+
+class CheckpointCommits(_Commits[StepWrite, StepSaved]):
+    """Checkpoints, group-committed: ``writer.submit`` one and wait for what is recorded."""
+
+    name = "checkpoint-writer"
+    kind = "checkpoint"
+
+    @staticmethod
+    def size(item: StepWrite) -> int:
+        """The checkpoint's output, error and name, in characters."""
+        return len(item.output or "") + len(item.error or "") + len(item.name)
 
     async def run_once(self, writes: list[StepWrite]) -> list[StepSaved]:
         """Checkpoint *writes* in one statement; return what each position now records."""
@@ -70,22 +98,17 @@ class CheckpointCommits:
         return saved
 
 
-class Completions:
+class Completions(_Commits[Finish, bool]):
     """Completions, group-committed: ``writer.submit`` a Finish and learn whether it ended
     the execution (False: fenced by a newer claim)."""
 
     name = "completion-writer"
+    kind = "completion"
 
-    def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
-                 in_flight: int) -> None:
-        self._pool, self._q = pool, q
-        self.writer: GroupCommit[Finish, bool] = GroupCommit(
-            "completion", self.run_once, size=_finish_size,
-            trusted=lambda f: leases.trusted(f.execution_id, f.epoch), in_flight=in_flight)
-
-    async def run(self) -> NoReturn:
-        """Flush forever (:meth:`GroupCommit.run`)."""
-        await self.writer.run()
+    @staticmethod
+    def size(item: Finish) -> int:
+        """The result and error, in characters."""
+        return len(item.result or "") + len(item.error or "")
 
     async def run_once(self, finishes: list[Finish]) -> list[bool]:
         """Finish *finishes* in one statement; return, for each, whether it is finished by
