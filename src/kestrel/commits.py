@@ -25,10 +25,15 @@ from kestrel.writer import GroupCommit
 
 
 class _Fenced(Protocol):
+    """A write fenced by its claim: ``(execution_id, epoch)``."""
+
     @property
-    def execution_id(self) -> uuid.UUID: ...
+    def execution_id(self) -> uuid.UUID:
+        """The execution written to."""
+
     @property
-    def epoch(self) -> int: ...
+    def epoch(self) -> int:
+        """The claim's epoch the write carries."""
 
 
 In = TypeVar("In", bound=_Fenced)
