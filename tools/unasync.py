@@ -32,6 +32,7 @@ RULES: list[tuple[str, str]] = [
     (r"\bdb\.run_script\(", "db.run_script_sync("),
     (r"\bdb\.run\(", "db.run_sync("),
     (r"\bconnections\.configure_connection_async\b", "connections.configure_connection"),
+    (r"\bconnections\.connect_async\b", "connections.connect"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\bClient\b", "SyncClient"),

@@ -4,8 +4,9 @@ Read top to bottom, :func:`run` is what a process does before it serves: the met
 directory (before the app is imported: ``prometheus_client`` reads it at import), the app's
 workflows, the queues they declare, the database (an embedded one when no DSN is given),
 the TLS warning, the schema (migrated, or checked current where this role may not run DDL),
-the first partition upkeep, then the supervisor with its workers and the HTTP child.
-:func:`serve` is the same sequence for the HTTP door alone.
+the first partition upkeep, the observability endpoint (:func:`observe`), then the
+supervisor with its workers and the HTTP child. :func:`serve` is the same sequence for the
+HTTP door alone.
 
 This is the only module besides the CLI that imports both :mod:`kestrel.supervisor` and
 :mod:`kestrel.migrate` (``tests/unit/test_layering.py``); the CLI's handlers only call it.
@@ -20,8 +21,7 @@ import os
 import sys
 from typing import Any
 
-import psycopg
-
+from kestrel import connections
 from kestrel.config import Config, mask_dsn, tls_warning
 from kestrel.embedded import resolve_dsn
 from kestrel.errors import ConfigError
@@ -67,7 +67,7 @@ def check_schema_current(dsn: str, schema: str) -> None:
     from kestrel.migrate import current_version
     from kestrel.sql import migrations
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connections.connect(dsn) as conn:
         have = current_version(conn, schema)
     want = len(migrations(schema))
     if have != want:
@@ -80,7 +80,7 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
     from kestrel import db, statements
     from kestrel.sql import queries
 
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connections.connect(dsn) as conn:
         return db.run_script_sync(conn, statements.history.run_maintenance(
             queries(cfg.schema), interval=cfg.history_interval, ahead=cfg.history_ahead,
             retention_days=cfg.history_retention_days, detach=detach))
@@ -140,6 +140,23 @@ def _first_upkeep(dsn: str, cfg: Config) -> None:
                     "`kestrel-runtime partitions` as the owner")
 
 
+def observe(cfg: Config, dsn: str) -> None:
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` on ``cfg.metrics_port`` (if set), in
+    a thread of this process: the supervisor's for ``run`` (the merged metrics of its
+    children), the HTTP door's own for ``serve``. Ready means the database answers and the
+    schema is at this code's version (:func:`kestrel.migrate.readiness`)."""
+    if not cfg.metrics_port:
+        return
+    from kestrel import metrics
+    from kestrel.migrate import readiness
+
+    metrics.serve(cfg.metrics_host, cfg.metrics_port,
+                  ready=functools.partial(readiness, dsn, cfg.schema),
+                  certfile=cfg.metrics_certfile or None, keyfile=cfg.metrics_keyfile or None)
+    log.info("serving /metrics, /healthz and /readyz on %s://%s:%d",
+             "https" if cfg.metrics_certfile else "http", cfg.metrics_host, cfg.metrics_port)
+
+
 def _hooks(config_file: str | None) -> Any:
     from kestrel.http.hooks import load_hooks
 
@@ -150,8 +167,9 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
     """Boot the runtime: migrate, then run the supervisor and its workers until they stop.
 
     Imports the app, migrates the schema (or, where this role may not, checks that it is
-    current), does one partition upkeep round and runs the supervisor (with the HTTP door in
-    a child of its own when ``cfg.http_port`` is set); returns its exit status.
+    current), does one partition upkeep round, serves the observability endpoint
+    (:func:`observe`) and runs the supervisor (with the HTTP door in a child of its own when
+    ``cfg.http_port`` is set); returns its exit status.
     *config_file*: the ``--config`` given, for the webhooks' ``[hooks.NAME]`` tables.
 
     Raises:
@@ -193,6 +211,7 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
         http = functools.partial(serve_http, cfg, dsn=dsn, workflows=list(workflows),
                                  hooks=_hooks(config_file))
     try:
+        observe(cfg, dsn)
         code = Supervisor(cfg, workflows, dsn=dsn, http=http).run()
     finally:
         if metrics_dir:
@@ -207,8 +226,8 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     """Boot the HTTP door alone (``kestrel-runtime serve``) and serve until SIGTERM.
 
     The same sequence as :func:`run` without workers: the app, the webhooks of
-    *config_file*, the database, the schema; then :func:`kestrel.http.server.serve`, with
-    its own ``/metrics``, ``/healthz`` and ``/readyz`` on ``cfg.metrics_port``.
+    *config_file*, the database, the schema, the observability endpoint (:func:`observe`:
+    this process's own ``/metrics``); then :func:`kestrel.http.server.serve`.
 
     Raises:
         ConfigError: --app is unset, or a [hooks.NAME] table is invalid.
@@ -224,6 +243,7 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     hooks = _hooks(config_file)
     dsn, server = _database(cfg)
     _migrate_or_check(dsn, cfg)
-    serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks, own_metrics=True)
+    observe(cfg, dsn)
+    serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     del server
     return 0

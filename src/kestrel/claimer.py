@@ -22,12 +22,12 @@ from psycopg_pool import AsyncConnectionPool
 from kestrel import connections, db, metrics, statements
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
-from kestrel.lease import Lease, Leases
+from kestrel.lease import Lease
 from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.queues import QueueSpec
-from kestrel.runner import Runner, WorkerStats
-from kestrel.sql import Queries
+from kestrel.runner import Runner
+from kestrel.sql import queries
 
 log = logging.getLogger("kestrel.worker")
 
@@ -41,25 +41,40 @@ class ClaimRound:
     more: bool
 
 
-class Claimer:
-    """Claims into free slots until the worker stops."""
+@dataclass(frozen=True, slots=True)
+class Wakeups:
+    """What the claimer waits for, set by the rest of the worker."""
 
-    def __init__(self, cfg: Config, *, pool: AsyncConnectionPool[Any], q: Queries,
-                 leases: Leases, runner: Runner, stats: WorkerStats, worker_id: str,
-                 workflows: list[str], stopping: asyncio.Event, work: asyncio.Event,
-                 slot_freed: asyncio.Event,
+    stopping: asyncio.Event
+    """The worker stops: claim nothing more."""
+    work: asyncio.Event
+    """There may be work to claim (a notification, the sweeper re-queued some)."""
+    slot_freed: asyncio.Event
+    """An execution ended: a full process has a slot again."""
+
+
+class Claimer:
+    """Claims into free slots until the worker stops, and starts what it claimed on
+    *runner*, whose leases (their count is the slots taken) and stats it shares; the claims
+    take *workflows* of ``cfg.queues`` as ``runner.id``. *stalled* says why the process
+    makes no progress (None while it does)."""
+
+    name = "claimer"
+
+    def __init__(self, cfg: Config, runner: Runner, *, pool: AsyncConnectionPool[Any],
+                 workflows: list[str], wakeups: Wakeups,
                  stalled: Callable[[], str | None] = lambda: None) -> None:
         self.cfg = cfg
-        self.id = worker_id
-        self._pool = pool
-        self._q = q
-        self.leases = leases
         self._runner = runner
-        self.stats = stats
+        self.id = runner.id
+        self.leases = runner.leases
+        self.stats = runner.stats
+        self._pool = pool
+        self._q = queries(cfg.schema)
         self._names = workflows
-        self._stopping = stopping
-        self._work = work
-        self._slot_freed = slot_freed
+        self._stopping = wakeups.stopping
+        self._work = wakeups.work
+        self._slot_freed = wakeups.slot_freed
         self._stalled = stalled
         specs = cfg.queue_specs()
         # Queues with limits are claimed one at a time under their row lock; the rest, in
@@ -99,8 +114,11 @@ class Claimer:
             if not more:
                 await self._wait_for_work()
 
-    async def run_once(self, free: int) -> ClaimRound:
-        """Claim into *free* slots, from the unlimited queues and each limited one."""
+    async def run_once(self, free: int | None = None) -> ClaimRound:
+        """Claim into *free* slots (by default, every slot not taken), from the unlimited
+        queues and each limited one."""
+        if free is None:
+            free = self.cfg.concurrency - len(self.leases)
         more = False
         total = 0
         if self._unlimited:

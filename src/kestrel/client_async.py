@@ -63,9 +63,8 @@ class Client(ClientBase):
         self._lock = asyncio.Lock()
 
     async def _connect(self, dsn: str | None = None) -> psycopg.AsyncConnection[Any]:
-        conn = await psycopg.AsyncConnection.connect(dsn or self.dsn, **self._conn_kwargs)
-        connections.configure_connection(conn)
-        return conn
+        kwargs = self._conn_kwargs
+        return await connections.connect_async(dsn or self.dsn, configure=True, **kwargs)
 
     @asynccontextmanager
     async def _borrow(self, timeout: float | None = None,

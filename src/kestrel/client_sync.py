@@ -62,9 +62,8 @@ class SyncClient(ClientBase):
         self._lock = threading.Lock()
 
     def _connect(self, dsn: str | None = None) -> psycopg.Connection[Any]:
-        conn = psycopg.Connection.connect(dsn or self.dsn, **self._conn_kwargs)
-        connections.configure_connection(conn)
-        return conn
+        kwargs = self._conn_kwargs
+        return connections.connect(dsn or self.dsn, configure=True, **kwargs)
 
     @contextmanager
     def _borrow(self, timeout: float | None = None,

@@ -1,16 +1,31 @@
-"""Connections: the pool factory, link defaults, and what a failure of the link looks like.
+"""Connections: every connection the runtime opens, and what a failure of the link looks like.
 
-No SQL here: :mod:`kestrel.db` executes every statement and re-exports these names.
+One home for opening one: :func:`connect` (blocking), :func:`connect_async` and
+:func:`make_pool` (a worker's pool). Each applies what its caller asks of the link, the
+settings each caller has always used: autocommit, the link defaults (:data:`LINK_DEFAULTS`:
+connect timeout, keepalives), the orjson decoding of jsonb, the prepare threshold (None behind
+a transaction-mode pooler), and a worker's lock_timeout (:func:`worker_connection`: a startup
+option on a session of its own, else the :class:`LockTimeoutConnection` classes).
+
+Statements are :mod:`kestrel.db`'s; the only thing sent here is the transaction-local
+``set_lock_timeout`` the lock_timeout classes put in front of each statement (its text is in
+``sql/queries``). :mod:`kestrel.db` re-exports the failure predicates.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any, ClassVar
 
 import orjson
 import psycopg
+from psycopg.pq import TransactionStatus
 from psycopg.types.json import set_json_loads
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
+
+from kestrel.sql import named_statements
 
 # SQLSTATEs that mean the server or the link went away, not that the statement is wrong.
 _GONE = {"57P01", "57P02", "57P03"}  # admin shutdown, crash shutdown, cannot connect now
@@ -120,25 +135,161 @@ def lock_timeout_options(dsn: str, lock_timeout_ms: int) -> str:
     return f"-c lock_timeout={lock_timeout_ms} {given}".strip()
 
 
+# -- lock_timeout on every worker statement ---------------------------------------------------
+
+
+def lock_timeout_ms(seconds: float) -> int:
+    """*seconds* as the whole milliseconds PostgreSQL's lock_timeout takes (at least 1: 0
+    would mean no timeout at all)."""
+    return max(1, round(seconds * 1000))
+
+
+class LockTimeoutConnection(psycopg.AsyncConnection[Any]):
+    """A pooled connection whose every statement carries lock_timeout without session state,
+    for a transaction-mode pooler (PgBouncer passes no startup ``options`` and shares server
+    sessions): a statement outside a transaction is sent in one pipeline after
+    ``set_lock_timeout`` (a transaction-local set_config), one round trip and one Sync, so
+    both run in one implicit transaction; a transaction sets it first thing. Subclassed per
+    value by :func:`_timeout_classes`."""
+
+    lock_timeout: ClassVar[str] = ""
+    set_query: ClassVar[str] = ""
+
+    async def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                      binary: bool = False) -> psycopg.AsyncCursor[Any]:
+        """Execute *query* with lock_timeout set for it (see the class)."""
+        if self.info.transaction_status is not TransactionStatus.IDLE:
+            return await super().execute(query, params, prepare=prepare, binary=binary)
+        async with self.pipeline():
+            await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            cur = await super().execute(query, params, prepare=prepare, binary=binary)
+        return cur
+
+    @asynccontextmanager
+    async def transaction(self, savepoint_name: str | None = None,
+                          force_rollback: bool = False) -> AsyncIterator[Any]:
+        """A transaction whose first statement sets lock_timeout for all of it."""
+        outermost = self.info.transaction_status is TransactionStatus.IDLE
+        async with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost:
+                await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            yield tx
+
+
+class SyncLockTimeoutConnection(psycopg.Connection[Any]):
+    """:class:`LockTimeoutConnection` for a blocking connection (the heartbeat's)."""
+
+    lock_timeout: ClassVar[str] = ""
+    set_query: ClassVar[str] = ""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool = False) -> psycopg.Cursor[Any]:
+        """Execute *query* with lock_timeout set for it (see the class)."""
+        if self.info.transaction_status is not TransactionStatus.IDLE:
+            return super().execute(query, params, prepare=prepare, binary=binary)
+        with self.pipeline():
+            super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            cur = super().execute(query, params, prepare=prepare, binary=binary)
+        return cur
+
+    @contextmanager
+    def transaction(self, savepoint_name: str | None = None,
+                    force_rollback: bool = False) -> Iterator[Any]:
+        """A transaction whose first statement sets lock_timeout for all of it."""
+        outermost = self.info.transaction_status is TransactionStatus.IDLE
+        with super().transaction(savepoint_name, force_rollback) as tx:
+            if outermost:
+                super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            yield tx
+
+
+@functools.cache
+def _timeout_classes(ms: int) -> tuple[type[LockTimeoutConnection],
+                                       type[SyncLockTimeoutConnection]]:
+    attrs = {"lock_timeout": f"{ms}ms",
+             "set_query": named_statements()["set_lock_timeout"]}
+    return (type(f"LockTimeoutConnection{ms}", (LockTimeoutConnection,), attrs),
+            type(f"SyncLockTimeoutConnection{ms}", (SyncLockTimeoutConnection,), attrs))
+
+
+def worker_connection(dsn: str, *, lock_timeout: float | None, session: bool
+                      ) -> tuple[dict[str, Any], type[LockTimeoutConnection] | None,
+                                 type[SyncLockTimeoutConnection] | None]:
+    """How a worker's connections carry *lock_timeout* (seconds; None: they don't): on a
+    *session* of their own (direct), as a startup option, free on every statement; behind a
+    transaction-mode pooler, by the connection classes above. Returns the extra connection
+    parameters and the (async, sync) classes to connect with (None: psycopg's own)."""
+    if lock_timeout is None:
+        return {}, None, None
+    ms = lock_timeout_ms(lock_timeout)
+    if session:
+        return {"options": lock_timeout_options(dsn, ms)}, None, None
+    async_cls, sync_cls = _timeout_classes(ms)
+    return {}, async_cls, sync_cls
+
+
+def connect(dsn: str, *, autocommit: bool = True, link: bool = False, configure: bool = False,
+            lock_timeout: float | None = None, session: bool = True,
+            **params: Any) -> psycopg.Connection[Any]:
+    """Open a blocking connection to *dsn*.
+
+    *autocommit*: each statement its own transaction (every caller but a replay's read).
+    *link*: the link defaults (:func:`link_params`) under *params*, for a connection that
+    lives long (the heartbeat's, the supervisor's release). *configure*: jsonb decoded with
+    orjson (:func:`configure_connection`). *lock_timeout* (seconds) and *session*: as a
+    worker's pool carries it (:func:`worker_connection`). *params* are psycopg's connection
+    parameters (``prepare_threshold=None`` behind a transaction-mode pooler,
+    ``application_name``, ``connect_timeout``...).
+    """
+    extra, _, sync_cls = worker_connection(dsn, lock_timeout=lock_timeout, session=session)
+    conn = (sync_cls or psycopg.Connection).connect(
+        dsn, **_params(dsn, autocommit=autocommit, link=link, params=params, extra=extra))
+    if configure:
+        configure_connection(conn)
+    return conn
+
+
+async def connect_async(dsn: str, *, autocommit: bool = True, link: bool = False,
+                        configure: bool = False, lock_timeout: float | None = None,
+                        session: bool = True, **params: Any) -> psycopg.AsyncConnection[Any]:
+    """:func:`connect` for asyncio: open an async connection to *dsn* with the same
+    settings."""
+    extra, async_cls, _ = worker_connection(dsn, lock_timeout=lock_timeout, session=session)
+    conn = await (async_cls or psycopg.AsyncConnection).connect(
+        dsn, **_params(dsn, autocommit=autocommit, link=link, params=params, extra=extra))
+    if configure:
+        configure_connection(conn)
+    return conn
+
+
+def _params(dsn: str, *, autocommit: bool, link: bool, params: dict[str, Any],
+            extra: dict[str, Any]) -> dict[str, Any]:
+    """A connection's parameters: the link defaults (if asked) under the caller's own, under
+    the lock_timeout's startup option."""
+    return {**(link_params(dsn) if link else {}), "autocommit": autocommit, **params,
+            **extra}
+
+
 def make_pool(dsn: str, *, max_size: int, name: str, prepared: bool = True,
-              connection_class: type[psycopg.AsyncConnection[Any]] = psycopg.AsyncConnection,
-              extra: dict[str, Any] | None = None) -> AsyncConnectionPool[Any]:
-    """Create (not open) this process's pool. Call only after fork: pools don't survive it.
+              lock_timeout: float | None = None,
+              session: bool = True) -> AsyncConnectionPool[Any]:
+    """Create (not open) a worker's pool. Call only after fork: pools don't survive it.
 
     *prepared*: hot statements are prepared server-side from their first use (one parse per
     connection). Off behind a transaction-mode pooler that cannot route named prepared
     statements (PgBouncer before 1.21), where a later statement may land on a server
-    connection that never saw the PREPARE. *connection_class* and *extra* (connection
-    parameters) carry the lock_timeout (:func:`kestrel.db.make_pool`).
+    connection that never saw the PREPARE. Every statement carries *lock_timeout* (seconds;
+    None: none), on a *session* of its own or not (see :func:`worker_connection`).
     """
+    extra, async_cls, _ = worker_connection(dsn, lock_timeout=lock_timeout, session=session)
     return AsyncConnectionPool(
         dsn,
-        connection_class=connection_class,
+        connection_class=async_cls or psycopg.AsyncConnection,
         min_size=1,
         max_size=max_size,
         kwargs={"autocommit": True, "prepare_threshold": 0 if prepared else None,
                 # Operators can tell kestrel's backends apart in pg_stat_activity.
-                "application_name": "kestrel-worker", **link_params(dsn), **(extra or {})},
+                "application_name": "kestrel-worker", **link_params(dsn), **extra},
         configure=configure_connection_async,
         name=name,
         open=False,

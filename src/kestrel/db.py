@@ -12,16 +12,12 @@ short transaction and no user code ever runs inside one.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg_pool import AsyncConnectionPool
 
-from kestrel import connections
 from kestrel.errors import (
     ConfigError,
     DuplicateExecution,
@@ -34,123 +30,11 @@ from kestrel.errors import (
     SerializationError,
 )
 from kestrel.failpoints import LOST_REPLIES, lost_reply
-from kestrel.sql import named_statements, statement_name
+from kestrel.sql import statement_name
 from kestrel.statements import Script, Stmt
 
 AnyConn = psycopg.AsyncConnection[Any]
 T = TypeVar("T")
-
-# -- lock_timeout on every worker statement ---------------------------------------------------
-
-
-def lock_timeout_ms(seconds: float) -> int:
-    """*seconds* as the whole milliseconds PostgreSQL's lock_timeout takes (at least 1: 0
-    would mean no timeout at all)."""
-    return max(1, round(seconds * 1000))
-
-
-class LockTimeoutConnection(psycopg.AsyncConnection[Any]):
-    """A pooled connection whose every statement carries lock_timeout without session state,
-    for a transaction-mode pooler (PgBouncer passes no startup ``options`` and shares server
-    sessions): a statement outside a transaction is sent in one pipeline after
-    ``set_lock_timeout`` (a transaction-local set_config), one round trip and one Sync, so
-    both run in one implicit transaction; a transaction sets it first thing. Subclassed per
-    value by :func:`_timeout_classes`."""
-
-    lock_timeout: ClassVar[str] = ""
-    set_query: ClassVar[str] = ""
-
-    async def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
-                      binary: bool = False) -> psycopg.AsyncCursor[Any]:
-        """Execute *query* with lock_timeout set for it (see the class)."""
-        if self.info.transaction_status is not TransactionStatus.IDLE:
-            return await super().execute(query, params, prepare=prepare, binary=binary)
-        async with self.pipeline():
-            await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
-            cur = await super().execute(query, params, prepare=prepare, binary=binary)
-        return cur
-
-    @asynccontextmanager
-    async def transaction(self, savepoint_name: str | None = None,
-                          force_rollback: bool = False) -> AsyncIterator[Any]:
-        """A transaction whose first statement sets lock_timeout for all of it."""
-        outermost = self.info.transaction_status is TransactionStatus.IDLE
-        async with super().transaction(savepoint_name, force_rollback) as tx:
-            if outermost:
-                await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
-            yield tx
-
-
-class SyncLockTimeoutConnection(psycopg.Connection[Any]):
-    """:class:`LockTimeoutConnection` for a blocking connection (the heartbeat's)."""
-
-    lock_timeout: ClassVar[str] = ""
-    set_query: ClassVar[str] = ""
-
-    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
-                binary: bool = False) -> psycopg.Cursor[Any]:
-        """Execute *query* with lock_timeout set for it (see the class)."""
-        if self.info.transaction_status is not TransactionStatus.IDLE:
-            return super().execute(query, params, prepare=prepare, binary=binary)
-        with self.pipeline():
-            super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
-            cur = super().execute(query, params, prepare=prepare, binary=binary)
-        return cur
-
-    @contextmanager
-    def transaction(self, savepoint_name: str | None = None,
-                    force_rollback: bool = False) -> Iterator[Any]:
-        """A transaction whose first statement sets lock_timeout for all of it."""
-        outermost = self.info.transaction_status is TransactionStatus.IDLE
-        with super().transaction(savepoint_name, force_rollback) as tx:
-            if outermost:
-                super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
-            yield tx
-
-
-@functools.cache
-def _timeout_classes(ms: int) -> tuple[type[LockTimeoutConnection],
-                                       type[SyncLockTimeoutConnection]]:
-    attrs = {"lock_timeout": f"{ms}ms",
-             "set_query": named_statements()["set_lock_timeout"]}
-    return (type(f"LockTimeoutConnection{ms}", (LockTimeoutConnection,), attrs),
-            type(f"SyncLockTimeoutConnection{ms}", (SyncLockTimeoutConnection,), attrs))
-
-
-def worker_connection(dsn: str, *, lock_timeout: float | None, session: bool
-                      ) -> tuple[dict[str, Any], type[LockTimeoutConnection] | None,
-                                 type[SyncLockTimeoutConnection] | None]:
-    """How a worker's connections carry *lock_timeout* (seconds; None: they don't): on a
-    *session* of their own (direct), as a startup option, free on every statement; behind a
-    transaction-mode pooler, by the connection classes above. Returns the extra connection
-    parameters and the (async, sync) classes to connect with (None: psycopg's own)."""
-    if lock_timeout is None:
-        return {}, None, None
-    ms = lock_timeout_ms(lock_timeout)
-    if session:
-        return {"options": connections.lock_timeout_options(dsn, ms)}, None, None
-    async_cls, sync_cls = _timeout_classes(ms)
-    return {}, async_cls, sync_cls
-
-
-def make_pool(dsn: str, *, max_size: int, name: str, prepared: bool = True,
-              lock_timeout: float | None = None,
-              session: bool = True) -> AsyncConnectionPool[Any]:
-    """A worker's pool (:func:`kestrel.connections.make_pool`) whose every statement carries
-    *lock_timeout* (see :func:`worker_connection`)."""
-    extra, async_cls, _ = worker_connection(dsn, lock_timeout=lock_timeout, session=session)
-    return connections.make_pool(dsn, max_size=max_size, name=name, prepared=prepared,
-                                 connection_class=async_cls or psycopg.AsyncConnection,
-                                 extra=extra)
-
-
-def connect_sync(dsn: str, *, lock_timeout: float | None, session: bool,
-                 **kwargs: Any) -> psycopg.Connection[Any]:
-    """A blocking connection (the heartbeat's) whose every statement carries
-    *lock_timeout*, as :func:`make_pool`'s do."""
-    extra, _, sync_cls = worker_connection(dsn, lock_timeout=lock_timeout, session=session)
-    return (sync_cls or psycopg.Connection).connect(dsn, **{**kwargs, **extra})
-
 
 # -- running statements (kestrel.statements) -------------------------------------------------
 

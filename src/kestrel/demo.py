@@ -97,9 +97,7 @@ def run(cfg: Config, *, incidents: int) -> int:
     """Start the runtime (with the HTTP door), raise *incidents* alerts, answer them, show
     what happened; then leave one more waiting for a person in the web UI and print its
     address and a token. On a terminal, serve until Ctrl-C; otherwise return at once."""
-    import psycopg
-
-    from kestrel import db, statements
+    from kestrel import connections, db, statements
     from kestrel.client import SyncClient
     from kestrel.embedded import resolve_dsn
     from kestrel.migrate import migrate
@@ -153,7 +151,7 @@ def run(cfg: Config, *, incidents: int) -> int:
                 continue
             client.signal(h.id, "approval", {"approved": True, "by": "alice (Slack)"})
         print(f"   - from Python (a Slack button handler): approved {incidents - 2}")
-        with psycopg.connect(dsn, autocommit=True) as conn:  # the statement SQL users run
+        with connections.connect(dsn) as conn:  # the statement SQL users run
             db.run_sync(conn, statements.client.signal(
                 queries(cfg.schema), id=sql_one.id, name="approval", idempotency_key=None,
                 payload='{"approved": true, "by": "bob (SQL)"}'))

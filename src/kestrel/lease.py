@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 
@@ -158,24 +158,28 @@ class Leases:
 
 
 class Heartbeat:
-    """The heartbeat thread: one statement extends every held lease, while the process
-    makes progress.
+    """The heartbeat: one statement extends every held lease, while the process makes
+    progress, on a thread and a connection of its own.
 
-    *progressing* is called on the thread before each beat and returns None while the
-    process makes progress, or why it does not.
+    A worker's service (:class:`kestrel.loops.Service`): ``run()`` keeps the thread beating
+    for as long as it runs, ``run_once()`` is one beat. *progressing* is called on the
+    thread before each beat and returns None while the process makes progress, or why it
+    does not.
     """
 
+    name = "heartbeat"
+
     def __init__(self, leases: Leases, *, dsn: str, q: Queries, lease_s: float,
-                 interval: float, prepared: bool, loop: asyncio.AbstractEventLoop,
-                 progressing: Callable[[], str | None], lock_timeout: float | None = None,
-                 session: bool = True) -> None:
+                 interval: float, prepared: bool, progressing: Callable[[], str | None],
+                 lock_timeout: float | None = None, session: bool = True) -> None:
         self._leases = leases
         self._dsn = dsn
         self._q = q
         self._lease_s = lease_s
         self._interval = interval
         self._prepared = prepared
-        self._loop = loop
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._conn: psycopg.Connection[Any] | None = None
         self._progressing = progressing
         self._lock_timeout = lock_timeout
         self._session = session
@@ -185,8 +189,21 @@ class Heartbeat:
         self.paused = False  # set while releasing: released rows are not lost leases
         self.stalled: str | None = None
 
+    async def run(self) -> NoReturn:
+        """Beat on the heartbeat thread for as long as this runs; stop the thread when it is
+        cancelled. A thread of its own, so that a step blocking the event loop does not let
+        the leases lapse (FAULTS F8)."""
+        self.start()
+        never = asyncio.Event()
+        try:
+            while True:
+                await never.wait()
+        finally:
+            await self.stop()
+
     def start(self) -> None:
-        """Start the heartbeat thread."""
+        """Start the heartbeat thread; it hands lost leases to the running event loop."""
+        self._loop = asyncio.get_running_loop()
         self._thread.start()
 
     async def stop(self) -> None:
@@ -195,7 +212,26 @@ class Heartbeat:
         Waits at most one interval plus 5 s.
         """
         self._stop.set()
-        await asyncio.to_thread(self._thread.join, self._interval + 5)
+        if self._thread.ident is not None:  # started
+            await asyncio.to_thread(self._thread.join, self._interval + 5)
+
+    def run_once(self) -> None:
+        """One beat (:meth:`beat`) on the heartbeat's own connection, opened first if there
+        is none; blocking (the thread calls it). A failed beat closes the connection (the
+        next opens a new one) and raises."""
+        try:
+            if self._conn is None:
+                self._conn = connections.connect(
+                    self._dsn, link=True, lock_timeout=self._lock_timeout,
+                    session=self._session, application_name="kestrel-heartbeat",
+                    prepare_threshold=0 if self._prepared else None,
+                    connect_timeout=max(1, int(self._interval)))
+            self.beat(self._conn)
+        except psycopg.Error:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            raise
 
     def beat(self, conn: psycopg.Connection[Any]) -> None:
         """Extend every held lease in one statement; hand the ones that are gone to the event
@@ -234,7 +270,7 @@ class Heartbeat:
             log.info("%d lease(s) not extended: another transaction holds the row (%s%s); "
                      "trusted until they run out", len(busy), busy[0].claimed.id,
                      ", ..." if len(busy) > 1 else "")
-        if gone:
+        if gone and self._loop is not None:
             self._loop.call_soon_threadsafe(self._abandon, gone)
 
     def _abandon(self, gone: list[Lease]) -> None:
@@ -247,19 +283,11 @@ class Heartbeat:
             m.fenced.labels("heartbeat").inc()
 
     def _run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
         backoff = Backoff(base=0.2, cap=self._interval)
         while not self._stop.wait(self._interval if not backoff.failures
                                   else backoff.next_delay()):
             try:
-                if conn is None:
-                    conn = db.connect_sync(
-                        self._dsn, lock_timeout=self._lock_timeout, session=self._session,
-                        **{**connections.link_params(self._dsn), "autocommit": True,
-                           "application_name": "kestrel-heartbeat",
-                           "prepare_threshold": 0 if self._prepared else None,
-                           "connect_timeout": max(1, int(self._interval))})
-                self.beat(conn)
+                self.run_once()
                 OUTAGE.succeeded(pooled=False)
                 backoff.reset()
             except psycopg.Error as exc:
@@ -269,8 +297,6 @@ class Heartbeat:
                     log.warning("heartbeat failed (%s); leases are trusted until they run out",
                                 type(exc).__name__)
                 backoff.failures += 1
-                if conn is not None:
-                    conn.close()
-                    conn = None
-        if conn is not None:
-            conn.close()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

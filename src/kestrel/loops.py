@@ -1,9 +1,13 @@
-"""How the runtime's loops wait: exponential backoff with full jitter for a retry, and a
-round every interval for a periodic service (the sweeper, upkeep, registration).
+"""The shape of a worker's services, and how the runtime's loops wait: exponential backoff
+with full jitter for a retry, and a round every interval for a periodic service (the
+sweeper, upkeep, registration).
 
-Every service that repeats uses these two, so a round the database refused is reported the
-same way everywhere: an unreachable database through :data:`kestrel.outage.OUTAGE` (one line
-per outage), any other database error as one line naming the service.
+Every service has one shape (:class:`Service`): a ``name``, ``run()`` for the life of the
+process and ``run_once()``, one round, which ``run()`` repeats and tests call. Every service
+that repeats uses :class:`Backoff` and :func:`every`, so a round the database refused is
+reported the same way everywhere: an unreachable database through
+:data:`kestrel.outage.OUTAGE` (one line per outage), any other database error as one line
+naming the service.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import psycopg
 
@@ -20,6 +24,29 @@ from kestrel import connections
 from kestrel.outage import OUTAGE
 
 log = logging.getLogger("kestrel.worker")
+
+
+class Service(Protocol):
+    """A worker's service: the claimer, the heartbeat, the group commits (checkpoints,
+    completions), the sweeper, partition upkeep, the scheduler, stats, the LISTEN connection,
+    registration, the event loop's ticker.
+
+    ``run()`` runs for the life of the process (the claimer's, until the worker stops):
+    a service that returns or raises ends the worker (:class:`kestrel.worker.ServiceEnded`).
+    ``run_once()`` is one round, what ``run()`` repeats: one sweep, one beat, one batch
+    committed, one connection listened on; what a round takes and returns is the service's
+    own (a group commit's round takes its batch).
+    """
+
+    name: str
+    """The service's name in the worker's log lines and task names."""
+
+    async def run(self) -> None:
+        """Run for the life of the process."""
+
+    def run_once(self, *args: Any, **kwargs: Any) -> Any:
+        """One round of what :meth:`run` repeats (awaitable, but for the heartbeat's, which
+        blocks on its thread, and the ticker's)."""
 
 
 class Backoff:

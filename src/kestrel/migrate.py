@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 
-from kestrel import db, statements
+from kestrel import connections, db, statements
 from kestrel.errors import MigrationError
 from kestrel.sql import Migration, Queries, functions, migrations, movable_clock, queries
 
@@ -50,7 +50,7 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     # prepares here (it runs the same INSERT once per migration) would outlive this
     # transaction on the server connection and collide with the next migrate's.
     sent: list[statements.Stmt[Any]] = []
-    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+    with connections.connect(dsn, prepare_threshold=None) as conn:
         with conn.transaction():
             done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent,
                           test_clock)
@@ -110,7 +110,7 @@ def readiness(dsn: str, schema: str) -> tuple[bool, str]:
     """/readyz of a metrics endpoint: whether the database answers and *schema* is at this
     code's version, and why not."""
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=3) as conn:
+        with connections.connect(dsn, connect_timeout=3) as conn:
             have = current_version(conn, schema)
     except psycopg.Error as exc:
         return False, f"database unreachable: {type(exc).__name__}"

@@ -35,7 +35,7 @@ from typing import IO, Any
 import orjson
 import psycopg
 
-from kestrel import codec, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel.definitions import WorkflowFn, retired_patches
 from kestrel.errors import (
     CodeTooOld,
@@ -364,7 +364,7 @@ def histories_from_db(dsn: str, schema: str, sel: Selection, *,
     """
     check_selection(sel)
     q = queries(schema)
-    with psycopg.connect(dsn, autocommit=False, prepare_threshold=None) as conn:
+    with connections.connect(dsn, autocommit=False, prepare_threshold=None) as conn:
         conn.read_only = True
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         try:

@@ -2,11 +2,11 @@
 
 A claimed execution becomes a task under its :class:`~kestrel.lease.Lease`. Its workflow
 runs with a :class:`~kestrel.workflow.Context` whose every database call goes through this
-module (the ``Writer`` protocol): checkpoints and completions through the writers' group
-commits, waits and signals as single fenced statements. When the workflow ends,
-:meth:`Runner._outcome` turns what happened — a result, an error, a park, a cancel, a lost
-lease, a passed deadline, a refused write — into one action: a Finish to commit, or nothing
-(parked, or dropped for the owner of a newer epoch).
+module (the ``Writer`` protocol): checkpoints and completions through their group commits
+(:mod:`kestrel.commits`, which own those statements), waits and signals as single fenced
+statements. When the workflow ends, :meth:`Runner._outcome` turns what happened — a result,
+an error, a park, a cancel, a lost lease, a passed deadline, a refused write — into one
+action: a Finish to commit, or nothing (parked, or dropped for the owner of a newer epoch).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from psycopg_pool import AsyncConnectionPool
 
 from kestrel import codec, connections, db, metrics, tracing
+from kestrel.commits import CheckpointCommits, Completions
 from kestrel.config import Config
 from kestrel.db import AnyConn
 from kestrel.definitions import retired_patches
@@ -53,7 +54,6 @@ from kestrel.types import (
 )
 from kestrel.workflow import Context, WorkflowFn, describe_error
 from kestrel.workflow.waits import Park
-from kestrel.writer import GroupCommit
 
 log = logging.getLogger("kestrel.worker")
 
@@ -88,14 +88,6 @@ class WorkerStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
-def _write_size(w: StepWrite) -> int:
-    return len(w.output or "") + len(w.error or "") + len(w.name)
-
-
-def _finish_size(f: Finish) -> int:
-    return len(f.result or "") + len(f.error or "")
-
-
 class Runner:
     """Runs claimed executions; the ``Writer`` every Context talks to."""
 
@@ -113,14 +105,9 @@ class Runner:
         self.stats = stats
         self._stopping = stopping
         self._slot_freed = slot_freed
-        self.checkpoints: GroupCommit[StepWrite, StepSaved] = GroupCommit(
-            "checkpoint", self._flush_checkpoints, size=_write_size,
-            trusted=lambda w: leases.trusted(w.execution_id, w.epoch),
-            in_flight=FLUSHES_IN_FLIGHT)
-        self.completions: GroupCommit[Finish, bool] = GroupCommit(
-            "completion", self._flush_completions, size=_finish_size,
-            trusted=lambda f: leases.trusted(f.execution_id, f.epoch),
-            in_flight=FLUSHES_IN_FLIGHT)
+        # The group commits, each owning its statement; the worker runs them as services.
+        self.checkpoints = CheckpointCommits(pool, q, leases, in_flight=FLUSHES_IN_FLIGHT)
+        self.completions = Completions(pool, q, leases, in_flight=FLUSHES_IN_FLIGHT)
         # Workflow calls (_with_retries) waiting for a pool connection, and since when: the
         # lease watchdog reads them (no_connection_for), FAULTS R3.
         self._no_connection: dict[object, float] = {}
@@ -129,7 +116,7 @@ class Runner:
 
     async def save_step(self, write: StepWrite) -> StepSaved:
         """Checkpoint *write* in the next group commit; return what is now recorded."""
-        return await self.checkpoints.submit(write)
+        return await self.checkpoints.writer.submit(write)
 
     async def _with_retries(self, lease: Lease, op: Callable[[AnyConn], Awaitable[Out]]) -> Out:
         """Run a workflow's own database call, retrying while the lease is still trusted: while
@@ -423,7 +410,7 @@ class Runner:
         m = metrics.get()
         tracing.mark(attempt, "refused")  # until the completion says otherwise
         try:
-            done = await self.completions.submit(finish)
+            done = await self.completions.writer.submit(finish)
         except LeaseLost as exc:
             # Retried for contention until the lease was no longer trusted: not refused,
             # not counted; whoever claims it next finishes it.
@@ -444,7 +431,7 @@ class Runner:
             finish = self._failure(c, WriteRejected(
                 f"the database refused the result of workflow {c.workflow!r}: "
                 f"{type(exc).__name__}: {exc}"))
-            done = await self.completions.submit(finish)
+            done = await self.completions.writer.submit(finish)
         tracing.mark(attempt, finish.status.value if done else "fenced")
         if done:
             if finish.status is Status.COMPLETED:
@@ -470,43 +457,3 @@ class Runner:
                  described["message"][:500])
         return Finish(c.id, c.epoch, Status.FAILED, None,
                       codec.encode(described, what="workflow error"))
-
-    # -- group-commit flushes -----------------------------------------------------------------
-
-    async def _flush_checkpoints(self, writes: list[StepWrite]) -> list[StepSaved]:
-        started = time.monotonic()
-        async with self._pool.connection() as conn:
-            await afailpoint("before_checkpoint_commit")
-            saved = await db.run(conn, steps.save_steps(self._q, writes))
-            failpoint("after_checkpoint_commit_before_ack", writes)
-            m = metrics.get()
-            m.checkpoint_seconds.observe(time.monotonic() - started)
-            m.checkpoint_batch.observe(len(writes))
-            fenced = sum(1 for s in saved if not s.owned)
-            if fenced:
-                m.fenced.labels("checkpoint").inc(fenced)
-            # A conflicting row committed after our snapshot is invisible to the statement
-            # (only possible across epochs, which are fenced anyway): read it back.
-            for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
-                if s.owned and s.recorded is None and not s.cancelled:
-                    rec = await db.run(conn, steps.load_step(
-                        self._q, execution_id=w.execution_id, step_id=w.step_id))
-                    saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
-        return saved
-
-    async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
-        started = time.monotonic()
-        async with self._pool.connection() as conn:
-            await afailpoint("before_complete")
-            done = await db.run(conn, executions.complete_batch(self._q, finishes))
-            failpoint("after_complete_commit")
-            missing = [f for f in finishes if f.execution_id not in done]
-            if missing:
-                # Not finished by this statement: fenced by a newer claim, or finished by an
-                # earlier try whose reply was lost (FAULTS X4). History tells which.
-                done |= await db.run(conn, executions.finished_readback(
-                    self._q, missing))
-        m = metrics.get()
-        m.completion_seconds.observe(time.monotonic() - started)
-        m.completion_batch.observe(len(finishes))
-        return [f.execution_id in done for f in finishes]

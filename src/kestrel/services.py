@@ -1,8 +1,9 @@
 """The periodic services of a worker process: sweeper, partition upkeep, scheduler, stats
 and the LISTEN connection.
 
-Each has one shape: ``run_once()`` does one round and returns what it did (tests and the
-stats use it); ``run()`` repeats it forever. A round that fails because the database is
+Each has the one shape of a worker's services (:class:`kestrel.loops.Service`): a ``name``;
+``run_once()`` does one round and returns what it did (tests and the stats use it); ``run()``
+repeats it forever. A round that fails because the database is
 unreachable, or because one statement was refused, is logged and tried again next round: a
 periodic service never turns one bad round into a crash loop. Anything else escaping
 ``run()`` — or ``run()`` returning at all — is a bug, and the worker's task group turns it
@@ -40,6 +41,8 @@ Pool = AsyncConnectionPool[Any]
 class Sweeper:
     """Re-enqueue executions whose lease expired; quarantine those out of attempts; fail
     queued and waiting executions past their deadline."""
+
+    name = "sweeper"
 
     def __init__(self, pool: Pool, q: Queries, cfg: Config, on_work: Callable[[], None]) -> None:
         self._pool, self._q, self._cfg, self._on_work = pool, q, cfg, on_work
@@ -90,6 +93,8 @@ class Upkeep:
     Under a least-privilege runtime role upkeep is the schema owner's job: the service then
     stands down — it stays alive and idle, it does not return (FAULTS L1)."""
 
+    name = "upkeep"
+
     def __init__(self, pool: Pool, q: Queries, cfg: Config) -> None:
         self._pool, self._q, self._cfg = pool, q, cfg
         self.stood_down = False
@@ -129,6 +134,8 @@ class Upkeep:
 
 class Scheduler:
     """Start every due cron tick of the schedules this process knows, once across the fleet."""
+
+    name = "scheduler"
 
     def __init__(self, pool: Pool, q: Queries, cfg: Config, schedules: list[Schedule]) -> None:
         self._pool, self._q, self._cfg, self._schedules = pool, q, cfg, schedules
@@ -182,6 +189,8 @@ MAX_WAITING_SERIES = 100
 class Stats:
     """Every few seconds: this process's pool and running gauges; in the one process chosen
     by the supervisor, queue depth from one cheap query for the whole fleet."""
+
+    name = "stats"
 
     def __init__(self, pool: Pool, q: Queries, *, workflows: list[str], collect_queues: bool,
                  interval: float, running: Callable[[], int]) -> None:
@@ -293,27 +302,22 @@ class Listener:
     """LISTEN for submissions and wake-ups on a direct connection; polling runs regardless,
     so a lost connection costs latency only."""
 
+    name = "listener"
+
     def __init__(self, dsn: str, q: Queries, on_work: Callable[[], None]) -> None:
         self._dsn, self._q, self._on_work = dsn, q, on_work
+        self._backoff = Backoff(base=0.2, cap=10.0)
 
     async def run(self) -> NoReturn:
-        """LISTEN forever, calling *on_work* on each (re)connect and each notification.
+        """LISTEN forever (:meth:`run_once`), calling *on_work* on each (re)connect and each
+        notification.
 
         Reconnects with backoff when the connection is lost.
         """
-        backoff = Backoff(base=0.2, cap=10.0)
+        backoff = self._backoff
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(
-                    self._dsn, autocommit=True, application_name="kestrel-listen",
-                    **connections.link_params(self._dsn))
-                async with conn:
-                    await db.run(conn, statements.notify.listen(self._q))
-                    OUTAGE.succeeded(pooled=False)
-                    backoff.reset()
-                    self._on_work()  # anything submitted while we were not listening
-                    async for _ in conn.notifies():
-                        self._on_work()
+                await self.run_once()
             except (psycopg.Error, OSError) as exc:
                 delay = backoff.next_delay()
                 if connections.is_transient(exc):
@@ -322,3 +326,17 @@ class Listener:
                     log.warning("LISTEN connection lost (%s); polling until it is back in "
                                 "%.1fs", type(exc).__name__, delay)
                 await asyncio.sleep(delay)
+
+    async def run_once(self) -> None:
+        """One connection's life: connect, LISTEN, call *on_work* once (anything submitted
+        while nobody listened) and on each notification, until the connection is lost (which
+        raises)."""
+        conn = await connections.connect_async(
+            self._dsn, link=True, application_name="kestrel-listen")
+        async with conn:
+            await db.run(conn, statements.notify.listen(self._q))
+            OUTAGE.succeeded(pooled=False)
+            self._backoff.reset()
+            self._on_work()  # anything submitted while we were not listening
+            async for _ in conn.notifies():
+                self._on_work()

@@ -203,26 +203,10 @@ class Supervisor:
                      signal.Signals(signum).name, self.cfg.drain_timeout)
         self._stopping = True
 
-    def ready(self) -> tuple[bool, str]:
-        """/readyz: the database answers and the schema is at this code's version."""
-        from kestrel.migrate import readiness
-
-        return readiness(self.dsn, self.cfg.schema)
-
     def run(self) -> int:
         """Run until SIGTERM/SIGINT and every child has exited; return the exit code."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        if self.cfg.metrics_port:
-            from kestrel import metrics
-
-            self._http = metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port,
-                                       ready=self.ready,
-                                       certfile=self.cfg.metrics_certfile or None,
-                                       keyfile=self.cfg.metrics_keyfile or None)
-            log.info("serving /metrics, /healthz and /readyz on %s://%s:%d",
-                     "https" if self.cfg.metrics_certfile else "http",
-                     self.cfg.metrics_host, self.cfg.metrics_port)
         log.info("supervisor %d starting %d worker processes", os.getpid(), self.cfg.procs)
         for slot in self.slots:
             self._spawn(slot)
@@ -305,11 +289,9 @@ class Supervisor:
         from kestrel.sql import queries
 
         try:
-            with psycopg.connect(self.dsn, **{
-                    **connections.link_params(self.dsn), "autocommit": True,
-                    "prepare_threshold": None,
-                    "application_name": "kestrel-supervisor",
-                    "connect_timeout": RELEASE_CONNECT_TIMEOUT_S}) as conn:
+            with connections.connect(self.dsn, link=True, prepare_threshold=None,
+                                     application_name="kestrel-supervisor",
+                                     connect_timeout=RELEASE_CONNECT_TIMEOUT_S) as conn:
                 done = db.run_script_sync(conn, statements.sweeper.recover_dead_worker(
                     queries(self.cfg.schema), worker_id=worker_id,
                     max_attempts=self.cfg.max_attempts))

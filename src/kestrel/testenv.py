@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias
 
 import psycopg
 
-from kestrel import db, failpoints, statements
+from kestrel import connections, db, failpoints, statements
 from kestrel.client import Client, SyncClient
 from kestrel.config import Config
 from kestrel.definitions import StepInfo, _spec, registry
@@ -203,7 +203,7 @@ class KestrelTestEnv:
                       listen_dsn=os.environ.get("KESTREL_LISTEN_DSN", ""))
 
     def _sync(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+        conn = connections.connect(self.dsn, prepare_threshold=None)
         if not self._checked:
             try:
                 self._own(db.run_sync(conn, statements.migrate.has_test_clock(
@@ -426,8 +426,7 @@ class KestrelTestEnv:
         deadline = time.monotonic() + timeout
         crashes, skipped = 0, 0.0
         # One connection watches (no prepared statements: it may go through PgBouncer).
-        async with await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, prepare_threshold=None) as conn:
+        async with await connections.connect_async(self.dsn, prepare_threshold=None) as conn:
             submitted = await db.run(conn, statements.client.get_execution(q, id=execution_id))
             if submitted is None:
                 raise LookupError(f"no execution {execution_id} in schema {self.schema}")
@@ -460,8 +459,7 @@ class KestrelTestEnv:
         """Refuse a schema not made for tests (see the class), before anything runs."""
         if self._checked:
             return
-        conn = await psycopg.AsyncConnection.connect(self.dsn, autocommit=True,
-                                                     prepare_threshold=None)
+        conn = await connections.connect_async(self.dsn, prepare_threshold=None)
         try:
             self._own(await db.run(conn, statements.migrate.has_test_clock(
                 queries(self.schema))))

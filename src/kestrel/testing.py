@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 
-from kestrel import db, failpoints, statements
+from kestrel import connections, db, failpoints, statements
 from kestrel.config import mask_dsn
 from kestrel.errors import ConfigError
 from kestrel.sql import queries
@@ -187,7 +187,7 @@ def _reachable(dsn: str, source: str) -> None:
     """Fail the test with one line unless *dsn* (given by *source*) accepts a connection."""
     __tracebackhide__ = True
     try:
-        psycopg.connect(dsn, connect_timeout=10).close()
+        connections.connect(dsn, autocommit=False, connect_timeout=10).close()
         return
     except psycopg.Error as exc:
         # psycopg's first line says what failed ("connection refused", "password
@@ -240,7 +240,7 @@ def kestrel_schema(kestrel_dsn: str) -> Iterator[str]:
     migrate(kestrel_dsn, name, test_clock=True)
     yield name
     try:
-        conn = psycopg.connect(kestrel_dsn, autocommit=True)
+        conn = connections.connect(kestrel_dsn)
     except psycopg.OperationalError:
         return  # the server went first (its fixture ended before this one): nothing to drop
     with conn:

@@ -82,6 +82,8 @@ class Registration:
     """Keeps this worker's row in ``workers`` fresh; in the stats process, also the
     unclaimable gauges."""
 
+    name = "registration"
+
     def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, cfg: Config, *,
                  worker_id: str, workflows: list[str], collect: bool) -> None:
         self._pool, self._q, self._cfg = pool, q, cfg

@@ -11,8 +11,9 @@ one statement while the process makes progress. The periodic services
 listen for wake-ups.
 
 Structured concurrency: :meth:`Worker.run` is one task group of the claimer and every
-service. A service that ends — by an error or by returning — ends the process with an error
-and the supervisor starts a new one (crash-only; leases recover the work).
+service (:meth:`Worker.services`, each a :class:`~kestrel.loops.Service`). A service that
+ends — by an error or by returning — ends the process with an error and the supervisor
+starts a new one (crash-only; leases recover the work).
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NoReturn
+from typing import NoReturn
 
-from kestrel import db, statements
-from kestrel.claimer import Claimer
+from kestrel import connections, db, statements
+from kestrel.claimer import Claimer, Wakeups
 from kestrel.config import Config, incarnation_id
 from kestrel.lease import Heartbeat, Leases
+from kestrel.loops import Service
 from kestrel.runner import Runner, WorkerStats
 from kestrel.schedule import schedules
 from kestrel.services import Listener, Scheduler, Stats, Sweeper, Upkeep
@@ -44,6 +45,27 @@ __all__ = ["ServiceEnded", "Worker", "WorkerStats", "run_worker"]
 
 class ServiceEnded(RuntimeError):
     """A worker service returned: services run for the life of the process."""
+
+
+class Ticker:
+    """Marks the event loop as running, for the heartbeat's watchdog: ``last`` is when the
+    loop last ran it (monotonic)."""
+
+    name = "ticker"
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last = time.monotonic()
+
+    async def run(self) -> NoReturn:
+        """Call :meth:`run_once` every *interval* seconds forever."""
+        while True:
+            self.run_once()
+            await asyncio.sleep(self.interval)
+
+    def run_once(self) -> None:
+        """Mark the loop as running now."""
+        self.last = time.monotonic()
 
 
 class Worker:
@@ -64,11 +86,12 @@ class Worker:
         self._work = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._drain_timeout = cfg.drain_timeout
-        self._loop_tick = time.monotonic()
-        self._pool = db.make_pool(dsn, max_size=cfg.pool_size, name=f"kestrel-{self.id}",
-                                  prepared=cfg.prepared_statements,
-                                  lock_timeout=cfg.statement_lock_timeout,
-                                  session=cfg.connection_mode == "direct")
+        self.ticker = Ticker(min(1.0, cfg.heartbeat / 2))
+        self._pool = connections.make_pool(dsn, max_size=cfg.pool_size,
+                                           name=f"kestrel-{self.id}",
+                                           prepared=cfg.prepared_statements,
+                                           lock_timeout=cfg.statement_lock_timeout,
+                                           session=cfg.connection_mode == "direct")
         self._listen_dsn = cfg.notify_dsn(dsn)
         self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
         self._schedules = [s for s in schedules().values() if s.workflow in workflows]
@@ -77,10 +100,8 @@ class Worker:
                              stopping=self._stopping, slot_freed=self._slot_freed)
         self.checkpoints = self.runner.checkpoints
         self.completions = self.runner.completions
-        self.claimer = Claimer(cfg, pool=self._pool, q=self._q, leases=self.leases,
-                               runner=self.runner, stats=self.stats, worker_id=self.id,
-                               workflows=sorted(workflows), stopping=self._stopping,
-                               work=self._work, slot_freed=self._slot_freed,
+        self.claimer = Claimer(cfg, self.runner, pool=self._pool, workflows=sorted(workflows),
+                               wakeups=Wakeups(self._stopping, self._work, self._slot_freed),
                                stalled=self._progressing)
         self.sweeper = Sweeper(self._pool, self._q, cfg, self._work.set)
         self.upkeep = Upkeep(self._pool, self._q, cfg)
@@ -91,7 +112,11 @@ class Worker:
         self.registration = Registration(self._pool, self._q, cfg, worker_id=self.id,
                                          workflows=sorted(workflows),
                                          collect=collect_queue_stats)
-        self.heartbeat: Heartbeat | None = None
+        self.heartbeat = Heartbeat(self.leases, dsn=dsn, q=self._q, lease_s=cfg.lease,
+                                   interval=cfg.heartbeat, prepared=cfg.prepared_statements,
+                                   progressing=self._progressing,
+                                   lock_timeout=cfg.statement_lock_timeout,
+                                   session=cfg.connection_mode == "direct")
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -117,26 +142,19 @@ class Worker:
                         self._q, name=sch.name, cron=sch.cron.text, workflow=sch.workflow,
                         last_tick=now))
 
-    def services(self) -> dict[str, Callable[[], Coroutine[Any, Any, NoReturn]]]:
-        """The services this process runs for its whole life, by name."""
-        found: dict[str, Callable[[], Coroutine[Any, Any, NoReturn]]] = {
-            "checkpoint-writer": self.checkpoints.run,
-            "completion-writer": self.completions.run,
-            "sweeper": self.sweeper.run,
-            "upkeep": self.upkeep.run,
-            "stats": self._stats.run,
-            "ticker": self._tick,
-            "registration": self.registration.run,
-        }
+    def services(self) -> list[Service]:
+        """The services this process runs beside the claimer for its whole life."""
+        found: list[Service] = [self.heartbeat, self.checkpoints, self.completions,
+                                self.sweeper, self.upkeep, self._stats, self.ticker,
+                                self.registration]
         if self._schedules:
-            found["scheduler"] = self.scheduler.run
+            found.append(self.scheduler)
         if self.cfg.listen and self._listen_dsn is not None:
-            found["listener"] = Listener(self._listen_dsn, self._q, self._work.set).run
+            found.append(Listener(self._listen_dsn, self._q, self._work.set))
         return found
 
     async def run(self) -> None:
         """Run until :meth:`stop` is called, then drain and return. Raises if a service ends."""
-        loop = asyncio.get_running_loop()
         await self._pool.open(wait=False)
         # Everything after the pool opens is inside the try: a start that fails (a lost reply
         # to a registration statement, say) still closes the pool. An unclosed pool's
@@ -145,23 +163,17 @@ class Worker:
         try:
             await self._register()
             await self.registration.run_once()  # live (claimable names known) before claiming
-            self.heartbeat = Heartbeat(self.leases, dsn=self.dsn, q=self._q,
-                                       lease_s=self.cfg.lease, interval=self.cfg.heartbeat,
-                                       prepared=self.cfg.prepared_statements, loop=loop,
-                                       progressing=self._progressing,
-                                       lock_timeout=self.cfg.statement_lock_timeout,
-                                       session=self.cfg.connection_mode == "direct")
-            self.heartbeat.start()
             services = self.services()
             log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
                      "connections=%s prepared=%s app_version=%s", self.id,
                      self.cfg.concurrency, self.cfg.batch_size, ",".join(self.cfg.queues),
-                     "LISTEN/NOTIFY + polling" if "listener" in services else "polling only",
+                     "LISTEN/NOTIFY + polling" if any(s.name == "listener" for s in services)
+                     else "polling only",
                      self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no",
                      self.cfg.app_version)
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._service(name, fn), name=name)
-                         for name, fn in services.items()]
+                tasks = [group.create_task(self._service(service), name=service.name)
+                         for service in services]
                 await self.claimer.run()
                 await self._drain()
                 for t in tasks:
@@ -170,17 +182,17 @@ class Worker:
             for lease in self.leases:
                 if lease.task is not None:
                     lease.task.cancel()
-            if self.heartbeat is not None:
-                await self.heartbeat.stop()
+            await self.heartbeat.stop()  # stopped with its task, unless that never started
             await self.registration.unregister()
             await self._pool.close()
             self._executor.shutdown(wait=False, cancel_futures=True)
             log.info("worker %s stopped: %s", self.id, self.stats)
 
     @staticmethod
-    async def _service(name: str, fn: Callable[[], Coroutine[Any, Any, NoReturn]]) -> None:
+    async def _service(service: Service) -> None:
+        name = service.name
         try:
-            await fn()
+            await service.run()
         except asyncio.CancelledError:
             raise
         except BaseException:
@@ -189,19 +201,13 @@ class Worker:
         log.error("worker service %s returned; the worker exits", name)
         raise ServiceEnded(f"worker service {name} returned")
 
-    async def _tick(self) -> NoReturn:
-        """Mark the event loop as running, for the heartbeat's watchdog."""
-        while True:
-            self._loop_tick = time.monotonic()
-            await asyncio.sleep(min(1.0, self.cfg.heartbeat / 2))
-
     def _progressing(self) -> str | None:
         """None while this process makes progress; else why not (heartbeat thread)."""
         now = time.monotonic()
         limit = self.cfg.lease
-        if now - self._loop_tick > limit:
-            return f"the event loop has not run for {now - self._loop_tick:.1f}s"
-        for writer in (self.checkpoints, self.completions):
+        if now - self.ticker.last > limit:
+            return f"the event loop has not run for {now - self.ticker.last:.1f}s"
+        for writer in (self.checkpoints.writer, self.completions.writer):
             stalled, why = writer.stall(now)
             if stalled > limit:
                 return (f"the {writer.name} writer has made no progress for {stalled:.1f}s"
@@ -227,8 +233,7 @@ class Worker:
                 h.task.cancel()
         await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
         held = [h.key for h in remaining if not h.lost]
-        if self.heartbeat is not None:
-            self.heartbeat.paused = True  # released rows are not lost leases
+        self.heartbeat.paused = True  # released rows are not lost leases
         if held:
             try:
                 async with self._pool.connection(timeout=5) as conn:

@@ -26,8 +26,9 @@ SHOW = "SELECT current_setting('lock_timeout')"
 
 def test_pooled_statements_and_transactions_carry_the_lock_timeout(pg_dsn: str) -> None:
     async def main() -> None:
-        pool = db.make_pool(pg_dsn, max_size=2, name="lt", prepared=not VIA_PGBOUNCER,
-                            lock_timeout=0.25, session=not VIA_PGBOUNCER)
+        pool = connections.make_pool(pg_dsn, max_size=2, name="lt",
+                                     prepared=not VIA_PGBOUNCER, lock_timeout=0.25,
+                                     session=not VIA_PGBOUNCER)
         await pool.open(wait=True)
         try:
             async with pool.connection() as conn:
@@ -45,8 +46,8 @@ def test_pooled_statements_and_transactions_carry_the_lock_timeout(pg_dsn: str) 
 
 
 def test_the_heartbeat_connection_carries_it_too(pg_dsn: str) -> None:
-    with db.connect_sync(pg_dsn, lock_timeout=0.3, session=not VIA_PGBOUNCER,
-                         autocommit=True, prepare_threshold=None) as conn:
+    with connections.connect(pg_dsn, lock_timeout=0.3, session=not VIA_PGBOUNCER,
+                             autocommit=True, prepare_threshold=None) as conn:
         assert conn.execute(SHOW).fetchone() == ("300ms",)
 
 
@@ -64,9 +65,10 @@ def test_a_worker_statement_on_a_row_a_client_holds_times_out_instead_of_waiting
     assert cfg.statement_lock_timeout == 0.5
 
     async def main() -> None:
-        pool = db.make_pool(pg_dsn, max_size=2, name="lt", prepared=cfg.prepared_statements,
-                            lock_timeout=cfg.statement_lock_timeout,
-                            session=cfg.connection_mode == "direct")
+        pool = connections.make_pool(pg_dsn, max_size=2, name="lt",
+                                     prepared=cfg.prepared_statements,
+                                     lock_timeout=cfg.statement_lock_timeout,
+                                     session=cfg.connection_mode == "direct")
         await pool.open(wait=True)
         try:
             async with pool.connection() as conn:

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import db, failpoints, metrics, statements
+from kestrel import connections, db, failpoints, metrics, statements
 from kestrel.client import SyncClient
 from kestrel.config import Config
 from kestrel.errors import InvalidState
@@ -145,7 +145,7 @@ class Env:
         """Run ``fn(pool)`` on a connection pool of this schema's kind."""
 
         async def main() -> Any:
-            pool = db.make_pool(self.dsn, max_size=2, name="sweep", prepared=False)
+            pool = connections.make_pool(self.dsn, max_size=2, name="sweep", prepared=False)
             await pool.open()
             try:
                 return await fn(pool)

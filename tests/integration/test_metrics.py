@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from kestrel.config import Config
-from kestrel.supervisor import Supervisor
+from kestrel.migrate import readiness
 from tests.helpers import (
     ROOT,
     finished_count,
@@ -210,8 +210,7 @@ def test_health_endpoints_bind_to_loopback_and_are_read_only(
                      if c.status == psutil.CONN_LISTEN]
         assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", port)]
     assert Config().metrics_host == "127.0.0.1"
-    down = Supervisor(Config(schema=schema), {}, dsn="postgresql://nobody@127.0.0.1:1/x")
-    ok, why = down.ready()
+    ok, why = readiness("postgresql://nobody@127.0.0.1:1/x", schema)
     assert not ok and "unreachable" in why
 
 

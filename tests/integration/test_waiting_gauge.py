@@ -8,7 +8,7 @@ import asyncio
 import os
 from typing import Any
 
-from kestrel import db, metrics
+from kestrel import connections, metrics
 from kestrel.services import MAX_WAITING_SERIES, Stats
 from kestrel.sql import queries
 from tests.apps import kit_app  # noqa: F401  (registers kit.wait_named)
@@ -25,8 +25,9 @@ def samples(workflow: str) -> dict[str, float]:
 
 def collect(dsn: str, schema: str, stats: Stats | None = None) -> Stats:
     async def main() -> Stats:
-        pool = db.make_pool(dsn, max_size=2, name="gauge-test",
-                            prepared=os.environ.get("KESTREL_CONNECTION_MODE") != "pgbouncer")
+        pool = connections.make_pool(
+            dsn, max_size=2, name="gauge-test",
+            prepared=os.environ.get("KESTREL_CONNECTION_MODE") != "pgbouncer")
         await pool.open()
         try:
             s = stats or Stats(pool, queries(schema), workflows=["kit.wait_named", "waiter"],

@@ -78,10 +78,11 @@ from psycopg.pq import TransactionStatus
 import kestrel
 from kestrel import connections, db, statements
 from kestrel.client import Client
+from kestrel.commits import Completions
 from kestrel.config import Config
 from kestrel.errors import ChildFailed, InvalidState, KestrelError, StepFailed
 from kestrel.lease import Lease, Leases
-from kestrel.runner import Runner, WorkerStats
+from kestrel.runner import FLUSHES_IN_FLIGHT, Runner, WorkerStats
 from kestrel.sql import queries
 from kestrel.types import Finish
 from kestrel.workflow import Context, current_step
@@ -220,17 +221,30 @@ class GatePool:
             raise psycopg.OperationalError("the machine dropped the reply after the commit")
 
 
+class SimCompletions(Completions):
+    """The real completions; they also tell the machine which finishes the runner counted
+    as its own."""
+
+    runner: SimRunner
+
+    async def run_once(self, finishes: list[Finish]) -> list[bool]:
+        done = await super().run_once(finishes)
+        for f, ok in zip(finishes, done, strict=True):
+            if ok:
+                self.runner.sim.reports.append((f.execution_id, f.epoch, f.status.value))
+        return done
+
+
 class SimRunner(Runner):
     """The real runner; it also tells the machine which finishes it counted as its own."""
 
     sim: Sim
 
-    async def _flush_completions(self, finishes: list[Finish]) -> list[bool]:
-        done = await super()._flush_completions(finishes)
-        for f, ok in zip(finishes, done, strict=True):
-            if ok:
-                self.sim.reports.append((f.execution_id, f.epoch, f.status.value))
-        return done
+    def __init__(self, cfg: Config, workflows: Any, **kwargs: Any) -> None:
+        super().__init__(cfg, workflows, **kwargs)
+        self.completions = SimCompletions(kwargs["pool"], kwargs["q"], self.leases,
+                                          in_flight=FLUSHES_IN_FLIGHT)
+        self.completions.runner = self
 
 
 @dataclass(eq=False)

@@ -51,14 +51,12 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
 
     With ``--detach`` expired partitions are detached instead of dropped.
     """
-    import psycopg
-
-    from kestrel import db, statements
+    from kestrel import connections, db, statements
     from kestrel.sql import queries
 
     dsn, _server = resolve_dsn(cfg, create=False)
     ran, created, dropped = upkeep_patiently(dsn, cfg, detach=ns.detach)
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    with connections.connect(dsn) as conn:
         parts = db.run_sync(conn, statements.history.list_partitions(queries(cfg.schema)))
     data = {"ran": ran, "created": created, "dropped" if not ns.detach else "detached": dropped,
             "partitions": [{"table": p[0], "partition": p[1], "bounds": p[2],

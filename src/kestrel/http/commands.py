@@ -47,7 +47,7 @@ def _resending(dsn: str, write: Callable[[psycopg.Connection[Any], bool], T]) ->
     error, up to :data:`RESENDS` times."""
     for attempt in range(RESENDS + 1):
         try:
-            with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+            with connections.connect(dsn, prepare_threshold=None) as conn:
                 return write(conn, attempt > 0)
         except psycopg.OperationalError as exc:
             if not connections.is_transient(exc) or attempt == RESENDS:
@@ -76,7 +76,7 @@ def _token_command(q: Queries, dsn: str, action: str, args: dict[str, Any],
         return data, (f"{token.text}\n(token {name}, id {token.id}, scopes "
                       f"{','.join(scopes)}: shown once, only its hash is stored)")
     if action == "list":
-        with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        with connections.connect(dsn, prepare_threshold=None) as conn:
             rows = db.run_sync(conn, statements.http.list_tokens(q))
         lines = [f"{'id':<16}  {'name':<24} {'scopes':<20} {'created':<25} revoked"]
         lines += [f"{r['id']:<16}  {r['name'][:24]:<24} {','.join(r['scopes']):<20} "

@@ -26,27 +26,14 @@ DEFAULT_PORT = 8080
 
 
 def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
-          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = (),
-          own_metrics: bool = False) -> None:
+          hooks: Mapping[str, Hook] | None = None, routes: Sequence[BaseRoute] = ()) -> None:
     """Serve the API (and *routes*, e.g. the web UI's) on ``cfg.http_host``:``cfg.http_port``
     (8080 when 0) until SIGTERM or SIGINT; TLS with ``cfg.http_certfile``/``http_keyfile``.
 
-    *own_metrics* (``kestrel-runtime serve``): with ``cfg.metrics_port``, serve this
-    process's ``/metrics`` (the HTTP metrics), ``/healthz`` and ``/readyz`` there too; the
-    supervisor's HTTP child leaves that to the supervisor, which merges its children's."""
+    The metrics port is not this function's: :func:`kestrel.boot.observe` serves it (for
+    ``kestrel-runtime serve``, this process's own; for the supervisor's HTTP child, the
+    supervisor's, which merges its children's)."""
     import uvicorn
-
-    if own_metrics and cfg.metrics_port:
-        from kestrel import metrics
-        from kestrel.migrate import readiness
-
-        metrics.serve(cfg.metrics_host, cfg.metrics_port,
-                      ready=lambda: readiness(dsn, cfg.schema),
-                      certfile=cfg.metrics_certfile or None,
-                      keyfile=cfg.metrics_keyfile or None)
-        log.info("serving /metrics, /healthz and /readyz on %s://%s:%d",
-                 "https" if cfg.metrics_certfile else "http", cfg.metrics_host,
-                 cfg.metrics_port)
 
     port = cfg.http_port or DEFAULT_PORT
     app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,

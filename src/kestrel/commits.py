@@ -1,0 +1,136 @@
+"""The two group commits of a worker: checkpoints and completions, each owning its statement.
+
+Like River's completer, each is an object of its own: it holds the writer
+(:class:`~kestrel.writer.GroupCommit`) that gathers what the running workflows hand it, and
+the flush that sends one batch as one statement and maps what came back to one result per
+item. The :class:`~kestrel.runner.Runner` submits to them (``writer.submit``) and waits; the
+worker runs them as services (``run``). ``run_once`` is one round: one batch, one statement,
+one commit.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
+
+from psycopg_pool import AsyncConnectionPool
+
+from kestrel import db, metrics
+from kestrel.failpoints import afailpoint, failpoint
+from kestrel.lease import Leases
+from kestrel.sql import Queries
+from kestrel.statements import executions, steps
+from kestrel.types import Finish, StepSaved, StepWrite
+from kestrel.writer import GroupCommit
+
+
+class _Fenced(Protocol):
+    """A write fenced by its claim: ``(execution_id, epoch)``."""
+
+    @property
+    def execution_id(self) -> uuid.UUID:
+        """The execution written to."""
+
+    @property
+    def epoch(self) -> int:
+        """The claim's epoch the write carries."""
+
+
+In = TypeVar("In", bound=_Fenced)
+Out = TypeVar("Out")
+
+
+class _Commits(Generic[In, Out]):
+    """A group commit of one kind of fenced write: its writer, whose every flush is one
+    :meth:`run_once`; an item is retried for contention only while its lease is trusted."""
+
+    name: str  # the service's, in the worker's log lines
+    kind: ClassVar[str]  # the writer's, in its log lines and metrics labels
+
+    def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
+                 in_flight: int) -> None:
+        self._pool, self._q = pool, q
+        self.writer: GroupCommit[In, Out] = GroupCommit(
+            self.kind, self.run_once, size=self.size,
+            trusted=lambda item: leases.trusted(item.execution_id, item.epoch),
+            in_flight=in_flight)
+
+    async def run(self) -> NoReturn:
+        """Flush forever (:meth:`GroupCommit.run`)."""
+        await self.writer.run()
+
+    @staticmethod
+    def size(item: Any) -> int:
+        """*item*'s encoded bytes, for the batch's byte bound."""
+        raise NotImplementedError
+
+    async def run_once(self, batch: list[In]) -> list[Out]:
+        """Commit *batch* in one statement; return one result per item, in order."""
+        raise NotImplementedError
+
+
+class CheckpointCommits(_Commits[StepWrite, StepSaved]):
+    """Checkpoints, group-committed: ``writer.submit`` one and wait for what is recorded."""
+
+    name = "checkpoint-writer"
+    kind = "checkpoint"
+
+    @staticmethod
+    def size(item: StepWrite) -> int:
+        """The checkpoint's output, error and name, in characters."""
+        return len(item.output or "") + len(item.error or "") + len(item.name)
+
+    async def run_once(self, writes: list[StepWrite]) -> list[StepSaved]:
+        """Checkpoint *writes* in one statement; return what each position now records."""
+        started = time.monotonic()
+        async with self._pool.connection() as conn:
+            await afailpoint("before_checkpoint_commit")
+            saved = await db.run(conn, steps.save_steps(self._q, writes))
+            failpoint("after_checkpoint_commit_before_ack", writes)
+            m = metrics.get()
+            m.checkpoint_seconds.observe(time.monotonic() - started)
+            m.checkpoint_batch.observe(len(writes))
+            fenced = sum(1 for s in saved if not s.owned)
+            if fenced:
+                m.fenced.labels("checkpoint").inc(fenced)
+            # A conflicting row committed after our snapshot is invisible to the statement
+            # (only possible across epochs, which are fenced anyway): read it back.
+            for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
+                if s.owned and s.recorded is None and not s.cancelled:
+                    rec = await db.run(conn, steps.load_step(
+                        self._q, execution_id=w.execution_id, step_id=w.step_id))
+                    saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)
+        return saved
+
+
+class Completions(_Commits[Finish, bool]):
+    """Completions, group-committed: ``writer.submit`` a Finish and learn whether it ended
+    the execution (False: fenced by a newer claim)."""
+
+    name = "completion-writer"
+    kind = "completion"
+
+    @staticmethod
+    def size(item: Finish) -> int:
+        """The result and error, in characters."""
+        return len(item.result or "") + len(item.error or "")
+
+    async def run_once(self, finishes: list[Finish]) -> list[bool]:
+        """Finish *finishes* in one statement; return, for each, whether it is finished by
+        this claim (by this statement or by an earlier try whose reply was lost)."""
+        started = time.monotonic()
+        async with self._pool.connection() as conn:
+            await afailpoint("before_complete")
+            done = await db.run(conn, executions.complete_batch(self._q, finishes))
+            failpoint("after_complete_commit")
+            missing = [f for f in finishes if f.execution_id not in done]
+            if missing:
+                # Not finished by this statement: fenced by a newer claim, or finished by an
+                # earlier try whose reply was lost (FAULTS X4). History tells which.
+                done |= await db.run(conn, executions.finished_readback(
+                    self._q, missing))
+        m = metrics.get()
+        m.completion_seconds.observe(time.monotonic() - started)
+        m.completion_batch.observe(len(finishes))
+        return [f.execution_id in done for f in finishes]
