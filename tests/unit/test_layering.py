@@ -488,3 +488,52 @@ def test_layers_are_drawn_from_the_longest_chain() -> None:
     assert layers.longest_chain(edges) == ["d", "a", "b", "c"]
     with pytest.raises(ValueError, match="import cycle"):
         layers.layers({"a": {"b"}, "b": {"a"}})
+
+
+# -- services: one shape (kestrel.loops.Service) ----------------------------------------------
+
+
+def service_classes() -> dict[str, ast.ClassDef]:
+    """Every class of src with a ``run_once``: each is a worker's service."""
+    found = {}
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and f.name == "run_once" for f in node.body):
+                found[f"{path.relative_to(SRC)}:{node.name}"] = node
+    return found
+
+
+def test_the_services_are_found() -> None:
+    names = {k.split(":")[1] for k in service_classes()}
+    assert {"Claimer", "Heartbeat", "Sweeper", "Upkeep", "Scheduler", "Stats", "Listener",
+            "Registration", "CheckpointCommits", "Completions", "Ticker"} <= names
+
+
+@pytest.mark.parametrize("where", sorted(service_classes()))
+def test_every_service_has_the_one_shape(where: str) -> None:
+    """A class with a round (``run_once``) is a Service: it has its ``run`` and a ``name``
+    (a class attribute, or one set in ``__init__``), in its own body or a base's of src."""
+    classes = {k.split(":")[1]: v for k, v in service_classes().items()}
+    all_classes = {node.name: node for path in SRC.rglob("*.py")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.ClassDef)}
+
+    def members(node: ast.ClassDef) -> set[str]:
+        found = {f.name for f in node.body
+                 if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+        found |= {t.id for a in node.body if isinstance(a, ast.Assign | ast.AnnAssign)
+                  for t in ([a.target] if isinstance(a, ast.AnnAssign) else a.targets)
+                  if isinstance(t, ast.Name)}
+        found |= {t.attr for n in ast.walk(node) if isinstance(n, ast.Assign)
+                  for t in n.targets if isinstance(t, ast.Attribute)
+                  and isinstance(t.value, ast.Name) and t.value.id == "self"}
+        for base in node.bases:
+            name = ast.unparse(base).split("[")[0].split(".")[-1]
+            if name in all_classes:
+                found |= members(all_classes[name])
+        return found
+
+    node = classes[where.split(":")[1]]
+    assert {"name", "run", "run_once"} <= members(node), where
