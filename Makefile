@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-fast soak bench-soak bench-micro lint typecheck check clean unasync
+.PHONY: help venv run test test-citus test-fast soak bench-soak bench-micro lint typecheck check clean unasync
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -21,8 +21,11 @@ run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the de
 	$(BIN)/kestrel-runtime demo
 
 test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again through PgBouncer
-	$(BIN)/pytest -q --benchmark-disable tests bench/micro
+	$(BIN)/pytest -q --benchmark-disable --ignore=tests/citus tests bench/micro
 	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
+
+test-citus: $(STAMP) ## the Citus tier on a running cluster (KESTREL_CITUS_DSN; /work/shared/citus/cluster.sh up)
+	$(BIN)/pytest -q tests/citus
 
 SOAK_MINUTES ?= 30
 

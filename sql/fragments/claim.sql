@@ -6,6 +6,10 @@
 -- worker's lease with the epoch bumped (every later write of the worker carries it and is
 -- fenced by it), one more attempt, the wake-up and a give-back cleared, the first claiming
 -- app version stamped. Returns what the claim's result reads.
+--
+-- The clock inside the COALESCE is read as a column of `clk` (issue 24: Citus refuses a
+-- function that is not IMMUTABLE inside CASE or COALESCE in an UPDATE; PostgreSQL pulls the
+-- one-row subquery up, so the plan is the one a call in place gives).
 UPDATE __schema__.workflow_executions AS e
    SET status = 'running',
        lease_epoch = e.lease_epoch + 1,
@@ -13,11 +17,11 @@ UPDATE __schema__.workflow_executions AS e
        lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
        attempts = e.attempts + 1,
        wake_at = NULL,
-       started_at = coalesce(e.started_at, __schema__.kestrel_now()),
+       started_at = coalesce(e.started_at, clk.now),
        app_version = coalesce(e.app_version, %(app_version)s),
        given_back_at = NULL,
        updated_at = __schema__.kestrel_now()
-  FROM candidate
+  FROM candidate, (SELECT __schema__.kestrel_now() AS now) AS clk
  WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
        e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,

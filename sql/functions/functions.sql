@@ -413,16 +413,24 @@ $$;
 -- name: child_finished
 -- A finished child tells its parent: a signal named 'kestrel.child:<id>' whose payload is
 -- the child's outcome, which wakes the parent if it waits for it.
+--
+-- PL/pgSQL, the clock read into a variable (issue 24): Citus plans no statement of a SQL
+-- function that uses its parameters ("could not create distributed plan"), and refuses a
+-- function that is not IMMUTABLE inside CASE in an UPDATE; a PL/pgSQL variable reaches the
+-- statement as a parameter, a constant to Citus.
 CREATE OR REPLACE FUNCTION __schema__.child_finished(
     p_parent uuid, p_child uuid, p_status text, p_result jsonb, p_error jsonb
 ) RETURNS void
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := __schema__.kestrel_now();
+BEGIN
     WITH bumped AS (
         UPDATE __schema__.workflow_executions AS p
            SET signal_seq = p.signal_seq + 1,
                wake_at = CASE WHEN p.status = 'waiting'
                                    AND p.waiting_for = 'kestrel.child:' || p_child
-                              THEN __schema__.kestrel_now() ELSE p.wake_at END
+                              THEN v_now ELSE p.wake_at END
          WHERE p.id = p_parent
      RETURNING p.id
     )
@@ -431,7 +439,8 @@ LANGUAGE sql AS $$
            jsonb_build_object('status', p_status, 'result', p_result, 'error', p_error),
            'kestrel.child:' || p_child
       FROM bumped
-        ON CONFLICT (execution_id, idempotency_key) DO NOTHING
+        ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
+END
 $$;
 
 -- name: signal
@@ -445,6 +454,8 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_status text;
     v_try integer;
+    -- Read once, used inside CASE as a parameter (Citus refuses the call there: issue 24).
+    v_now timestamptz := __schema__.kestrel_now();
 BEGIN
     PERFORM __schema__.check_name(p_name, 'signal name');
     IF p_idempotency_key IS NOT NULL THEN
@@ -459,7 +470,7 @@ BEGIN
         UPDATE __schema__.workflow_executions AS e
            SET signal_seq = e.signal_seq + 1,
                wake_at = CASE WHEN e.status = 'waiting' AND e.waiting_for = p_name
-                              THEN __schema__.kestrel_now() ELSE e.wake_at END
+                              THEN v_now ELSE e.wake_at END
          WHERE e.id = p_execution
         RETURNING e.status INTO v_status;
         EXIT WHEN FOUND;
@@ -932,10 +943,15 @@ $$;
 -- the first (a test clock moved while the finishing statement waited on a row a client held;
 -- the operator machine's soak found the execution in history with its checkpoints under
 -- another time, so workflow_steps, which joins on it, showed none).
+--
+-- PL/pgSQL (issue 24): Citus plans no statement of a SQL function that uses its parameters.
 CREATE OR REPLACE FUNCTION __schema__.archive_finished(p_ids uuid[],
                                                        p_finished_at timestamptz)
 RETURNS bigint
-LANGUAGE sql AS $$
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_n bigint;
+BEGIN
     WITH moved AS (
         DELETE FROM __schema__.operation_outputs AS o
          WHERE o.execution_id = ANY(p_ids)
@@ -969,15 +985,19 @@ LANGUAGE sql AS $$
         SELECT execution_id, key, value, updated_at, p_finished_at
           FROM events_moved
     )
-    SELECT count(*) FROM archived
+    SELECT count(*) INTO v_n FROM archived;
+    RETURN v_n;
+END
 $$;
 
 -- name: archive_steps
 -- archive_finished at the current time, for the statements of workers one version older
 -- during a rolling deploy (this version's statements pass the time they wrote).
 CREATE OR REPLACE FUNCTION __schema__.archive_steps(p_ids uuid[]) RETURNS bigint
-LANGUAGE sql AS $$
-    SELECT __schema__.archive_finished(p_ids, __schema__.kestrel_now())
+LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN __schema__.archive_finished(p_ids, __schema__.kestrel_now());
+END
 $$;
 
 -- name: consume_signal
@@ -1058,6 +1078,8 @@ CREATE OR REPLACE FUNCTION __schema__.park_execution(
 LANGUAGE plpgsql AS $$
 DECLARE
     v record;
+    -- Read once, used inside CASE as a parameter (Citus refuses the call there: issue 24).
+    v_now timestamptz := __schema__.kestrel_now();
 BEGIN
     UPDATE __schema__.workflow_executions AS e
        SET status = 'waiting',
@@ -1068,13 +1090,13 @@ BEGIN
            wait_deadline = CASE
                WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
                THEN e.wait_deadline
-               ELSE __schema__.kestrel_now() + make_interval(secs => p_seconds) END,
+               ELSE v_now + make_interval(secs => p_seconds) END,
            wake_at = CASE
                WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
                THEN e.wait_deadline
-               ELSE __schema__.kestrel_now() + make_interval(secs => p_seconds) END,
+               ELSE v_now + make_interval(secs => p_seconds) END,
            wait_step = p_step_id,
-           updated_at = __schema__.kestrel_now()
+           updated_at = v_now
      WHERE e.id = p_id
        AND e.lease_epoch = p_epoch
        AND e.status = 'running'

@@ -7,10 +7,14 @@
 -- coroutine. It is claimed again when wake_at passes (a sleep ends, a signal wait times out)
 -- or when a signal for it arrives (signal() sets wake_at to now).
 
+-- Three statements where there was one ALTER TABLE (the same schema): Citus runs an ADD
+-- CONSTRAINT only as an ALTER TABLE of its own (issue 24).
 ALTER TABLE __schema__.workflow_executions
-    DROP CONSTRAINT workflow_executions_status_check,
+    DROP CONSTRAINT workflow_executions_status_check;
+ALTER TABLE __schema__.workflow_executions
     ADD CONSTRAINT workflow_executions_status_check
-        CHECK (status IN ('queued', 'running', 'waiting')),
+        CHECK (status IN ('queued', 'running', 'waiting'));
+ALTER TABLE __schema__.workflow_executions
     -- The step position the execution is parked at, what it waits for, and the wait's own
     -- deadline (kept across spurious wake-ups; wake_at is when to claim it next).
     ADD COLUMN wait_step integer,

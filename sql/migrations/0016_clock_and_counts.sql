@@ -6,15 +6,29 @@
 -- duplicate of the first while that one waits for the collector. `deadline` marks the
 -- executions the sweeper failed past their workflow deadline (expire_deadlines), counted in
 -- kestrel_deadlines_exceeded_total as well as in kestrel_workflows_finished_total.
+--
+-- The table is made anew with the new columns and its rows copied (the same table, columns
+-- in the same order, as ADD COLUMNs would leave it, ids given in the rows' order): Citus
+-- gives a table an identity column only in its CREATE TABLE (issue 24).
 ALTER TABLE __schema__.uncounted_finishes DROP CONSTRAINT uncounted_finishes_pkey;
-ALTER TABLE __schema__.uncounted_finishes
-    ADD COLUMN finish_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    ADD COLUMN deadline boolean NOT NULL DEFAULT false,
+ALTER TABLE __schema__.uncounted_finishes RENAME TO uncounted_finishes_before_0016;
+CREATE TABLE __schema__.uncounted_finishes (
+    execution_id uuid NOT NULL,
+    workflow     text NOT NULL,
+    status       text NOT NULL,
+    finished_at  timestamptz NOT NULL DEFAULT __schema__.kestrel_now(),
+    finish_id    bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    deadline     boolean NOT NULL DEFAULT false,
     -- Which collector took a row and when (take_uncounted_finishes): a row stays until the
     -- collector that counted it says so in its next round, so a take whose reply was lost
     -- is taken again by the same collector, never dropped uncounted (FAULTS R1).
-    ADD COLUMN taken_by text,
-    ADD COLUMN taken_at timestamptz;
+    taken_by     text,
+    taken_at     timestamptz
+);
+INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status, finished_at)
+SELECT execution_id, workflow, status, finished_at
+FROM __schema__.uncounted_finishes_before_0016 ORDER BY finished_at, execution_id;
+DROP TABLE __schema__.uncounted_finishes_before_0016;
 
 -- The clock. kestrel_now() was now() plus a one-row table read by a sub-select: never
 -- inlined (about 20 times the cost of now() per call), and a runtime role with DML on the

@@ -11,10 +11,16 @@
 -- writes these columns. NULL (most rows, and every row from before) means no trace.
 --
 -- The columns stay on the hot row only: the claim reads them; history does not keep them.
+--
+-- Each constraint named and added by an ALTER TABLE of its own (the same schema as one
+-- ALTER TABLE made): Citus runs an ADD CONSTRAINT only so (issue 24).
 ALTER TABLE __schema__.workflow_executions
-    ADD COLUMN traceparent text
-        CHECK (traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'),
-    ADD COLUMN tracestate text,
+    ADD COLUMN traceparent text,
+    ADD COLUMN tracestate text;
+ALTER TABLE __schema__.workflow_executions
+    ADD CONSTRAINT workflow_executions_traceparent_check
+        CHECK (traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$');
+ALTER TABLE __schema__.workflow_executions
     ADD CONSTRAINT workflow_executions_tracestate_check
         CHECK (tracestate IS NULL OR (traceparent IS NOT NULL
                                       AND char_length(tracestate) <= 512));

@@ -5,17 +5,22 @@
 -- Upsert this worker's row (every heartbeat period; one statement, no session state) and
 -- forget rows of workers presumed dead for an hour (killed without a clean stop), so the
 -- table stays as small as the fleet.
+-- Written as Citus runs it (issue 24): the clock is read outside any expression over a
+-- column (`timestamptz + interval` is STABLE, and Citus refuses a STABLE function of a
+-- column in a modification; `timestamptz - timestamptz` is IMMUTABLE), and DO UPDATE SET
+-- takes the time from the row offered (Citus allows only IMMUTABLE functions there).
 WITH forgotten AS (
     DELETE FROM __schema__.workers
-     WHERE seen_at + stale_after < __schema__.kestrel_now() - interval '1 hour'
+     WHERE __schema__.kestrel_now() - seen_at > stale_after + interval '1 hour'
 )
-INSERT INTO __schema__.workers (worker_id, app_version, workflows, queues, stale_after)
+INSERT INTO __schema__.workers (worker_id, app_version, workflows, queues, stale_after,
+                                seen_at)
 VALUES (%(worker_id)s, %(app_version)s, %(workflows)s::text[], %(queues)s::text[],
-        make_interval(secs => %(stale_after_s)s))
+        make_interval(secs => %(stale_after_s)s), __schema__.kestrel_now())
     ON CONFLICT (worker_id) DO UPDATE
    SET app_version = excluded.app_version, workflows = excluded.workflows,
        queues = excluded.queues, stale_after = excluded.stale_after,
-       seen_at = __schema__.kestrel_now();
+       seen_at = excluded.seen_at;
 
 -- name: unregister_worker
 -- A clean stop: this worker no longer claims anything.

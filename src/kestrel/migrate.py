@@ -87,7 +87,10 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     for m in pending:
         if m.version in applied:
             continue
-        run(statements.migrate.apply(m.text))
+        # One statement at a time: Citus propagates a DDL command to its worker nodes with
+        # the text the client sent, and a worker refuses a text of several commands.
+        for statement in m.statements:
+            run(statements.migrate.apply(statement))
         run(statements.migrate.record_migration(q, version=m.version, name=m.name))
         done.append(m.version)
         log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)

@@ -211,6 +211,88 @@ class Migration:
     name: str
     text: str
 
+    @property
+    def statements(self) -> list[str]:
+        """The file's statements, in order, as :func:`split_statements` cuts them:
+        ``migrate`` sends each on its own (issue 24: Citus propagates a DDL command to the
+        worker nodes with the whole text the client sent, and a worker refuses several
+        commands in one prepared statement)."""
+        return split_statements(self.text)
+
+
+_DOLLAR_TAG = re.compile(r"\$(?:[A-Za-z_\x80-\uffff][A-Za-z0-9_\x80-\uffff]*)?\$")
+_IDENT_CHAR = re.compile(r"[A-Za-z0-9_$\x80-\uffff]")
+
+
+def split_statements(text: str) -> list[str]:
+    """Cut a script of several SQL statements at its top-level semicolons, as PostgreSQL's
+    lexer does: not inside a ``--`` or (nested) ``/* */`` comment, a ``'...'`` or
+    ``E'...'`` string, a ``"..."`` identifier or a ``$tag$...$tag$`` dollar-quoted body.
+    Returns each statement without its semicolon, comments kept; a part that is only
+    whitespace and comments (the text after the last semicolon) is dropped.
+
+    No kestrel script uses ``BEGIN ATOMIC`` bodies, whose semicolons this would cut (a unit
+    test keeps it so)."""
+    out: list[str] = []
+    start = i = 0
+    n = len(text)
+    code = False  # whether the current part has anything besides whitespace and comments
+    while i < n:
+        c = text[i]
+        if c == "-" and text.startswith("--", i):
+            end = text.find("\n", i)
+            i = n if end < 0 else end + 1
+            continue
+        if c == "/" and text.startswith("/*", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    i += 1
+            continue
+        if c == ";":
+            if code:
+                out.append(text[start:i].strip())
+            start, i, code = i + 1, i + 1, False
+            continue
+        if not c.isspace():
+            code = True
+        if c == "'":
+            backslash = i > 0 and text[i - 1] in "eE" and (
+                i < 2 or not _IDENT_CHAR.match(text[i - 2]))
+            i += 1
+            while i < n:
+                if backslash and text[i] == "\\":
+                    i += 2
+                elif text[i] == "'":
+                    if text.startswith("''", i):
+                        i += 2
+                    else:
+                        break
+                else:
+                    i += 1
+            i += 1
+            continue
+        if c == '"':
+            end = text.find('"', i + 1)
+            while end >= 0 and text.startswith('""', end):
+                end = text.find('"', end + 2)
+            i = n if end < 0 else end + 1
+            continue
+        if c == "$" and not (i > 0 and _IDENT_CHAR.match(text[i - 1])):
+            tag = _DOLLAR_TAG.match(text, i)
+            if tag:
+                end = text.find(tag.group(), tag.end())
+                i = n if end < 0 else end + len(tag.group())
+                continue
+        i += 1
+    if code:
+        out.append(text[start:].strip())
+    return out
+
 
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION __schema__\.(\w+)\(")
 
@@ -243,8 +325,10 @@ def movable_clock_definitions() -> dict[str, str]:
 
 
 def movable_clock(schema: str) -> list[str]:
-    """:func:`movable_clock_definitions` rendered for *schema*, in order."""
-    return [render(body, schema) for body in movable_clock_definitions().values()]
+    """:func:`movable_clock_definitions` rendered for *schema*, in order, one statement
+    each (:func:`split_statements`)."""
+    return [statement for body in movable_clock_definitions().values()
+            for statement in split_statements(render(body, schema))]
 
 
 def functions(schema: str) -> list[str]:

@@ -118,3 +118,45 @@ def test_an_include_of_an_unknown_fragment_is_refused(tmp_path, monkeypatch) -> 
     monkeypatch.setattr(sql, "sql_dir", lambda: tmp_path)
     with pytest.raises(RuntimeError, match="includes 'nope'"):
         sql.named_statements()
+
+
+# -- one statement at a time (issue 24: Citus propagates DDL with the text the client sent) --
+
+def test_split_statements_cuts_at_top_level_semicolons_only() -> None:
+    text = """
+    -- a comment; with a semicolon
+    CREATE TABLE t (a text DEFAULT 'x;y', "b;c" int);  /* a /* nested; */ comment; */
+    CREATE FUNCTION f() RETURNS int LANGUAGE plpgsql AS $$ BEGIN RETURN 1; END $$;
+    CREATE FUNCTION g() RETURNS text LANGUAGE sql AS $body$ SELECT 'a;$$;b' $body$;
+    SELECT E'it\\'s; fine', 'it''s; fine', $1::text, a$b;
+    DO $x$ BEGIN PERFORM 1; END $x$
+    -- only a comment after the last statement;
+    """
+    parts = sql.split_statements(text)
+    assert len(parts) == 5
+    assert parts[0].startswith("-- a comment") and parts[0].endswith('"b;c" int)')
+    assert parts[1].startswith("/* a /* nested; */ comment; */")
+    assert parts[1].endswith("END $$")
+    assert parts[2].endswith("$body$")
+    assert parts[3] == "SELECT E'it\\'s; fine', 'it''s; fine', $1::text, a$b"
+    assert parts[4].startswith("DO $x$") and parts[4].endswith("END $x$\n    -- only a "
+                                                                "comment after the last "
+                                                                "statement;")
+
+
+def test_every_migration_splits_into_whole_statements() -> None:
+    """Each part starts with a comment or a keyword and is no comment alone; no migration
+    uses BEGIN ATOMIC bodies, whose inner semicolons the splitter would cut."""
+    for m in sql.migrations("unit_schema"):
+        assert "begin atomic" not in m.text.lower(), m.name
+        parts = m.statements
+        assert parts, m.name
+        for part in parts:
+            code = "\n".join(line for line in part.splitlines()
+                             if not line.strip().startswith("--")).strip()
+            assert re.match(r"(CREATE|ALTER|DROP|INSERT|UPDATE|DELETE|COMMENT|DO|SELECT|WITH)\b",
+                            code), (m.name, part[:200])
+    # The functions are one statement each, the test clock's statements split like these.
+    for text in sql.functions("unit_schema"):
+        assert len(sql.split_statements(text)) == 1
+    assert len(sql.movable_clock("unit_schema")) == 4

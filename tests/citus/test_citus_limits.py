@@ -1,0 +1,46 @@
+"""What the cluster itself still refuses or gets wrong, each in a few lines of plain SQL on
+a scratch distributed schema: the blockers of issue 24's step 1, kept as strict xfails so the
+tier says when a Citus build no longer has them."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+
+from tests.citus.conftest import sharding_dsn
+
+
+@pytest.fixture
+def scratch(citus_dsn: str) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    name = f"x_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(sharding_dsn(citus_dsn), autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {name}")
+        conn.execute(f"CREATE TABLE {name}.a (id int PRIMARY KEY)")
+        conn.execute(f"CREATE TABLE {name}.b (id int PRIMARY KEY)")
+        conn.execute(f"INSERT INTO {name}.a SELECT generate_series(1, 9)")
+        conn.execute(f"SET search_path = {name}")
+        try:
+            yield conn
+        finally:
+            conn.execute(f"DROP SCHEMA {name} CASCADE")
+
+
+@pytest.mark.xfail(strict=True, raises=psycopg.errors.InvalidTextRepresentation,
+                   reason="Citus 13.2.2 on PostgreSQL 15.20: a CTE of the statement's own "
+                          "rows used by a locking CTE and by an INSERT CTE: 'invalid input "
+                          "syntax for type integer: \"PGCOPY\"' (save_steps_batch, "
+                          "complete_batch and the sweeper's statements have this shape)")
+def test_rows_in_a_cte_locked_then_moved_by_an_insert_cte(
+        scratch: psycopg.Connection[tuple[object, ...]]) -> None:
+    rows = scratch.execute("""
+        WITH f AS (SELECT (r->>0)::int AS id FROM jsonb_array_elements('[[4]]'::jsonb) r),
+             l AS (SELECT a.id FROM a WHERE a.id IN (SELECT id FROM f) ORDER BY a.id
+                   FOR UPDATE OF a),
+             d AS (DELETE FROM a USING f WHERE a.id = f.id AND a.id IN (SELECT id FROM l)
+                   RETURNING a.id),
+             i AS (INSERT INTO b SELECT id FROM d RETURNING id)
+        SELECT id FROM i""").fetchall()
+    assert rows == [(4,)]
