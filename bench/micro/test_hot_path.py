@@ -67,15 +67,18 @@ def test_step_body_failpoint_when_nothing_is_armed(benchmark: Any) -> None:
 
 
 def test_checkpoint_batch_parameter_of_64(benchmark: Any) -> None:
-    """Building a 64-row checkpoint batch's one JSON parameter (psycopg dumping nine arrays
-    instead cost ~10 µs a row, BENCHMARKS.md)."""
+    """Building a 64-row checkpoint batch's statement and its one JSON parameter (psycopg
+    dumping nine arrays instead cost ~10 µs a row, BENCHMARKS.md)."""
     import uuid
 
     output = codec.encode(OUTPUT, what="bench")
     writes = [StepWrite(uuid.uuid4(), 1, k, "bench.step", output, None, 1, 0.0)
               for k in range(64)]
-    params = benchmark(db._steps_params, writes)
-    rows = __import__("orjson").loads(params["rows"])
+    q = queries("kestrel")
+    stmt = benchmark(statements.steps.save_steps, q, writes)
+    assert stmt.if_recorded == q.save_steps_batch
+    assert stmt.params is not None
+    rows = __import__("orjson").loads(stmt.params["rows"])
     assert len(rows) == 64 and rows[5][4] == [OUTPUT]
 
 
