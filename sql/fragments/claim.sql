@@ -28,12 +28,29 @@ UPDATE __schema__.workflow_executions AS e
        e.traceparent, e.tracestate
 
 -- name: claim_result
--- What a claim returns per execution, named as kestrel.types.Claimed's fields (db._claimed
--- decodes by name): arguments and checkpoints as JSON text (history_of, bounded), the wait
--- it was parked at, the database clock at the claim, the submitter's trace context.
+-- What a claim returns per execution, named as kestrel.types.Claimed's fields
+-- (statements/executions.py decodes by name): arguments and checkpoints as JSON text, the
+-- wait it was parked at, the database clock at the claim, the submitter's trace context.
+--
+-- The checkpoints are history_of()'s text, written here in the statement (issue 24): a
+-- function that reads a table, called inside a statement Citus routed to a tenant's node,
+-- is a nested distributed query there. In step order, each `[step_id, name, output,
+-- error]`, and never more than %(max_history_bytes)s of them loaded: past the bound, only
+-- `{"too_large": <bytes>}` (FAULTS P3). NULL when nothing is recorded.
 SELECT c.id, c.workflow, c.args::text AS args, c.lease_epoch AS epoch, c.attempts AS attempt,
-       __schema__.history_of(c.id, %(max_history_bytes)s) AS steps,
+       h.steps AS steps,
        c.wait_step, c.wait_deadline, c.signal_seq, c.deadline, c.cancel_requested,
        __schema__.kestrel_now() AS db_now, c.created_at, c.waiting_for, c.traceparent,
        c.tracestate
   FROM claimed AS c
+ CROSS JOIN LATERAL (
+     SELECT CASE WHEN max(s.upto) > %(max_history_bytes)s
+                 THEN '{"too_large": ' || max(s.upto) || '}'
+                 ELSE '[' || string_agg(s.t, ',' ORDER BY s.step_id)
+                             FILTER (WHERE s.upto <= %(max_history_bytes)s) || ']' END AS steps
+       FROM (SELECT o.step_id, x.t, sum(octet_length(x.t)) OVER (ORDER BY o.step_id) AS upto
+               FROM __schema__.operation_outputs AS o,
+                    LATERAL (SELECT jsonb_build_array(o.step_id, o.step_name, o.output,
+                                                      o.error)::text AS t) AS x
+              WHERE o.execution_id = c.id) AS s
+ ) AS h

@@ -1132,6 +1132,8 @@ END
 $$;
 
 -- name: history_of
+-- Kept for the claims of workers one version older during a rolling deploy: this version's
+-- claim writes the same in the statement (sql/fragments/claim.sql, claim_result).
 -- history_of(): an execution's checkpoints as a replay needs them, as JSON text
 -- ([[step_id, name, output, error], ...]), or {"too_large": bytes} when they are over
 -- p_max_bytes. The aggregate only ever holds p_max_bytes, so no history, however large, can

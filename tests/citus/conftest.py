@@ -33,13 +33,6 @@ def citus_dsn() -> str:
     try:
         with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
             version = conn.execute("SELECT citus_version()").fetchone()
-            # kestrel's statements call functions that read the schema's tables (history_of
-            # in the claim): inside a statement Citus routed to the tenant's node, those are
-            # nested distributed queries, refused unless this is on. A tenant's tables all
-            # live on that one node, so the nested queries run there, locally, in the same
-            # transaction. Set for the database; Citus propagates it to the workers.
-            conn.execute("ALTER DATABASE " + conn.info.dbname
-                         + " SET citus.allow_nested_distributed_execution = on")
     except psycopg.Error as exc:
         pytest.fail(f"no Citus cluster at {dsn} ({type(exc).__name__}: "
                     f"{str(exc).strip().splitlines()[0]}); start one with "
