@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -474,6 +475,30 @@ def test_f8_a_loop_blocked_for_three_heartbeats_under_the_lease_keeps_its_lease(
     assert "not extending leases" not in log.read_text()  # the watchdog let it be
 
 
+async def stopped(task: Any, timeout: float = 120.0) -> None:
+    """Await a stopped worker's task; if it has not ended in *timeout* seconds, fail with
+    the stack of every task still pending (a stop that hangs fails this test with where it
+    hangs, instead of holding the run until its per-test timeout kills it whole)."""
+    import asyncio
+    import io
+
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout)
+    except TimeoutError:
+        out = io.StringIO()
+        for pending in asyncio.all_tasks():
+            if pending is not asyncio.current_task():
+                pending.print_stack(file=out)
+        import sys
+
+        # Straight to the run's output too: should the pending tasks ignore the cancellation
+        # asyncio.run sends them next, this is all a hung run would say.
+        print(f"the worker did not stop in {timeout}s; pending tasks:\n{out.getvalue()}",
+              file=sys.__stderr__, flush=True)
+        raise AssertionError(f"the worker did not stop in {timeout}s; pending tasks:\n"
+                             f"{out.getvalue()}") from None
+
+
 # -- R3: no connection from the pool while the heartbeat's own connection works --------------
 
 def test_r3_a_worker_whose_pool_gives_no_connection_stops_extending_and_says_so(
@@ -528,7 +553,7 @@ def test_r3_a_worker_whose_pool_gives_no_connection_stops_extending_and_says_so(
                     await pool.putconn(conn)
         finally:
             worker.stop(drain_timeout=0)
-            await task
+            await stopped(task)
         return mine
 
     mine = asyncio.run(main())
