@@ -176,8 +176,7 @@ class Worker:
                          for service in services]
                 await self.claimer.run()
                 await self._drain()
-                for t in tasks:
-                    t.cancel()
+                await _cancel_all(tasks)
         finally:
             for lease in self.leases:
                 if lease.task is not None:
@@ -246,6 +245,19 @@ class Worker:
                 self.stats.released += len(released)
                 log.info("released %d executions back to the queue", len(released))
         self.leases.clear()
+
+
+async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
+    """Cancel *tasks* and wait until each has ended, cancelling again every second those
+    that have not: a cancellation can be lost (psycopg_pool hands a connection to a waiting
+    client at the moment its task is cancelled, and the task goes on without ever seeing
+    it: psycopg/psycopg#1275, #1345), and a service that goes on would hold the worker's
+    stop for ever."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=1.0)
 
 
 def run_worker(cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
