@@ -151,8 +151,8 @@ WITH finished(id, epoch, status, result, error) AS (
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), locked AS (
     -- Every row this statement will change, the finishing executions and the parents they
-    -- tell, locked up front in id order (see heartbeat).
-    SELECT e.id
+    -- tell, locked up front in id order (see heartbeat). text_results: docs/citus.md.
+    SELECT e.id, NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
      WHERE e.id IN (SELECT id FROM finished
                     UNION
@@ -183,7 +183,9 @@ WITH finished(id, epoch, status, result, error) AS (
     -- A parent finishing in this same statement needs no word (and its row, deleted here,
     -- must not also be updated by the same command). Reading all of `removed` first also
     -- lets the DELETE finish before any parent row is touched.
-    SELECT __schema__.child_finished(parent_id, id, final_status, final_result, final_error)
+    -- Counted, not listed: a void column cannot be a CTE's result on Citus (docs/citus.md).
+    SELECT count(__schema__.child_finished(parent_id, id, final_status, final_result,
+                                           final_error)) AS n
       FROM removed
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM removed)
@@ -196,7 +198,7 @@ WITH finished(id, epoch, status, result, error) AS (
 -- once per batch, not once per execution.
 SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
   FROM moved AS m
- WHERE (SELECT count(*) FROM told) >= 0
+ WHERE (SELECT n FROM told) >= 0
    AND (SELECT n FROM archived) >= 0;
 
 -- name: release_batch

@@ -6,7 +6,7 @@ INSERT INTO __schema__.queue_limits (queue, concurrency, rate, period)
 VALUES (%(queue)s, %(concurrency)s, %(rate)s, make_interval(secs => %(period_s)s))
     ON CONFLICT (queue) DO UPDATE
    SET concurrency = excluded.concurrency, rate = excluded.rate, period = excluded.period,
-       updated_at = now();
+       updated_at = excluded.updated_at;  -- the clock of the row offered (docs/citus.md)
 
 -- name: lock_queue_limit
 -- First statement of a limited claim's transaction: take the queue's row, or skip the queue
@@ -84,7 +84,7 @@ SELECT __schema__.kestrel_now();
 INSERT INTO __schema__.schedules (name, cron, workflow, last_tick)
 VALUES (%(name)s, %(cron)s, %(workflow)s, %(last_tick)s)
     ON CONFLICT (name) DO UPDATE SET cron = excluded.cron, workflow = excluded.workflow,
-                                     updated_at = now()
+                                     updated_at = excluded.updated_at  -- docs/citus.md
 RETURNING last_tick;
 
 -- name: advance_schedule

@@ -21,10 +21,13 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
            (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), owned AS (
-    SELECT e.id, e.lease_epoch, e.cancel_requested
+    -- One row per execution (a batch can hold several steps of one), and text_results
+    -- (Citus: see docs/citus.md).
+    SELECT e.id, e.lease_epoch, e.cancel_requested,
+           NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
-      JOIN input AS i ON i.execution_id = e.id AND i.epoch = e.lease_epoch
-     WHERE e.status = 'running'
+     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
+       AND e.status = 'running'
      ORDER BY e.id  -- lock order: see heartbeat
        FOR SHARE OF e
 ), inserted AS (
@@ -78,10 +81,13 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
            (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), owned AS (
-    SELECT e.id, e.lease_epoch, e.cancel_requested
+    -- One row per execution (a batch can hold several steps of one), and text_results
+    -- (Citus: see docs/citus.md).
+    SELECT e.id, e.lease_epoch, e.cancel_requested,
+           NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
-      JOIN input AS i ON i.execution_id = e.id AND i.epoch = e.lease_epoch
-     WHERE e.status = 'running'
+     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
+       AND e.status = 'running'
      ORDER BY e.id  -- lock order: see heartbeat
        FOR SHARE OF e
 ), inserted AS (
@@ -129,14 +135,17 @@ SELECT owned, cancelled, output, signal_seq
 -- Publish an event value for callers following the execution (idempotent upsert; the step
 -- that wraps it is checkpointed, so a replay does not publish an older value again).
 WITH owned AS (
-    SELECT e.id FROM __schema__.workflow_executions AS e
+    SELECT e.id, NULL::__schema__.workflow_executions AS text_results  -- Citus: docs/citus.md
+      FROM __schema__.workflow_executions AS e
      WHERE e.id = %(id)s AND e.lease_epoch = %(epoch)s AND e.status = 'running'
        FOR SHARE OF e
 ), put AS (
     INSERT INTO __schema__.events (execution_id, key, value)
     SELECT %(id)s, %(key)s, %(value)s::jsonb FROM owned
         ON CONFLICT (execution_id, key)
-        DO UPDATE SET value = excluded.value, updated_at = __schema__.kestrel_now()
+        -- The row offered carries the clock (its column default): Citus wants what DO
+        -- UPDATE SET computes immutable (docs/citus.md).
+        DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at
     RETURNING 1
 )
 SELECT count(*) > 0, pg_notify('kestrel.__schema_name__.events', %(id)s::text) FROM put;

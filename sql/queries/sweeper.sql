@@ -5,7 +5,8 @@
 -- An execution claimed max_attempts times without finishing is quarantined: moved to history
 -- with the reason, never claimed again. Bounded by %(limit)s; callers loop while full.
 WITH expired AS (
-    SELECT id, attempts
+    SELECT id, attempts,
+           NULL::__schema__.workflow_executions AS text_results  -- docs/citus.md
       FROM __schema__.workflow_executions
      WHERE status = 'running'
        AND lease_expires_at < __schema__.kestrel_now()
@@ -43,7 +44,8 @@ WITH expired AS (
     RETURNING id, parent_id, error, finished_at
 ), told AS (
     -- Not to a parent quarantined by this same statement (its row is deleted here).
-    SELECT __schema__.child_finished(parent_id, id, 'quarantined', NULL, error)
+    -- Counted: a void column cannot be a CTE's result on Citus (docs/citus.md).
+    SELECT count(__schema__.child_finished(parent_id, id, 'quarantined', NULL, error)) AS n
       FROM quarantined
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM poisoned)
@@ -53,7 +55,7 @@ WITH expired AS (
 SELECT (SELECT count(*) FROM requeued) AS requeued,
        (SELECT count(*) FROM quarantined) AS quarantined,
        (SELECT count(*) FROM expired) AS examined,
-       (SELECT count(*) FROM told) AS told,
+       (SELECT n FROM told) AS told,
        (SELECT n FROM archived) AS archived;
 
 -- name: expire_deadlines
@@ -63,7 +65,7 @@ SELECT (SELECT count(*) FROM requeued) AS requeued,
 -- counts it once as failed and as a deadline (migration 0016). A retry after a lost reply
 -- finds the rows gone and moves nothing twice.
 WITH late AS (
-    SELECT id
+    SELECT id, NULL::__schema__.workflow_executions AS text_results  -- Citus: docs/citus.md
       FROM __schema__.workflow_executions
      WHERE deadline < __schema__.kestrel_now()
        AND status IN ('queued', 'waiting')
@@ -91,14 +93,15 @@ WITH late AS (
     SELECT id, workflow, 'failed', true FROM moved
 ), told AS (
     -- Not to a parent failed by this same statement (its row is deleted here).
-    SELECT __schema__.child_finished(parent_id, id, 'failed', NULL, error)
+    -- Counted: a void column cannot be a CTE's result on Citus (docs/citus.md).
+    SELECT count(__schema__.child_finished(parent_id, id, 'failed', NULL, error)) AS n
       FROM moved
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
     SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM moved
 )
-SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told), (SELECT n FROM archived);
+SELECT (SELECT count(*) FROM moved), (SELECT n FROM told), (SELECT n FROM archived);
 
 -- name: expire_worker_leases
 -- A worker process its supervisor reaped (it died: SIGKILL, OOM, a crash) holds no lease
@@ -108,7 +111,9 @@ SELECT (SELECT count(*) FROM moved), (SELECT count(*) FROM told), (SELECT n FROM
 -- they run again within a second instead of after the lease (FAULTS O8). Fenced: lease_owner
 -- names one process incarnation (host:pid:nonce), so a row re-claimed since (another owner,
 -- a newer epoch) is not touched. Rows someone holds locked are skipped; their leases expire
--- as before. Wakes idle workers at commit when it found any.
+-- as before. Its caller wakes idle workers (wake_workers) in the same transaction when it
+-- found any: in a statement of its own, so that on Citus the notification is raised on the
+-- coordinator, where workers listen, not on the tenant's node (docs/citus.md).
 WITH dead AS (
     SELECT id
       FROM __schema__.workflow_executions
@@ -122,6 +127,4 @@ WITH dead AS (
      WHERE e.id = dead.id
  RETURNING e.id
 )
-SELECT count(*), CASE WHEN count(*) > 0
-                      THEN pg_notify('kestrel.__schema_name__', 'recovered') END
-  FROM expired;
+SELECT count(*) FROM expired;

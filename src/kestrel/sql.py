@@ -95,6 +95,7 @@ class Queries:
     lock_test_clock: str
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
+    wake_workers: str
     # sql/queries/queues.sql (kestrel/statements/queues.py)
     upsert_queue_limit: str
     lock_queue_limit: str

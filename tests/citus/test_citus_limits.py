@@ -48,19 +48,34 @@ def test_rows_in_a_cte_locked_then_moved_by_an_insert_cte(
     assert rows == [(4,)]
 
 
-def test_the_same_lock_taken_inside_the_modifying_cte_is_planned_right(
+def test_a_column_with_no_binary_form_makes_the_locked_rows_travel_as_text(
         scratch: psycopg.Connection[tuple[object, ...]]) -> None:
-    """The way around the xfail above, for the write path's statements: the rows locked by a
-    subquery of the DELETE itself (ordered, FOR UPDATE) instead of by a CTE of their own.
-    Citus then ships no locking subplan's result between nodes, and the rows move once."""
+    """The way around the xfail above, kept by every kestrel statement of that shape
+    (docs/citus.md): the locking CTE selects one more column, a NULL of a composite type.
+    Citus gives a composite no binary form on either side, so the writer and the reader both
+    choose text and the rows arrive. On plain PostgreSQL the column costs nothing."""
     rows = scratch.execute("""
         WITH f AS (SELECT (r->>0)::int AS id FROM jsonb_array_elements('[[4], [6]]'::jsonb) r),
-             d AS (DELETE FROM a USING f WHERE a.id = f.id
-                      AND a.id IN (SELECT l.id FROM a AS l WHERE l.id IN (SELECT id FROM f)
-                                    ORDER BY l.id FOR UPDATE OF l)
+             l AS (SELECT a.id, NULL::a AS text_results FROM a
+                    WHERE a.id IN (SELECT id FROM f) ORDER BY a.id FOR UPDATE OF a),
+             d AS (DELETE FROM a USING f WHERE a.id = f.id AND a.id IN (SELECT id FROM l)
                    RETURNING a.id),
              i AS (INSERT INTO b SELECT id FROM d RETURNING id)
         SELECT id FROM i ORDER BY id""").fetchall()
     assert rows == [(4,), (6,)]
     assert scratch.execute("SELECT count(*) FROM a").fetchone() == (7,)
     assert scratch.execute("SELECT id FROM b ORDER BY id").fetchall() == [(4,), (6,)]
+
+
+@pytest.mark.xfail(strict=True, raises=psycopg.errors.InvalidTableDefinition,
+                   reason="Citus 13.2.2: a CTE planned as a subplan cannot have a void column "
+                          "(column ... has pseudo-type void): kestrel counts the calls of "
+                          "child_finished() instead of listing them (docs/citus.md)")
+def test_a_void_function_listed_by_a_cte_of_a_statement_planned_cte_by_cte(
+        scratch: psycopg.Connection[tuple[object, ...]]) -> None:
+    scratch.execute("CREATE FUNCTION touch(n int) RETURNS void LANGUAGE plpgsql AS "
+                    "$$ BEGIN UPDATE b SET id = id WHERE id = n; END $$")
+    scratch.execute("""
+        WITH i AS (INSERT INTO b VALUES (100) RETURNING id),
+             t AS (SELECT touch(id) FROM i)
+        SELECT count(*) FROM t""").fetchall()

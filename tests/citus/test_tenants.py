@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 
 from tests.citus.conftest import sharding_dsn
 from tests.helpers import ROOT, q, q1, runtime, wait_until
@@ -135,14 +136,6 @@ def test_a_worker_registers_and_claims_through_the_coordinator(citus_dsn: str, t
                    timeout=30, what="a claim")
 
 
-CITUS_INSERT_CTE = (
-    "Citus 13.2.2 on PostgreSQL 15.20: a statement with an INSERT in a CTE (save_steps_batch, "
-    "complete_batch, the sweeper's) is planned recursively, and the coordinator's "
-    "intermediate result reaches the worker unreadable: invalid input syntax for type uuid: "
-    "\"PGCOPY\" (issue 24, step 1: what is left)")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CITUS_INSERT_CTE)
 def test_core_flows_end_to_end_through_the_coordinator(citus_dsn: str, tenant: str,
                                                       tmp_path: Path) -> None:
     """Multi-step, a signal wait, a child, cancel and retry, run by a real runtime through
@@ -191,3 +184,102 @@ def test_core_flows_end_to_end_through_the_coordinator(citus_dsn: str, tenant: s
     recorded = q1(citus_dsn, tenant, "SELECT count(*) FROM {s}.workflow_steps "
                   "WHERE step_name = 'add'")
     assert recorded == len(bodies) == 3 * 3 + 3 + 2  # three three_steps, the child, approval
+
+
+# -- faults on a tenant -------------------------------------------------------------------
+
+def cluster_of(port: int) -> str:
+    """The Debian cluster name serving *port* (cluster.sh: citusw1 on 5441, citusw2 on 5442)."""
+    out = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=True)
+    for line in out.stdout.splitlines():
+        version, name, p, *_ = line.split()
+        if int(p) == port:
+            return f"{version} {name}"
+    raise AssertionError(f"no local cluster on port {port}: the tier restarts a worker node "
+                         "and needs the one cluster.sh made")
+
+
+def test_workers_killed_a_worker_node_restarted_poison_and_deadlines_on_a_tenant(
+        citus_dsn: str, tenant: str, tmp_path: Path) -> None:
+    """The sweeper's statements and the crash paths on Citus: a worker process SIGKILLed mid
+    step (its leases released by the supervisor's reap, the executions re-run from their
+    checkpoints), the tenant's Citus node restarted in immediate mode under load, a poison
+    workflow quarantined after --max-attempts, a wait past its deadline failed, an event
+    published; every execution ends once with the model's result, each checkpoint once,
+    no completed body more often than FAULTS D2 allows."""
+    from kestrel.client import SyncClient
+    from tests.apps import ledger_app as app
+    from tests.helpers import worker_pids
+
+    ledger = tmp_path / "ledger"
+    client = SyncClient(citus_dsn, schema=tenant, pool_size=0)
+    slow = [client.submit("slow_middle", n, 2.0).id for n in range(4)]
+    steps = [client.submit("three_steps", n).id for n in range(10, 30)]
+    env = {"KESTREL_TEST_LEDGER": str(ledger)}
+    args = ["--lease", "3", "--heartbeat", "0.5", "--sweep-interval", "0.5",
+            "--max-attempts", "3"]
+
+    def status_of(eid: object) -> str | None:
+        return q1(citus_dsn, tenant, "SELECT status FROM {s}.executions WHERE id = %s",
+                  [eid])
+
+    with runtime(citus_dsn, tenant, procs=2, app=APP, env=env, args=args,
+                 log=tmp_path / "runtime.log") as proc:
+        # SIGKILL the worker process running a slow step, mid step.
+        started = wait_until(lambda: [e for e in app.read_ledger(ledger, kind="start")],
+                             timeout=30, what="a slow step started")
+        pid = int(started[0]["pid"])
+        assert pid in worker_pids(proc.pid)
+        os.kill(pid, signal.SIGKILL)
+        # Restart the tenant's node while the rest runs (connections break mid statement).
+        node = cluster_of(node_of(citus_dsn, tenant))
+        subprocess.run(["pg_ctlcluster", *node.split(), "restart", "-m", "immediate"],
+                       check=True, timeout=60)
+        poison = client.submit("poison").id
+        late = client.submit("waiter", timeout=1.0).id
+        progress = client.submit("progress").id
+        wait_until(lambda: status_of(progress) == "waiting", timeout=60,
+                   what="progress waiting for its signal")
+        cli(citus_dsn, tenant, "signal", str(progress), "go", "--payload", "1")
+        wait_until(lambda: all(status_of(e) in ("completed", "failed", "quarantined")
+                               for e in [*slow, *steps, poison, late, progress]),
+                   timeout=120, what="every execution finished")
+
+    def final(eid: object) -> tuple[str, Any]:
+        row = q(citus_dsn, tenant, "SELECT status, result FROM {s}.workflow_history "
+                "WHERE id = %s", [eid])
+        assert len(row) == 1, row
+        return row[0][0], row[0][1]
+
+    assert [final(e) for e in slow] == [("completed", app.model(n)) for n in range(4)]
+    assert [final(e) for e in steps] == [("completed", app.model(n)) for n in range(10, 30)]
+    assert final(poison)[0] == "quarantined"
+    assert final(late)[0] == "failed"
+    assert final(progress) == ("completed", "done")
+    # The event left with its execution (archive_finished), holding the last value set.
+    assert client.get_event(progress, "stage") == "fixing"
+    assert q1(citus_dsn, tenant, "SELECT count(*) FROM (SELECT 1 FROM {s}.workflow_steps "
+              "GROUP BY execution_id, step_id HAVING count(*) > 1) d") == 0
+    # FAULTS D2: a body may run again once per connection loss around its checkpoint (one
+    # node restart here), never more; the worker SIGKILLed mid step ran no body to its end.
+    bodies = Counter((e["execution_id"], e["step_id"])
+                     for e in app.read_ledger(ledger, kind="body")
+                     if e["execution_id"] != str(poison))
+    assert max(bodies.values()) <= 2, bodies.most_common(3)
+
+
+def test_notifications_raised_through_the_coordinator_reach_its_listeners(
+        citus_dsn: str, tenant: str, tmp_path: Path) -> None:
+    """LISTEN on the coordinator hears submit's wake-up and a completion's done: runtimes
+    and result() waiters are woken, not left to their poll."""
+    heard: list[str] = []
+    with psycopg.connect(citus_dsn, autocommit=True) as listener:
+        for channel in (f"kestrel.{tenant}", f"kestrel.{tenant}.done"):
+            listener.execute(f'LISTEN "{channel}"')
+        eid = submit(citus_dsn, tenant, "three_steps", 1)
+        with runtime(citus_dsn, tenant, procs=1, app=APP, log=tmp_path / "runtime.log"):
+            wait_until(lambda: status(citus_dsn, tenant, eid) == "completed", timeout=30,
+                       what="the execution")
+        heard.extend(n.channel for n in listener.notifies(timeout=2.0, stop_after=None))
+    assert f"kestrel.{tenant}" in heard
+    assert f"kestrel.{tenant}.done" in heard

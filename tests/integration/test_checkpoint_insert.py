@@ -11,6 +11,7 @@ superseded epoch still writes nothing.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import psycopg
 
@@ -74,6 +75,34 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
     assert sorted((r[1], str(r[3])) for r in rows) == sorted(
         (k, str(v)) for k, v in [(0, 10), (1, {"n": 0}), (1, {"n": 1}), (1, {"n": 2})])
     assert {r[2] for r in rows if r[1] == 1} == set(HOSTILE_NAMES[:3])
+
+
+def test_several_steps_of_one_execution_in_a_batch_are_written_by_the_plain_insert(
+    pg_dsn: str, schema: str
+) -> None:
+    """Parallel steps (ctx.gather) checkpoint in one batch: one row per step, and no fallback.
+    The ownership lock once joined the batch, so an execution with two steps in it was
+    counted twice, each step offered twice to the INSERT, and the plain statement always
+    failed over to ON CONFLICT (a second round trip for every such batch)."""
+    qs = queries(schema)
+    h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
+
+    async def main() -> None:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            connections.configure_connection(conn)
+            (c,) = await db.run(conn, statements.executions.claim_batch(
+                qs, owner="w", queues=["default"], limit=1, lease_s=30))
+            batch = [StepWrite(h.id, c.epoch, i, f"s{i}", str(i), None, 1, 0.0)
+                     for i in range(3)]
+            plain = dataclasses.replace(statements.steps.save_steps(qs, batch),
+                                        if_recorded=None)  # no fallback to hide behind
+            saved = await db.run(conn, plain)
+            assert [(s.owned, s.inserted, s.recorded.output if s.recorded else None)
+                    for s in saved] == [(True, True, 0), (True, True, 1), (True, True, 2)]
+
+    asyncio.run(main())
+    assert q(pg_dsn, schema, "SELECT step_id, output FROM {s}.operation_outputs "
+             "ORDER BY step_id") == [(0, 0), (1, 1), (2, 2)]
 
 
 def test_a_superseded_epoch_records_nothing_on_either_statement(

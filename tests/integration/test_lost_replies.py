@@ -773,6 +773,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "has_test_clock": Read("reads the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
+    "wake_workers": Lost((dead_worker,)),
     "hook_submit": Lost((hook_submit,)),
     "create_session": Lost((ui_login,)),
     "end_session": Lost((ui_logout,)),

@@ -9,3 +9,8 @@ from kestrel.statements.stmt import Stmt, command
 def listen(q: Queries) -> Stmt[None]:
     """LISTEN for this schema's wake-ups (on a direct, non-pooled connection)."""
     return command(q.listen)
+
+
+def wake_workers(q: Queries) -> Stmt[None]:
+    """Wake this schema's idle workers when the transaction commits."""
+    return command(q.wake_workers)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kestrel.sql import Queries
+from kestrel.statements import notify
 from kestrel.statements.stmt import Script, Stmt, first
 from kestrel.statements.versions import unregister_worker
 from kestrel.types import SweepResult
@@ -39,6 +40,8 @@ def recover_dead_worker(q: Queries, *, worker_id: str, max_attempts: int,
     attempts), and its row out of the live workers: what its supervisor runs (FAULTS O8).
     ``examined`` is how many leases it still held."""
     held = yield Stmt(q.expire_worker_leases, {"owner": worker_id}, first)
+    if held:
+        yield notify.wake_workers(q)
     requeued = quarantined = 0
     while held:
         r = yield reenqueue_expired(q, limit=limit, max_attempts=max_attempts)

@@ -1,0 +1,79 @@
+"""The rules kestrel's statements keep so that one text runs on plain PostgreSQL and on Citus
+(docs/citus.md, "What the SQL keeps for Citus"), held over every named statement, so a new
+statement of the same shape cannot forget them. The Citus tier (tests/citus) shows them
+working on a real cluster; this test needs none."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kestrel.sql import named_statements
+
+_CTE = re.compile(r"\b(\w+)\s*(?:\([\w\s,]*\))?\s+AS\s*\(", re.IGNORECASE)
+_LOCK = re.compile(r"\bFOR\s+(UPDATE|SHARE|NO\s+KEY\s+UPDATE|KEY\s+SHARE)\b", re.IGNORECASE)
+_VOID_LISTED = re.compile(r"^\s*SELECT\s+(__schema__\.child_finished|pg_notify)\s*\(",
+                          re.IGNORECASE)
+
+
+def ctes(text: str) -> dict[str, str]:
+    """Each CTE of *text* (comments and string literals removed): name -> body."""
+    text = re.sub(r"--[^\n]*", "", text)
+    text = re.sub(r"'(?:[^']|'')*'", "''", text)
+    found = {}
+    for m in _CTE.finditer(text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            i += 1
+        found[m.group(1)] = text[m.end():i - 1]
+    return found
+
+
+def planned_cte_by_cte() -> dict[str, dict[str, str]]:
+    """The statements Citus plans CTE by CTE: those with an INSERT in a CTE."""
+    split = {name: ctes(text) for name, text in named_statements().items()}
+    return {name: parts for name, parts in split.items()
+            if any(re.match(r"\s*INSERT\b", body, re.IGNORECASE) for body in parts.values())}
+
+
+def test_the_shape_is_found() -> None:
+    # The rule below is only as good as this parse: it must see the statements it guards.
+    found = planned_cte_by_cte()
+    assert {"save_steps_batch", "save_new_steps_batch", "complete_batch",
+            "reenqueue_expired", "expire_deadlines", "set_event"} <= set(found)
+    assert "FOR SHARE" in found["save_steps_batch"]["owned"]
+    assert found["complete_batch"]["removed"].lstrip().startswith("DELETE")
+
+
+@pytest.mark.parametrize("name", sorted(planned_cte_by_cte()))
+def test_each_locking_cte_of_a_statement_planned_cte_by_cte_travels_as_text(
+        name: str) -> None:
+    for cte, body in planned_cte_by_cte()[name].items():
+        if _LOCK.search(body) and not re.match(r"\s*(INSERT|UPDATE|DELETE)\b", body, re.I):
+            assert re.search(r"NULL::__schema__\.workflow_executions\s+AS\s+text_results",
+                             body), (f"{name}: CTE {cte} locks rows and is shipped between "
+                                     "Citus nodes: select text_results (docs/citus.md)")
+
+
+@pytest.mark.parametrize("name", sorted(planned_cte_by_cte()))
+def test_no_cte_of_a_statement_planned_cte_by_cte_lists_a_void_result(name: str) -> None:
+    for cte, body in planned_cte_by_cte()[name].items():
+        assert not _VOID_LISTED.match(body), (
+            f"{name}: CTE {cte} lists a void function's results, which Citus cannot store "
+            "between nodes: count the calls instead (docs/citus.md)")
+
+
+_DO_UPDATE_SET = re.compile(r"\bDO\s+UPDATE\s+SET\b(.*?)(?=\bRETURNING\b|;|\)\s*,|\)\s*SELECT\b|$)",
+                            re.IGNORECASE | re.DOTALL)
+
+
+@pytest.mark.parametrize("name", sorted(named_statements()))
+def test_an_upsert_sets_no_clock_of_its_own(name: str) -> None:
+    """Citus wants what ``ON CONFLICT DO UPDATE SET`` computes immutable: the clock comes
+    from the row offered (``excluded.updated_at``, its column default)."""
+    text = re.sub(r"--[^\n]*", "", named_statements()[name])
+    for m in _DO_UPDATE_SET.finditer(text):
+        assert not re.search(r"\b(kestrel_now|now|clock_timestamp|statement_timestamp)\s*\(",
+                             m.group(1)), f"{name}: DO UPDATE SET reads the clock: {m.group(1)}"
