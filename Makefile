@@ -4,10 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-citus test-fast soak bench-soak bench-micro lint typecheck check clean unasync
+.PHONY: help venv run test test-citus citus-cluster test-fast soak bench-soak bench-micro lint typecheck check clean unasync
 
 help: ## list targets
-	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,15 @@ test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again throug
 	$(BIN)/pytest -q --benchmark-disable --ignore=tests/citus tests bench/micro
 	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
 
-test-citus: $(STAMP) ## the Citus tier on a running cluster (KESTREL_CITUS_DSN; /work/shared/citus/cluster.sh up)
+CITUS_SRC ?= ../shared/citus
+
+citus-cluster: ## as root: build Citus from CITUS_SRC if missing, start the local 3-node cluster (127.0.0.1:5440-5442)
+	@test -x $(CITUS_SRC)/build.sh || { echo "no Citus source in $(CITUS_SRC): set CITUS_SRC, or KESTREL_CITUS_DSN for a running cluster" >&2; exit 1; }
+	bash $(CITUS_SRC)/build.sh
+	bash $(CITUS_SRC)/cluster.sh up >/dev/null
+
+test-citus: $(STAMP) ## the Citus tier (tests/citus): on KESTREL_CITUS_DSN, else on the local cluster it builds and starts (citus-cluster)
+	@if [ -z "$$KESTREL_CITUS_DSN" ]; then $(MAKE) --no-print-directory citus-cluster; fi
 	$(BIN)/pytest -q tests/citus
 
 SOAK_MINUTES ?= 30

@@ -394,7 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--label", default="run")
+    ap.add_argument("--citus", metavar="DSN",
+                    help="a Citus coordinator: tenants on one worker node, then on two "
+                         "(bench/citus.py; --workflows per tenant, --procs, --concurrency)")
     ns = ap.parse_args(argv)
+    if ns.citus:
+        from bench import citus
+
+        return citus.main(["--dsn", ns.citus, "--workflows", str(ns.workflows),
+                           "--procs", str(ns.procs), "--concurrency", str(ns.concurrency),
+                           "--timeout", str(ns.timeout), "--out", ns.out])
 
     if ns.dsn and ns.flush_delay_us is not None:
         ap.error("--flush-delay-us needs the bench's own PostgreSQL (it starts the server "

@@ -37,3 +37,22 @@ SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
 -- Wait for a test moving the clock to commit: migrate and the clock trigger both replace
 -- kestrel_now(), and two transactions replacing one function at once fail.
 SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;
+
+-- name: delegate_functions
+-- On Citus, in a distributed schema (schema-based sharding): run save_steps() on the tenant's
+-- node, so a checkpoint batch is one round trip to that node, its statements executed
+-- there, with no other node in its transaction (docs/citus.md). Anywhere else (plain
+-- PostgreSQL, a Citus schema that is not distributed) it does nothing; a schema distributed
+-- later gets it from the next migrate. Idempotent.
+DO $$
+BEGIN
+    IF to_regclass('pg_catalog.pg_dist_schema') IS NOT NULL THEN
+        IF EXISTS (SELECT 1 FROM pg_catalog.pg_dist_schema
+                    WHERE schemaid = '__schema__'::regnamespace) THEN
+            PERFORM create_distributed_function(
+                '__schema__.save_steps(jsonb, boolean)'::regprocedure,
+                colocate_with => '__schema__.workflow_executions');
+        END IF;
+    END IF;
+END
+$$;

@@ -1,8 +1,9 @@
 """The Citus tier (issue 24): kestrel on a real Citus cluster, through its coordinator.
 
 Not part of the default ``tests`` run (``make test`` passes ``--ignore=tests/citus``); run it
-with ``make test-citus`` once a cluster is up (``/work/shared/citus/build.sh`` as root, then
-``/work/shared/citus/cluster.sh up``: coordinator 127.0.0.1:5440, workers 5441 and 5442).
+with ``make test-citus``, which builds and starts a local cluster first (``make
+citus-cluster``, as root: coordinator 127.0.0.1:5440, workers 5441 and 5442) unless
+``KESTREL_CITUS_DSN`` names one. ``.ci/run`` runs it.
 The cluster is ``KESTREL_CITUS_DSN`` (default the local coordinator); when it does not
 answer, or is no Citus, every test fails with one line saying so: this tier never skips.
 
@@ -36,7 +37,7 @@ def citus_dsn() -> str:
     except psycopg.Error as exc:
         pytest.fail(f"no Citus cluster at {dsn} ({type(exc).__name__}: "
                     f"{str(exc).strip().splitlines()[0]}); start one with "
-                    "/work/shared/citus/build.sh and /work/shared/citus/cluster.sh up, or set "
+                    "`make citus-cluster` (as root), or set "
                     "KESTREL_CITUS_DSN", pytrace=False)
     assert version is not None and "Citus" in str(version[0])
     return dsn

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kestrel.sql import named_statements
+from kestrel.sql import function_definitions, named_statements
 
 _CTE = re.compile(r"\b(\w+)\s*(?:\([\w\s,]*\))?\s+AS\s*\(", re.IGNORECASE)
 _LOCK = re.compile(r"\bFOR\s+(UPDATE|SHARE|NO\s+KEY\s+UPDATE|KEY\s+SHARE)\b", re.IGNORECASE)
@@ -31,9 +31,16 @@ def ctes(text: str) -> dict[str, str]:
     return found
 
 
+def texts() -> dict[str, str]:
+    """Every named statement and every function of sql/functions (by name; a function's
+    statements are planned by Citus as the statement's are, wherever it runs)."""
+    return {**named_statements(), **{f"function {n}": t
+                                     for n, t in function_definitions().items()}}
+
+
 def planned_cte_by_cte() -> dict[str, dict[str, str]]:
     """The statements Citus plans CTE by CTE: those with an INSERT in a CTE."""
-    split = {name: ctes(text) for name, text in named_statements().items()}
+    split = {name: ctes(text) for name, text in texts().items()}
     return {name: parts for name, parts in split.items()
             if any(re.match(r"\s*INSERT\b", body, re.IGNORECASE) for body in parts.values())}
 
@@ -41,9 +48,9 @@ def planned_cte_by_cte() -> dict[str, dict[str, str]]:
 def test_the_shape_is_found() -> None:
     # The rule below is only as good as this parse: it must see the statements it guards.
     found = planned_cte_by_cte()
-    assert {"save_steps_batch", "save_new_steps_batch", "complete_batch",
-            "reenqueue_expired", "expire_deadlines", "set_event"} <= set(found)
-    assert "FOR SHARE" in found["save_steps_batch"]["owned"]
+    assert {"function save_steps", "complete_batch", "reenqueue_expired",
+            "expire_deadlines", "set_event"} <= set(found)
+    assert "FOR SHARE" in found["function save_steps"]["owned"]
     assert found["complete_batch"]["removed"].lstrip().startswith("DELETE")
 
 

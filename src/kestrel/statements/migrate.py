@@ -62,3 +62,8 @@ def has_test_clock(q: Queries) -> Stmt[bool]:
 def lock_test_clock(q: Queries) -> Stmt[None]:
     """Wait for a test moving the clock to commit."""
     return command(q.lock_test_clock)
+
+
+def delegate_functions(q: Queries) -> Stmt[None]:
+    """On Citus, in a distributed schema: run the write functions on the tenant's node."""
+    return command(q.delegate_functions)

@@ -1,0 +1,183 @@
+"""kestrel on a Citus cluster (issue 24, step 1): tenants on one worker node, then on two.
+
+    python -m bench.run --citus postgresql://postgres@127.0.0.1:5440/postgres --workflows 2000
+    python -m bench.citus --dsn postgresql://postgres@127.0.0.1:5440/postgres
+
+Each layout has T tenants (T = 1, then one per worker node), each a distributed schema on a
+worker node of its own, each with ``--workflows`` 3-step no-op workflows submitted up front
+and one ``kestrel-runtime --procs P`` connected to the coordinator. Reported per layout:
+workflows per second over all tenants (first start to last finish); per workflow, the
+transactions committed on each node (``pg_stat_database`` read on each node) and the
+distributed statements the coordinator executed (``citus_stat_counters``: single-shard,
+multi-shard), counted with ``citus.enable_stat_counters`` on for the runtimes' sessions.
+
+On one machine the nodes share its cores, so two nodes do not double throughput here: the
+figures show routing and statement counts per workflow (the model for a real cluster is in
+BENCHMARKS.md), not a speedup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql as pgsql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from bench.common import ROOT, git_rev, machine
+
+
+def _nodes(dsn: str) -> dict[str, int]:
+    """Every node's role -> port: 'coordinator' and each worker as 'worker:<port>'."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT groupid, nodeport FROM pg_dist_node "
+                            "WHERE noderole = 'primary' ORDER BY groupid").fetchall()
+    return {("coordinator" if g == 0 else f"worker:{p}"): int(p) for g, p in rows}
+
+
+def _on(dsn: str, port: int) -> str:
+    return make_conninfo(dsn, port=str(port))
+
+
+def _commits(dsn: str, port: int) -> int:
+    with psycopg.connect(_on(dsn, port), autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute("SELECT xact_commit FROM pg_stat_database "
+                           "WHERE datname = current_database()").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _counters(dsn: str) -> tuple[int, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT sum(query_execution_single_shard)::bigint, "
+                           "sum(query_execution_multi_shard)::bigint "
+                           "FROM citus_stat_counters").fetchone()
+    return (int(row[0] or 0), int(row[1] or 0)) if row else (0, 0)
+
+
+def _tenant(dsn: str, port: int) -> str:
+    """A fresh tenant schema living on the worker node at *port*."""
+    from kestrel.migrate import migrate
+
+    name = f"bench_citus_{uuid.uuid4().hex[:8]}"
+    migrate(make_conninfo(dsn, options="-c citus.enable_schema_based_sharding=on"), name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        at = conn.execute("SELECT DISTINCT nodeport FROM citus_shards "
+                          "WHERE table_name::text LIKE %s || '.%%'", [name]).fetchall()
+        if [r[0] for r in at] != [port]:
+            host = conninfo_to_dict(dsn).get("host") or "127.0.0.1"
+            conn.execute("SELECT citus_schema_move(%s::regnamespace, %s, %s, 'block_writes')",
+                         [name, host, port])
+    return name
+
+
+def run_layout(dsn: str, ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
+    """One tenant per port in *ports*, all running at once; the figures."""
+    nodes = _nodes(dsn)
+    tenants = [_tenant(dsn, port) for port in ports]
+    n = p["workflows"]
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for t in tenants:
+                conn.execute(pgsql.SQL("SELECT {}.submit('bench', '[3, \"noop\", 0]'::jsonb) "
+                                       "FROM generate_series(1, %s)").format(
+                    pgsql.Identifier(t)), [n])
+        commits = {role: _commits(dsn, port) for role, port in nodes.items()}
+        counters = _counters(dsn)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+        counting = make_conninfo(dsn, options="-c citus.enable_stat_counters=on")
+        runtimes = [subprocess.Popen(
+            [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", counting,
+             "--schema", t, "--procs", str(p["procs"]), "--concurrency", str(p["concurrency"]),
+             "--log-level", "warning", "--metrics-port", "0"], env=env, cwd=ROOT)
+            for t in tenants]
+        started = time.monotonic()
+        try:
+            with psycopg.connect(dsn, autocommit=True) as mon:
+                while True:
+                    time.sleep(0.25)
+                    done = sum(int((mon.execute(pgsql.SQL(
+                        "SELECT count(*) FROM {}.workflow_history").format(
+                        pgsql.Identifier(t))).fetchone() or [0])[0]) for t in tenants)
+                    if done >= n * len(tenants):
+                        break
+                    if any(r.poll() is not None for r in runtimes):
+                        raise RuntimeError("a kestrel-runtime exited")
+                    if time.monotonic() - started > p["timeout"]:
+                        raise RuntimeError(f"only {done}/{n * len(tenants)} finished")
+                spans = [mon.execute(pgsql.SQL(
+                    "SELECT min(started_at), max(finished_at) FROM {}.workflow_history").format(
+                    pgsql.Identifier(t))).fetchone() for t in tenants]
+        finally:
+            for r in runtimes:
+                r.terminate()
+            for r in runtimes:
+                r.wait(timeout=60)
+        first = min(s[0] for s in spans if s)
+        last = max(s[1] for s in spans if s)
+        total = n * len(tenants)
+        after = {role: _commits(dsn, port) for role, port in nodes.items()}
+        single, multi = (a - b for a, b in zip(_counters(dsn), counters, strict=True))
+        return {
+            "tenants": len(tenants), "worker_nodes": sorted(ports),
+            "workflows_per_s": total / (last - first).total_seconds(),
+            "commits_per_workflow": {role: round((after[role] - commits[role]) / total, 3)
+                                     for role in nodes},
+            "single_shard_statements_per_workflow": round(single / total, 3),
+            "multi_shard_statements_per_workflow": round(multi / total, 3),
+        }
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for t in tenants:
+                conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                    pgsql.Identifier(t)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.citus", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dsn", default=os.environ.get(
+        "KESTREL_CITUS_DSN", "postgresql://postgres@127.0.0.1:5440/postgres"),
+        help="the Citus coordinator (default: the local one, or KESTREL_CITUS_DSN)")
+    ap.add_argument("--workflows", type=int, default=2000, help="per tenant")
+    ap.add_argument("--procs", type=int, default=1, help="worker processes per tenant")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = ap.parse_args(argv)
+    p = vars(args)
+    workers = [port for role, port in _nodes(args.dsn).items() if role != "coordinator"]
+    if not workers:
+        raise SystemExit(f"{args.dsn}: no worker nodes (is it a Citus coordinator?)")
+    print(f"Citus at {args.dsn}: worker nodes {workers}; {machine()}")
+    results = []
+    for layout in ([workers[0]], workers):
+        r = run_layout(args.dsn, layout, p)
+        results.append(r)
+        print(f"  {r['tenants']} tenant(s) on {r['worker_nodes']}: "
+              f"{r['workflows_per_s']:.0f} wf/s; per workflow: commits "
+              + ", ".join(f"{k} {v}" for k, v in r["commits_per_workflow"].items())
+              + f"; distributed statements {r['single_shard_statements_per_workflow']} "
+              f"single-shard, {r['multi_shard_statements_per_workflow']} multi-shard",
+              flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = out / f"citus-{stamp}.json"
+    path.write_text(json.dumps({"machine": machine(), "rev": git_rev(), "params": p,
+                                "results": results}, indent=2, default=str))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Where each hot statement of a tenant runs on Citus (issue 24): the worker's protocol
+driven statement by statement through the coordinator with ``citus.log_remote_commands``,
+every command Citus sends counted with the node it goes to. Each statement reaches only the
+tenant's node, and in the number of round trips written here (docs/citus.md shows the same
+table): a statement routed whole is one; one Citus plans CTE by CTE (an INSERT in a CTE) is
+one per CTE that reads or writes the tenant's tables, inside one distributed transaction."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from kestrel import connections, db, statements
+from kestrel.sql import queries
+from kestrel.types import Finish, Status, StepWrite
+from tests.citus.test_tenants import node_of
+
+_SERVER = re.compile(r"on server \S+@[\d.]+:(\d+)")
+_TXN = re.compile(r"^(BEGIN|COMMIT|ROLLBACK|PREPARE|SELECT assign_distributed_transaction_id"
+                  r"|SET |RESET )", re.IGNORECASE)
+
+
+class Commands:
+    """The commands Citus sends to other nodes, by node port (transaction control apart)."""
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.sent: list[tuple[int, str]] = []
+        conn.add_notice_handler(self._notice)
+        conn.execute("SET citus.log_remote_commands = on")
+
+    def _notice(self, diag: psycopg.errors.Diagnostic) -> None:
+        text = diag.message_primary or ""
+        if not text.startswith("issuing "):
+            return
+        command = text.removeprefix("issuing ")
+        m = _SERVER.search(diag.message_detail or "")
+        if m and (os.environ.get("ALLCMDS") or not _TXN.match(command)):
+            self.sent.append((int(m.group(1)), command))
+
+    def take(self) -> list[tuple[int, str]]:
+        sent, self.sent = self.sent, []
+        return sent
+
+
+@pytest.fixture
+def conn(citus_dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    with psycopg.connect(citus_dsn, autocommit=True, prepare_threshold=None) as c:
+        connections.configure_connection(c)
+        yield c
+
+
+# (commands to the tenant's node, intermediate results copied to the other node) per
+# statement, as Citus 13.2.2 plans them. Routed whole, or a function delegated to the
+# tenant's node: one command. Planned CTE by CTE (an INSERT in a CTE): a command per CTE,
+# those of the PL/pgSQL functions it calls (the archive of a finished execution's
+# checkpoints, signals, events), and each subplan's result copied to every worker node, the
+# tenant's and the other, in a transaction that commits on both in two phases
+# (docs/citus.md: why the checkpoint batch is a delegated function, and what is next).
+EXPECTED = {
+    "submit": (1, 0),       # a function run on the coordinator: its INSERT routed
+    "claim_batch": (1, 0),  # routed whole
+    "heartbeat": (1, 0),
+    "save_steps": (1, 0),   # a function delegated to the tenant's node (delegate_functions)
+    "complete_batch": (15, 4),
+    "reenqueue_expired": (11, 4),
+}
+
+
+def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant: str,
+                                                         conn: psycopg.Connection[Any]) -> None:
+    q = queries(tenant)
+    node = node_of(citus_dsn, tenant)
+    seen = Commands(conn)
+    trips: dict[str, tuple[int, int]] = {}
+
+    def run(name: str, stmt: Any) -> Any:
+        result = db.run_sync(conn, stmt)
+        sent = seen.take()
+        elsewhere = [cmd for port, cmd in sent if port != node]
+        # Only intermediate results ever reach another node; every read or write of the
+        # tenant's tables runs on its own.
+        assert all(re.match(r'COPY "\d+_\d+" FROM STDIN WITH \(format result\)', c)
+                   for c in elsewhere), (name, elsewhere)
+        trips[name] = (len(sent) - len(elsewhere), len(elsewhere))
+        return result
+
+    eid = run("submit", statements.client.submit(q, statements.client.submit_params(
+        workflow="three_steps", args="[1]", queue="default", priority=0,
+        idempotency_key=None)))
+    [c] = run("claim_batch", statements.executions.claim_batch(
+        q, owner="routing", queues=["default"], limit=4, lease_s=30))
+    assert c.id == eid
+    assert run("heartbeat", statements.executions.heartbeat(
+        q, held=[(c.id, c.epoch)], lease_s=30)) == {c.id: False}
+    now = time.monotonic()
+    saved = run("save_steps", statements.steps.save_steps(q, [
+        StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3)]))
+    assert [s.inserted for s in saved] == [True] * 3
+    assert run("complete_batch", statements.executions.complete_batch(
+        q, [Finish(c.id, c.epoch, Status.COMPLETED, "3", None)])) == {c.id}
+    run("reenqueue_expired", statements.sweeper.reenqueue_expired(q, limit=10,
+                                                                   max_attempts=5))
+    assert trips == EXPECTED, trips
