@@ -7,7 +7,8 @@ Each layout has T tenants (T = 1, then one per worker node), each a distributed 
 worker node of its own, each with ``--workflows`` 3-step no-op workflows submitted up front
 and one ``kestrel-runtime --procs P`` connected to the coordinator. Reported per layout:
 workflows per second over all tenants (first start to last finish); per workflow, the
-transactions committed on each node (``pg_stat_database`` read on each node) and the
+transactions committed on each node (``pg_stat_database`` read on each node), each node's
+PostgreSQL CPU milliseconds (its processes, found by ``cluster_name``), and the
 distributed statements the coordinator executed (``citus_stat_counters``: single-shard,
 multi-shard), counted with ``citus.enable_stat_counters`` on for the runtimes' sessions.
 
@@ -29,6 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 from psycopg import sql as pgsql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -54,6 +56,41 @@ def _commits(dsn: str, port: int) -> int:
         row = conn.execute("SELECT xact_commit FROM pg_stat_database "
                            "WHERE datname = current_database()").fetchone()
     return int(row[0]) if row else 0
+
+
+class NodeCpu:
+    """CPU seconds of each node's PostgreSQL processes (found by the node's cluster_name in
+    their titles), sampled while the run lasts: a backend's last sample counts, so one that
+    exits between samples loses at most a quarter second of its time."""
+
+    def __init__(self, dsn: str, nodes: dict[str, int]) -> None:
+        self.names: dict[str, str] = {}
+        for role, port in nodes.items():
+            with psycopg.connect(_on(dsn, port), autocommit=True) as conn:
+                name = (conn.execute("SHOW cluster_name").fetchone() or [""])[0]
+            if not name:
+                raise SystemExit(f"node {port} has no cluster_name: its CPU cannot be told apart")
+            self.names[role] = f" {name}: "
+        self.start: dict[int, float] = {}
+        self.last: dict[int, tuple[str, float]] = {}
+        self.sample(first=True)
+
+    def sample(self, first: bool = False) -> None:
+        for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            title = " ".join(proc.info["cmdline"] or [])
+            role = next((r for r, n in self.names.items() if n in f" {title}"), None)
+            if role is None or proc.info["cpu_times"] is None:
+                continue
+            t = proc.info["cpu_times"].user + proc.info["cpu_times"].system
+            if first:
+                self.start[proc.info["pid"]] = t
+            self.last[proc.info["pid"]] = (role, t)
+
+    def seconds(self) -> dict[str, float]:
+        out = dict.fromkeys(self.names, 0.0)
+        for pid, (role, t) in self.last.items():
+            out[role] += t - self.start.get(pid, 0.0)
+        return out
 
 
 def _counters(dsn: str) -> tuple[int, int]:
@@ -101,10 +138,12 @@ def run_layout(dsn: str, ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
              "--log-level", "warning", "--metrics-port", "0"], env=env, cwd=ROOT)
             for t in tenants]
         started = time.monotonic()
+        cpu = NodeCpu(dsn, nodes)
         try:
             with psycopg.connect(dsn, autocommit=True) as mon:
                 while True:
                     time.sleep(0.25)
+                    cpu.sample()
                     done = sum(int((mon.execute(pgsql.SQL(
                         "SELECT count(*) FROM {}.workflow_history").format(
                         pgsql.Identifier(t))).fetchone() or [0])[0]) for t in tenants)
@@ -132,6 +171,8 @@ def run_layout(dsn: str, ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
             "workflows_per_s": total / (last - first).total_seconds(),
             "commits_per_workflow": {role: round((after[role] - commits[role]) / total, 3)
                                      for role in nodes},
+            "postgres_cpu_ms_per_workflow": {role: round(sec * 1000 / total, 3)
+                                             for role, sec in cpu.seconds().items()},
             "single_shard_statements_per_workflow": round(single / total, 3),
             "multi_shard_statements_per_workflow": round(multi / total, 3),
         }
@@ -166,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['tenants']} tenant(s) on {r['worker_nodes']}: "
               f"{r['workflows_per_s']:.0f} wf/s; per workflow: commits "
               + ", ".join(f"{k} {v}" for k, v in r["commits_per_workflow"].items())
+              + "; PostgreSQL CPU ms "
+              + ", ".join(f"{k} {v}" for k, v in r["postgres_cpu_ms_per_workflow"].items())
               + f"; distributed statements {r['single_shard_statements_per_workflow']} "
               f"single-shard, {r['multi_shard_statements_per_workflow']} multi-shard",
               flush=True)

@@ -38,21 +38,21 @@ SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
 -- kestrel_now(), and two transactions replacing one function at once fail.
 SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;
 
--- name: delegate_functions
--- On Citus, in a distributed schema (schema-based sharding): run save_steps() on the tenant's
--- node, so a checkpoint batch is one round trip to that node, its statements executed
--- there, with no other node in its transaction (docs/citus.md). Anywhere else (plain
--- PostgreSQL, a Citus schema that is not distributed) it does nothing; a schema distributed
--- later gets it from the next migrate. Idempotent.
-DO $$
-BEGIN
-    IF to_regclass('pg_catalog.pg_dist_schema') IS NOT NULL THEN
-        IF EXISTS (SELECT 1 FROM pg_catalog.pg_dist_schema
-                    WHERE schemaid = '__schema__'::regnamespace) THEN
-            PERFORM create_distributed_function(
-                '__schema__.save_steps(jsonb, boolean)'::regprocedure,
-                colocate_with => '__schema__.workflow_executions');
-        END IF;
-    END IF;
-END
-$$;
+-- name: node_lock_timeout
+-- On a Citus coordinator: the lock_timeout this role's sessions get on the worker nodes,
+-- where a routed statement waits for its locks. A session setting (the runtime's
+-- --lock-timeout rides on one) stays on the coordinator; a role or database setting
+-- (ALTER ROLE … SET lock_timeout) Citus propagates to every node, and its connections there
+-- run as this role (docs/citus.md). The most specific setting wins, as PostgreSQL applies
+-- them; '0' when there is none; NULL when this is no Citus coordinator.
+SELECT CASE WHEN to_regclass('pg_catalog.pg_dist_node') IS NOT NULL THEN
+       coalesce((SELECT substr(c, length('lock_timeout=') + 1)
+                   FROM pg_catalog.pg_db_role_setting AS s,
+                        unnest(s.setconfig) AS c
+                  WHERE s.setrole IN (0, (SELECT oid FROM pg_catalog.pg_roles
+                                           WHERE rolname = current_user))
+                    AND s.setdatabase IN (0, (SELECT oid FROM pg_catalog.pg_database
+                                               WHERE datname = current_database()))
+                    AND c LIKE 'lock\_timeout=%%'
+                  ORDER BY s.setrole <> 0 DESC, s.setdatabase <> 0 DESC
+                  LIMIT 1), '0') END;

@@ -1,12 +1,122 @@
 -- name: save_steps_batch
--- A group commit of step checkpoints, ON CONFLICT DO NOTHING: the retry of a batch that met a
--- recorded step (save_steps() in sql/functions/functions.sql says what it does and why).
-SELECT * FROM __schema__.save_steps(%(rows)s::jsonb, true);
+-- Group commit of step checkpoints from every running execution of a process. A row is
+-- written only while its execution is still running under the writer's epoch; FOR SHARE makes
+-- a concurrent claim (which updates the row) wait or be waited for, and READ COMMITTED
+-- re-checks the epoch on the newest row version, so a superseded epoch can never slip in.
+-- ON CONFLICT DO NOTHING keeps the first committed output. Returns, per input row, whether
+-- the writer still owns the execution and the output that is now recorded.
+--
+-- started_at and finished_at are the database clock less the seconds since the body started
+-- and ended (the worker's monotonic clock): a worker whose wall clock is skewed or jumps
+-- never writes its time into a row.
+WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
+           waited_s) AS (
+    -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
+    -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
+    -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
+    -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)
+    SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS r
+), owned AS (
+    -- One row per execution (a batch can hold several steps of one), and text_results
+    -- (Citus: see docs/citus.md).
+    SELECT e.id, e.lease_epoch, e.cancel_requested,
+           NULL::__schema__.workflow_executions AS text_results
+      FROM __schema__.workflow_executions AS e
+     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
+       AND e.status = 'running'
+     ORDER BY e.id  -- lock order: see heartbeat
+       FOR SHARE OF e
+), inserted AS (
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
+    SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
+           __schema__.kestrel_now() - make_interval(secs => i.ran_s),
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
+      FROM input AS i
+      JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+     -- A cancelled execution records nothing more: it stops at this step boundary.
+     WHERE NOT o.cancel_requested
+        ON CONFLICT (execution_id, step_id) DO NOTHING
+    RETURNING execution_id, step_id, step_name, output, error
+)
+-- The stored value comes back either way: our row as jsonb normalized it (so the live run
+-- returns exactly what a replay will), or the row that was recorded first.
+SELECT i.execution_id, i.step_id,
+       (o.id IS NOT NULL) AS owned,
+       (ins.step_id IS NOT NULL) AS inserted,
+       coalesce(ins.step_name, prior.step_name),
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       coalesce(o.cancel_requested, false) AS cancelled
+  FROM input AS i
+  LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+  LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
+  LEFT JOIN __schema__.operation_outputs AS prior
+         ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
 
 -- name: save_new_steps_batch
--- A group commit of step checkpoints, a plain INSERT: what every group commit tries first
--- (save_steps() in sql/functions/functions.sql).
-SELECT * FROM __schema__.save_steps(%(rows)s::jsonb, false);
+-- save_steps_batch without ON CONFLICT: the statement every group commit tries first.
+-- INSERT … ON CONFLICT inserts speculatively and confirms each row with a second WAL record
+-- (Heap/HEAP_CONFIRM, 48 bytes a checkpoint, 144 of the ~3,000 bytes of WAL a 3-step
+-- workflow costs; BENCHMARKS.md). A conflict needs a row for the same (execution, step)
+-- already there, and under the epoch-checked FOR SHARE lock only this process's own earlier
+-- try of the same batch can have written one (a lost reply, FAULTS F3). Then this statement
+-- fails as a whole with unique_violation, nothing of it is written, and db.run sends
+-- save_steps_batch instead (Stmt.if_recorded), which keeps the first committed output and
+-- returns it, as before.
+WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
+           waited_s) AS (
+    -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
+    -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
+    -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
+    -- (jsonb_typeof: `'null'::jsonb -> 0` is not SQL NULL, a scalar acts as an array.)
+    SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS r
+), owned AS (
+    -- One row per execution (a batch can hold several steps of one), and text_results
+    -- (Citus: see docs/citus.md).
+    SELECT e.id, e.lease_epoch, e.cancel_requested,
+           NULL::__schema__.workflow_executions AS text_results
+      FROM __schema__.workflow_executions AS e
+     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
+       AND e.status = 'running'
+     ORDER BY e.id  -- lock order: see heartbeat
+       FOR SHARE OF e
+), inserted AS (
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
+    SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
+           __schema__.kestrel_now() - make_interval(secs => i.ran_s),
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
+      FROM input AS i
+      JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+     -- A cancelled execution records nothing more: it stops at this step boundary.
+     WHERE NOT o.cancel_requested
+    RETURNING execution_id, step_id, step_name, output, error
+)
+-- The stored value comes back either way: our row as jsonb normalized it (so the live run
+-- returns exactly what a replay will), or the row that was recorded first.
+SELECT i.execution_id, i.step_id,
+       (o.id IS NOT NULL) AS owned,
+       (ins.step_id IS NOT NULL) AS inserted,
+       coalesce(ins.step_name, prior.step_name),
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
+       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       coalesce(o.cancel_requested, false) AS cancelled
+  FROM input AS i
+  LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+  LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
+  LEFT JOIN __schema__.operation_outputs AS prior
+         ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
 
 -- name: load_step
 -- Read one recorded checkpoint (used when a write lost the race but the winner's row was

@@ -125,6 +125,29 @@ def _migrate_or_check(dsn: str, cfg: Config) -> None:
                  cfg.schema)
 
 
+def _check_node_lock_timeout(dsn: str, cfg: Config) -> None:
+    """On a Citus coordinator, warn when this role has no lock_timeout on the worker nodes:
+    --lock-timeout is a session setting, which stays on the coordinator, so a statement
+    waiting on a node for a lock a client's transaction holds would wait for as long as it
+    is held (docs/citus.md)."""
+    from kestrel import db, statements
+    from kestrel.sql import queries
+
+    with connections.connect(dsn) as conn:
+        on_nodes = db.run_sync(conn, statements.migrate.node_lock_timeout(queries(cfg.schema)))
+    if on_nodes is None:
+        return
+    want = f"{connections.lock_timeout_ms(cfg.statement_lock_timeout)}ms"
+    if on_nodes in ("0", ""):
+        log.warning("Citus coordinator: --lock-timeout (%s) does not reach the worker nodes, "
+                    "where statements wait for their locks; give this role the same there: "
+                    "ALTER ROLE CURRENT_USER SET lock_timeout = '%s' (Citus propagates it; "
+                    "docs/citus.md)", want, want)
+    else:
+        log.info("Citus coordinator: lock_timeout on the worker nodes is %s (this role's "
+                 "setting); --lock-timeout is %s", on_nodes, want)
+
+
 def _first_upkeep(dsn: str, cfg: Config) -> None:
     """Partitions exist before the first completion lands in history; a busy or unprivileged
     round is only a warning (the workers retry every --maintenance-interval)."""
@@ -203,6 +226,7 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
              f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
              "off: polling every --poll-interval")
     _migrate_or_check(dsn, cfg)
+    _check_node_lock_timeout(dsn, cfg)
     _first_upkeep(dsn, cfg)
     http = None
     if cfg.http_port:  # the HTTP door, in a child process of its own (kestrel.http)

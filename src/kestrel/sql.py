@@ -93,7 +93,7 @@ class Queries:
     set_clock_kind: str
     has_test_clock: str
     lock_test_clock: str
-    delegate_functions: str
+    node_lock_timeout: str
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
     wake_workers: str

@@ -771,7 +771,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "migrations_table_exists": Read("reads the catalog"),
     "lock_test_clock": Lost((migrate_test_schema_again,)),
     "has_test_clock": Read("reads the catalog"),
-    "delegate_functions": Lost((migrate_again,)),
+    "node_lock_timeout": Read("reads a role setting from the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
     "wake_workers": Lost((dead_worker,)),

@@ -48,9 +48,10 @@ def planned_cte_by_cte() -> dict[str, dict[str, str]]:
 def test_the_shape_is_found() -> None:
     # The rule below is only as good as this parse: it must see the statements it guards.
     found = planned_cte_by_cte()
-    assert {"function save_steps", "complete_batch", "reenqueue_expired",
-            "expire_deadlines", "set_event"} <= set(found)
-    assert "FOR SHARE" in found["function save_steps"]["owned"]
+    assert {"save_steps_batch", "save_new_steps_batch", "complete_batch",
+            "reenqueue_expired", "expire_deadlines", "set_event"} <= set(found)
+    assert "FOR SHARE" in found["save_steps_batch"]["owned"]
+    assert "FOR UPDATE" in found["complete_batch"]["locked"]
     assert found["complete_batch"]["removed"].lstrip().startswith("DELETE")
 
 

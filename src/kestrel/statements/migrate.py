@@ -64,6 +64,7 @@ def lock_test_clock(q: Queries) -> Stmt[None]:
     return command(q.lock_test_clock)
 
 
-def delegate_functions(q: Queries) -> Stmt[None]:
-    """On Citus, in a distributed schema: run the write functions on the tenant's node."""
-    return command(q.delegate_functions)
+def node_lock_timeout(q: Queries) -> Stmt[str | None]:
+    """On a Citus coordinator, the lock_timeout this role gets on the worker nodes ('0':
+    none); None elsewhere."""
+    return Stmt(q.node_lock_timeout, None, first)
