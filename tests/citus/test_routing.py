@@ -1,13 +1,11 @@
 """Where each hot statement of a tenant runs on Citus (issue 24): the worker's protocol
 driven statement by statement through the coordinator with ``citus.log_remote_commands``,
 every command Citus sends counted with the node it goes to. Each statement reaches only the
-tenant's node, and in the number of round trips written here (docs/citus.md shows the same
-table): a statement routed whole is one; one Citus plans CTE by CTE (an INSERT in a CTE) is
-one per CTE that reads or writes the tenant's tables, inside one distributed transaction."""
+tenant's node with its reads and writes (only intermediate results go elsewhere), in the
+number of commands written here (docs/citus.md shows the same table)."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -40,7 +38,7 @@ class Commands:
             return
         command = text.removeprefix("issuing ")
         m = _SERVER.search(diag.message_detail or "")
-        if m and (os.environ.get("ALLCMDS") or not _TXN.match(command)):
+        if m and not _TXN.match(command):
             self.sent.append((int(m.group(1)), command))
 
     def take(self) -> list[tuple[int, str]]:
@@ -57,11 +55,11 @@ def conn(citus_dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 # (commands to the tenant's node, intermediate results copied to the other node) per
 # statement, as Citus 13.2.2 plans them. Routed whole: one command. Planned CTE by CTE (an
-# INSERT in a CTE): a command per CTE,
-# those of the PL/pgSQL functions it calls (the archive of a finished execution's
-# checkpoints, signals, events), and each subplan's result copied to every worker node, the
-# tenant's and the other, in a transaction that commits on both in two phases
-# (docs/citus.md: what delegating them to the tenant's node measured, and what is next).
+# INSERT in a CTE): a command per CTE, those of the PL/pgSQL functions it calls (the archive
+# of a finished execution's checkpoints, signals, events), and each subplan's result copied
+# to every worker node, the tenant's and the other, in a transaction that commits on both in
+# two phases (docs/citus.md: what delegating them to the tenant's node measured, and what is
+# next).
 EXPECTED = {
     "submit": (1, 0),       # a function run on the coordinator: its INSERT routed
     "claim_batch": (1, 0),  # routed whole
