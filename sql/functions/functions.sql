@@ -1000,6 +1000,134 @@ BEGIN
 END
 $$;
 
+-- name: save_steps
+-- save_steps(): a group commit of step checkpoints from every running execution of a process
+-- (kestrel.commits.CheckpointCommits), one JSON array of rows, each [execution, epoch, step,
+-- name, [output] or null, [error] or null, attempt, ran_s, waited_s] (statements/steps.py;
+-- output and error come wrapped in a one-element array, so SQL NULL, none, and JSON null, a
+-- step that returned None, stay apart). A row is written only while its execution is still
+-- running under the writer's epoch: the FOR SHARE lock makes a concurrent claim (which
+-- updates the row) wait or be waited for, and READ COMMITTED re-checks the epoch on the
+-- newest row version, so a superseded epoch can never slip in; a cancelled execution
+-- records nothing more (it stops at this step boundary). Returns, per input row, whether the
+-- writer still owns the execution, whether this call wrote the row, and what is now
+-- recorded there: our row as jsonb normalized it (so the live run returns exactly what a
+-- replay will), or the row recorded first.
+--
+-- p_if_recorded false (what every group commit sends first) inserts without ON CONFLICT:
+-- INSERT … ON CONFLICT inserts speculatively and confirms each row with a second WAL record
+-- (Heap/HEAP_CONFIRM, 48 bytes a checkpoint; BENCHMARKS.md). A conflict needs a row for the
+-- same (execution, step) already there, and under the epoch-checked lock only this
+-- process's own earlier try of the same batch can have written one (a lost reply, FAULTS
+-- F3). Then the call fails as a whole with unique_violation, nothing of it is written, and
+-- db.run calls again with p_if_recorded true (Stmt.if_recorded): ON CONFLICT DO NOTHING
+-- keeps the first committed output, which the last statement returns.
+--
+-- started_at and finished_at are the database clock less the seconds since the body started
+-- and ended (the worker's monotonic clock): a worker whose wall clock is skewed or jumps never
+-- writes its time into a row.
+--
+-- The Citus form of save_new_steps_batch / save_steps_batch (sql/queries/steps.sql): the
+-- worker sends it instead of them where its schema is a Citus distributed schema
+-- (distributed_schema()), and there migrate delegates it to the tenant's node
+-- (delegate_functions), so a batch is one round trip, run on that node, with no other node
+-- in its transaction. Three plain statements (lock, insert, read back), because Citus plans
+-- a statement with an INSERT in a CTE CTE by CTE even on the tenant's node, and that
+-- statement's final join then reads the whole checkpoint table back (docs/citus.md). On one
+-- PostgreSQL the statements are cheaper (bench/checkpoint_batch.py), so they stay there.
+CREATE OR REPLACE FUNCTION __schema__.save_steps(p_rows jsonb, p_if_recorded boolean)
+RETURNS TABLE (execution_id uuid, step_id integer, owned boolean, inserted boolean,
+               step_name text, output jsonb, error jsonb, cancelled boolean)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_owned text[];      -- 'execution/epoch' of the executions written for, locked
+    v_writable uuid[];   -- of those, the ones not cancelled
+    v_new text[] := '{}';  -- 'execution/step' of the rows this call wrote
+    v_key text;
+BEGIN
+    -- 1. Lock what this batch writes for, in id order (lock order: see heartbeat).
+    SELECT coalesce(array_agg(o.id::text || '/' || o.lease_epoch), '{}'),
+           coalesce(array_agg(o.id) FILTER (WHERE NOT o.cancel_requested), '{}')
+      INTO v_owned, v_writable
+      FROM (SELECT e.id, e.lease_epoch, e.cancel_requested
+              FROM __schema__.workflow_executions AS e
+             WHERE (e.id, e.lease_epoch) IN (SELECT (r->>0)::uuid, (r->>1)::integer
+                                               FROM jsonb_array_elements(p_rows) AS r)
+               AND e.status = 'running'
+             ORDER BY e.id
+               FOR SHARE OF e) AS o;
+    -- 2. Write the rows of executions owned under their epoch and not cancelled.
+    IF p_if_recorded THEN
+        FOR v_key IN
+            INSERT INTO __schema__.operation_outputs AS o
+                   (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                    started_at, finished_at)
+            SELECT (r->>0)::uuid, (r->>2)::integer, r->>3,
+                   CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+                   CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+                   (r->>6)::integer, (r->>1)::integer,
+                   __schema__.kestrel_now() - make_interval(secs => (r->>7)::float8),
+                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8)
+              FROM jsonb_array_elements(p_rows) AS r
+             WHERE (r->>0) || '/' || (r->>1) = ANY (v_owned)
+               AND (r->>0)::uuid = ANY (v_writable)
+                ON CONFLICT (execution_id, step_id) DO NOTHING
+            RETURNING o.execution_id::text || '/' || o.step_id
+        LOOP
+            v_new := v_new || v_key;
+        END LOOP;
+    ELSE
+        FOR v_key IN
+            INSERT INTO __schema__.operation_outputs AS o
+                   (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                    started_at, finished_at)
+            SELECT (r->>0)::uuid, (r->>2)::integer, r->>3,
+                   CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+                   CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
+                   (r->>6)::integer, (r->>1)::integer,
+                   __schema__.kestrel_now() - make_interval(secs => (r->>7)::float8),
+                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8)
+              FROM jsonb_array_elements(p_rows) AS r
+             WHERE (r->>0) || '/' || (r->>1) = ANY (v_owned)
+               AND (r->>0)::uuid = ANY (v_writable)
+            RETURNING o.execution_id::text || '/' || o.step_id
+        LOOP
+            v_new := v_new || v_key;
+        END LOOP;
+    END IF;
+    -- 3. What each position records now (ours, or the row recorded first).
+    RETURN QUERY
+    SELECT (r->>0)::uuid, (r->>2)::integer,
+           (r->>0) || '/' || (r->>1) = ANY (v_owned),
+           (r->>0) || '/' || (r->>2) = ANY (v_new),
+           p.step_name, p.output, p.error,
+           (r->>0) || '/' || (r->>1) = ANY (v_owned) AND NOT (r->>0)::uuid = ANY (v_writable)
+      FROM jsonb_array_elements(p_rows) AS r
+      LEFT JOIN __schema__.operation_outputs AS p
+             ON p.execution_id = (r->>0)::uuid AND p.step_id = (r->>2)::integer;
+END;
+$$;
+
+-- name: distributed_schema
+-- distributed_schema(): whether this schema is a Citus distributed schema (schema-based
+-- sharding), where the worker sends the Citus forms of its statements (save_steps()). False
+-- anywhere else: plain PostgreSQL, a Citus schema that is not distributed. The catalog is
+-- read through EXECUTE: it does not exist without Citus.
+CREATE OR REPLACE FUNCTION __schema__.distributed_schema() RETURNS boolean
+LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_distributed boolean := false;
+BEGIN
+    IF to_regclass('pg_catalog.pg_dist_schema') IS NOT NULL THEN
+        EXECUTE 'SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_dist_schema '
+                'WHERE schemaid = $1::regnamespace)'
+           INTO v_distributed USING '__schema__';
+    END IF;
+    RETURN v_distributed;
+END;
+$$;
+
 -- name: consume_signal
 -- consume_signal(): take the oldest pending signal p_name for an execution this worker owns
 -- under p_epoch and record it as the checkpoint of the wait at p_step_id, so the signal is

@@ -38,6 +38,26 @@ SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
 -- kestrel_now(), and two transactions replacing one function at once fail.
 SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;
 
+-- name: delegate_functions
+-- In a Citus distributed schema: run save_steps() on the tenant's node, so a checkpoint
+-- batch is one round trip to that node, executed there, with no other node in its
+-- transaction (docs/citus.md). Anywhere else it does nothing; a schema distributed later
+-- gets it from the next migrate. Idempotent.
+DO $$
+BEGIN
+    IF __schema__.distributed_schema() THEN
+        PERFORM create_distributed_function(
+            '__schema__.save_steps(jsonb, boolean)'::regprocedure,
+            colocate_with => '__schema__.workflow_executions');
+    END IF;
+END
+$$;
+
+-- name: distributed_schema
+-- Whether this schema is a Citus distributed schema: the worker then sends the Citus forms
+-- of its statements (save_new_steps_delegated, save_steps_delegated).
+SELECT __schema__.distributed_schema();
+
 -- name: node_lock_timeout
 -- On a Citus coordinator: the lock_timeout this role's sessions get on the worker nodes,
 -- where a routed statement waits for its locks. A session setting (the runtime's

@@ -118,6 +118,16 @@ SELECT i.execution_id, i.step_id,
   LEFT JOIN __schema__.operation_outputs AS prior
          ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
 
+-- name: save_new_steps_delegated
+-- save_new_steps_batch in its Citus form: the worker sends this one where its schema is a
+-- Citus distributed schema, in which migrate delegates save_steps() to the tenant's node
+-- (sql/functions/functions.sql: what it does, and why two forms).
+SELECT * FROM __schema__.save_steps(%(rows)s::jsonb, false);
+
+-- name: save_steps_delegated
+-- save_steps_batch in its Citus form (save_new_steps_delegated).
+SELECT * FROM __schema__.save_steps(%(rows)s::jsonb, true);
+
 -- name: load_step
 -- Read one recorded checkpoint (used when a write lost the race but the winner's row was
 -- committed after this statement's snapshot).

@@ -20,7 +20,7 @@ from kestrel import db, metrics
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Leases
 from kestrel.sql import Queries
-from kestrel.statements import executions, steps
+from kestrel.statements import executions, migrate, steps
 from kestrel.types import Finish, StepSaved, StepWrite
 from kestrel.writer import GroupCommit
 
@@ -75,6 +75,9 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
 
     name = "checkpoint-writer"
     kind = "checkpoint"
+    delegated: bool | None = None
+    """Whether the schema is a Citus distributed schema, where the Citus form of the
+    statement is sent (statements.steps.save_steps); read on the first batch."""
 
     @staticmethod
     def size(item: StepWrite) -> int:
@@ -86,7 +89,10 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
-            saved = await db.run(conn, steps.save_steps(self._q, writes))
+            if self.delegated is None:
+                self.delegated = await db.run(conn, migrate.distributed_schema(self._q))
+            saved = await db.run(conn, steps.save_steps(self._q, writes,
+                                                        delegated=self.delegated))
             failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)

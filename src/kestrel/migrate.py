@@ -104,6 +104,7 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     if for_tests:
         for statement in movable_clock(schema):
             run(statements.migrate.apply(statement))
+    run(statements.migrate.delegate_functions(q))
     run(statements.migrate.ensure_current_partitions(
         q, interval=history_interval, ahead=history_ahead, current=bool(done)))
     return done

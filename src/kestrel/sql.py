@@ -93,6 +93,8 @@ class Queries:
     set_clock_kind: str
     has_test_clock: str
     lock_test_clock: str
+    delegate_functions: str
+    distributed_schema: str
     node_lock_timeout: str
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
@@ -108,6 +110,8 @@ class Queries:
     # sql/queries/steps.sql (kestrel/statements/steps.py)
     save_steps_batch: str
     save_new_steps_batch: str
+    save_new_steps_delegated: str
+    save_steps_delegated: str
     load_step: str
     consume_signal: str
     set_event: str

@@ -64,7 +64,8 @@ EXPECTED = {
     "submit": (1, 0),       # a function run on the coordinator: its INSERT routed
     "claim_batch": (1, 0),  # routed whole
     "heartbeat": (1, 0),
-    "save_steps": (6, 2),
+    "save_steps": (1, 0),   # the Citus form: save_steps() delegated to the tenant's node
+    "save_steps as a statement": (6, 2),  # the form plain PostgreSQL gets, for comparison
     "complete_batch": (15, 4),
     "reenqueue_expired": (11, 4),
 }
@@ -97,9 +98,15 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
     assert run("heartbeat", statements.executions.heartbeat(
         q, held=[(c.id, c.epoch)], lease_s=30)) == {c.id: False}
     now = time.monotonic()
+    assert db.run_sync(conn, statements.migrate.distributed_schema(q)) is True
+    seen.take()
     saved = run("save_steps", statements.steps.save_steps(q, [
-        StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3)]))
+        StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3)],
+        delegated=True))
     assert [s.inserted for s in saved] == [True] * 3
+    saved = run("save_steps as a statement", statements.steps.save_steps(q, [
+        StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3, 5)]))
+    assert [s.inserted for s in saved] == [True] * 2
     assert run("complete_batch", statements.executions.complete_batch(
         q, [Finish(c.id, c.epoch, Status.COMPLETED, "3", None)])) == {c.id}
     run("reenqueue_expired", statements.sweeper.reenqueue_expired(q, limit=10,

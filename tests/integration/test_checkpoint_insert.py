@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Any
 
 import psycopg
+import pytest
 
 from kestrel import connections, db, statements
 from kestrel.client import SyncClient
@@ -22,11 +24,22 @@ from kestrel.types import StepWrite
 from tests.apps import ledger_app as app
 from tests.helpers import q
 
+
+@pytest.fixture(params=[False, True], ids=["statement", "citus-form"])
+def form(request: pytest.FixtureRequest) -> bool:
+    """Each test runs on both forms of the checkpoint batch: the statement, and the call of
+    save_steps() a Citus distributed schema gets (the same function runs here)."""
+    return bool(request.param)
+
+
+def save(qs: Any, form: bool, writes: Any) -> Any:
+    return statements.steps.save_steps(qs, writes, delegated=form)
+
 HOSTILE_NAMES = ["x'); DROP TABLE operation_outputs; --", "ünïcödé 🚀", "$$;--\n", "a" * 300]
 
 
 def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool
 ) -> None:
     qs = queries(schema)
     client = SyncClient(pg_dsn, schema=schema, pool_size=0)
@@ -45,8 +58,7 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
             first = ids[0]
             (was,) = await db.run(
                 conn,
-                statements.steps.save_steps(
-                    qs, [StepWrite(first, epoch[first], 0, "add", "10", None, 1, 0.0)]
+                save(qs, form, [StepWrite(first, epoch[first], 0, "add", "10", None, 1, 0.0)]
                 ),
             )
             assert was.inserted and was.recorded is not None and was.recorded.output == 10
@@ -55,7 +67,7 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
             batch = [StepWrite(first, epoch[first], 0, "add", "77", None, 1, 0.0)]
             batch += [StepWrite(e, epoch[e], 1, HOSTILE_NAMES[i], f'{{"n": {i}}}', None, 1,
                                 0.0) for i, e in enumerate(ids)]
-            saved = await db.run(conn, statements.steps.save_steps(qs, batch))
+            saved = await db.run(conn, save(qs, form, batch))
             assert saved[0].owned and not saved[0].inserted
             assert saved[0].recorded is not None and saved[0].recorded.output == 10
             for i, s in enumerate(saved[1:]):
@@ -63,7 +75,7 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
                 assert s.recorded is not None and s.recorded.output == {"n": i}
                 assert s.recorded.name == HOSTILE_NAMES[i]
             # The same batch once more (every step now recorded): nothing changes.
-            again = await db.run(conn, statements.steps.save_steps(qs, batch))
+            again = await db.run(conn, save(qs, form, batch))
             assert [s.inserted for s in again] == [False] * len(batch)
             assert [s.recorded.output for s in again if s.recorded] == [
                 10, {"n": 0}, {"n": 1}, {"n": 2}]
@@ -78,7 +90,7 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
 
 
 def test_several_steps_of_one_execution_in_a_batch_are_written_by_the_plain_insert(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool
 ) -> None:
     """Parallel steps (ctx.gather) checkpoint in one batch: one row per step, and no fallback.
     The ownership lock once joined the batch, so an execution with two steps in it was
@@ -94,7 +106,7 @@ def test_several_steps_of_one_execution_in_a_batch_are_written_by_the_plain_inse
                 qs, owner="w", queues=["default"], limit=1, lease_s=30))
             batch = [StepWrite(h.id, c.epoch, i, f"s{i}", str(i), None, 1, 0.0)
                      for i in range(3)]
-            plain = dataclasses.replace(statements.steps.save_steps(qs, batch),
+            plain = dataclasses.replace(save(qs, form, batch),
                                         if_recorded=None)  # no fallback to hide behind
             saved = await db.run(conn, plain)
             assert [(s.owned, s.inserted, s.recorded.output if s.recorded else None)
@@ -106,7 +118,7 @@ def test_several_steps_of_one_execution_in_a_batch_are_written_by_the_plain_inse
 
 
 def test_a_superseded_epoch_records_nothing_on_either_statement(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool
 ) -> None:
     qs = queries(schema)
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
@@ -122,18 +134,17 @@ def test_a_superseded_epoch_records_nothing_on_either_statement(
             )
             (ok,) = await db.run(
                 conn,
-                statements.steps.save_steps(
-                    qs, [StepWrite(h.id, c.epoch, 0, "add", "1", None, 1, 0.0)]
+                save(qs, form, [StepWrite(h.id, c.epoch, 0, "add", "1", None, 1, 0.0)]
                 ),
             )
             assert ok.inserted
             # Fenced on the plain statement (a new step) and on the fallback (a recorded one
             # in the same batch makes the plain statement fail over to ON CONFLICT).
             stale = [StepWrite(h.id, c.epoch - 1, 1, "add", "2", None, 1, 0.0)]
-            (fenced,) = await db.run(conn, statements.steps.save_steps(qs, stale))
+            (fenced,) = await db.run(conn, save(qs, form, stale))
             assert not fenced.owned and not fenced.inserted
             mixed = [StepWrite(h.id, c.epoch, 0, "add", "5", None, 1, 0.0), *stale]
-            kept, fenced = await db.run(conn, statements.steps.save_steps(qs, mixed))
+            kept, fenced = await db.run(conn, save(qs, form, mixed))
             assert kept.owned and not kept.inserted
             assert kept.recorded is not None and kept.recorded.output == 1
             assert not fenced.owned and not fenced.inserted
@@ -149,7 +160,7 @@ OUTPUTS = ["null", '"a\\"b\\\\c\'d $$ ; --"', '{"k": [1, 2.5, "ü🚀"], "": {}}
 
 
 def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool
 ) -> None:
     qs = queries(schema)
     client = SyncClient(pg_dsn, schema=schema, pool_size=0)
@@ -170,7 +181,7 @@ def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
             failed = hs[-1].id  # an error and no output: SQL NULL, not JSON null
             batch.append(StepWrite(failed, epoch[failed], 0, "s", None,
                                    '{"type": "E", "message": "\\u00e9 \' \\""}', 1, 0.0))
-            saved = await db.run(conn, statements.steps.save_steps(qs, batch))
+            saved = await db.run(conn, save(qs, form, batch))
             assert all(s.owned and s.inserted for s in saved)
             # What comes back is what jsonb stored: the value itself, exactly.
             for s, out in zip(saved, OUTPUTS, strict=False):
@@ -187,7 +198,7 @@ def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
 
 
 def test_text_the_database_cannot_store_is_a_data_error_of_its_batch(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool
 ) -> None:
     """A NUL (PostgreSQL refuses it) or a lone surrogate (it cannot be encoded) in a name:
     the statement fails with an error connections.is_data_error recognises, so the group commit
@@ -208,8 +219,7 @@ def test_text_the_database_cannot_store_is_a_data_error_of_its_batch(
                 try:
                     await db.run(
                         conn,
-                        statements.steps.save_steps(
-                            qs, [StepWrite(h.id, c.epoch, 0, name, "1", None, 1, 0.0)]
+                        save(qs, form, [StepWrite(h.id, c.epoch, 0, name, "1", None, 1, 0.0)]
                         ),
                     )
                 except Exception as exc:

@@ -18,6 +18,7 @@ import asyncio
 import re
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
@@ -29,6 +30,7 @@ import pytest
 import kestrel
 from kestrel import connections, db, failpoints, metrics, statements
 from kestrel.client import SyncClient
+from kestrel.commits import CheckpointCommits
 from kestrel.config import Config
 from kestrel.errors import InvalidState
 from kestrel.migrate import current_version, migrate
@@ -213,6 +215,28 @@ def checkpoint_resent(env: Env) -> None:
     # (save_steps_batch), which commits and loses its reply too; the third try reads them.
     lose("save_new_steps_batch")
     three_steps_end_once(env)
+
+
+@contextmanager
+def citus_form() -> Iterator[None]:
+    """The worker sends the Citus form of the checkpoint batch (a call of save_steps(), what
+    a distributed schema gets) here on plain PostgreSQL, where the same function runs."""
+    CheckpointCommits.delegated = True
+    try:
+        yield
+    finally:
+        CheckpointCommits.delegated = None
+
+
+def checkpoint_delegated(env: Env) -> None:
+    with citus_form():
+        three_steps_end_once(env)
+
+
+def checkpoint_resent_delegated(env: Env) -> None:
+    lose("save_new_steps_delegated")
+    with citus_form():
+        three_steps_end_once(env)
 
 
 def complete(env: Env) -> None:
@@ -700,6 +724,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "heartbeat": Lost((heartbeat,)),
     "save_new_steps_batch": Lost((checkpoint,)),
     "save_steps_batch": Lost((checkpoint_resent,)),
+    "save_new_steps_delegated": Lost((checkpoint_delegated,)),
+    "save_steps_delegated": Lost((checkpoint_resent_delegated,)),
     "load_step": Read("reads one checkpoint"),
     "consume_signal": Lost((consume_signal,)),
     "park": Lost((park,)),
@@ -771,6 +797,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "migrations_table_exists": Read("reads the catalog"),
     "lock_test_clock": Lost((migrate_test_schema_again,)),
     "has_test_clock": Read("reads the catalog"),
+    "delegate_functions": Lost((migrate_again,)),
+    "distributed_schema": Read("reads the Citus catalog, where there is one"),
     "node_lock_timeout": Read("reads a role setting from the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),

@@ -55,6 +55,17 @@ def test_the_shape_is_found() -> None:
     assert found["complete_batch"]["removed"].lstrip().startswith("DELETE")
 
 
+def test_a_function_delegated_to_a_tenant_node_has_no_insert_in_a_cte() -> None:
+    """A delegated function runs on the tenant's node, where Citus still plans a statement
+    with an INSERT in a CTE CTE by CTE (and the checkpoint batch's join then read the whole
+    checkpoint table back): such a function is written as plain statements
+    (docs/citus.md)."""
+    delegate = named_statements()["delegate_functions"]
+    delegated = set(re.findall(r"'__schema__\.(\w+)\(", delegate))
+    assert delegated == {"save_steps"}
+    assert not {f"function {name}" for name in delegated} & set(planned_cte_by_cte())
+
+
 @pytest.mark.parametrize("name", sorted(planned_cte_by_cte()))
 def test_each_locking_cte_of_a_statement_planned_cte_by_cte_travels_as_text(
         name: str) -> None:

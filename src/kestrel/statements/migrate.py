@@ -64,6 +64,16 @@ def lock_test_clock(q: Queries) -> Stmt[None]:
     return command(q.lock_test_clock)
 
 
+def delegate_functions(q: Queries) -> Stmt[None]:
+    """In a Citus distributed schema: run save_steps() on the tenant's node."""
+    return command(q.delegate_functions)
+
+
+def distributed_schema(q: Queries) -> Stmt[bool]:
+    """Whether the schema is a Citus distributed schema (the Citus forms are sent there)."""
+    return Stmt(q.distributed_schema, None, lambda rows: bool(rows and rows[0][0]))
+
+
 def node_lock_timeout(q: Queries) -> Stmt[str | None]:
     """On a Citus coordinator, the lock_timeout this role gets on the worker nodes ('0':
     none); None elsewhere."""

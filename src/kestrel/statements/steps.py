@@ -13,8 +13,13 @@ from kestrel.statements.stmt import Stmt, json_rows, wrapped
 from kestrel.types import RecordedStep, SignalTaken, StepSaved, StepWrite
 
 
-def save_steps(q: Queries, writes: Sequence[StepWrite]) -> Stmt[list[StepSaved]]:
+def save_steps(q: Queries, writes: Sequence[StepWrite], *, delegated: bool = False
+               ) -> Stmt[list[StepSaved]]:
     """Checkpoint *writes* in one statement; results are in the order of *writes*.
+
+    *delegated*: the Citus form (``save_new_steps_delegated``, a call of ``save_steps()``
+    that a distributed schema runs on the tenant's node), with the same parameters, rows and
+    fallback; the worker sends it where its schema is distributed.
 
     The statement is ``save_new_steps_batch``, a plain INSERT (no speculative insertion, so
     less WAL). If a step of the batch is already recorded (only a retry after a lost reply
@@ -38,6 +43,9 @@ def save_steps(q: Queries, writes: Sequence[StepWrite]) -> Stmt[list[StepSaved]]
                                    cancelled=bool(r[7])))
         return saved
 
+    if delegated:
+        return Stmt(q.save_new_steps_delegated, params, decode,
+                    if_recorded=q.save_steps_delegated)
     return Stmt(q.save_new_steps_batch, params, decode, if_recorded=q.save_steps_batch)
 
 
