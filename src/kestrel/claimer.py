@@ -104,6 +104,12 @@ class Claimer:
                 delay = backoff.next_delay()
                 if connections.is_transient(exc):
                     OUTAGE.failed(exc, "claim")  # one line per outage, not one per retry
+                elif connections.is_contended(exc):
+                    # A client or an operator holds what the claim locks (a Citus move
+                    # blocking writes, a queue's limit row): nothing is wrong with it.
+                    log.warning("claim waited too long on other transactions (%s: %s); "
+                                "retrying in %.2fs", type(exc).__name__,
+                                str(exc).strip()[:200], delay)
                 else:
                     log.error("claim failed (%s: %s); retrying in %.2fs", type(exc).__name__,
                               str(exc).strip()[:200], delay)

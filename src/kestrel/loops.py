@@ -6,8 +6,9 @@ Every service has one shape (:class:`Service`): a ``name``, ``run()`` for the li
 process and ``run_once()``, one round, which ``run()`` repeats and tests call. Every service
 that repeats uses :class:`Backoff` and :func:`every`, so a round the database refused is
 reported the same way everywhere: an unreachable database through
-:data:`kestrel.outage.OUTAGE` (one line per outage), any other database error as one line
-naming the service.
+:data:`kestrel.outage.OUTAGE` (one line per outage), contention (a lock or statement
+timeout, a deadlock: :func:`kestrel.connections.is_contended`) as a warning, any other
+database error as an error line naming the service.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ async def every(interval: Callable[[], float], round_: Callable[[], Any], what: 
         except psycopg.Error as exc:
             if connections.is_transient(exc):
                 OUTAGE.failed(exc, what)
+            elif connections.is_contended(exc):
+                # Other transactions held it up (a client holding a row, a Citus move
+                # blocking writes): nothing is wrong, and the next round does the work.
+                log.warning("%s round waited too long on other transactions (%s: %s); the "
+                            "next round comes at its time", what, type(exc).__name__,
+                            str(exc).strip()[:200])
             else:
                 log.error("%s round failed (%s: %s)", what, type(exc).__name__,
                           str(exc).strip()[:200])
