@@ -141,7 +141,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                 if time.monotonic() - started > p["timeout"]:
                     raise RuntimeError(f"only {done}/{n} finished in {p['timeout']}s")
             after = DbCounters.read(mon)
-            claim_ms = _claim_latency(metrics_port)
+            claim_ms, limit = _runtime_metrics(metrics_port)
             wal_rel = (wal_by_relation(mon, before.lsn, after.lsn, schema)
                        if p.get("wal_by_relation") else {})
         finally:
@@ -196,6 +196,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes) / n,
         "hot_tables": {r[0]: {"bytes": r[1], "live": r[2], "dead": r[3]} for r in tables},
         "claim_ms": claim_ms,
+        # The processes' concurrency limits at the end, summed: where an adaptive limit
+        # (--concurrency 0) settled (kestrel_concurrency_limit_executions).
+        "concurrency_limit_at_end": limit,
     }
     if wal_rel:
         result["wal_bytes_per_workflow_by_relation"] = {k: round(v / n) for k, v in
@@ -226,14 +229,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _claim_latency(port: int) -> dict[str, float]:
-    """p50 and p99 of the claim statement (ms) from the runtime's /metrics histogram: the
-    upper bound of the bucket where each quantile falls."""
+def _runtime_metrics(port: int) -> tuple[dict[str, float], float]:
+    """From the runtime's /metrics: p50 and p99 of the claim statement (ms, the upper bound
+    of the histogram bucket where each quantile falls), and the concurrency limits of its
+    processes, summed."""
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
     buckets: dict[float, float] = {}
+    limit = float("nan")
     for line in text.decode().splitlines():
+        if line.startswith("kestrel_concurrency_limit_executions "):
+            limit = float(line.rsplit(" ", 1)[1])
         if line.startswith("kestrel_claim_seconds_bucket"):
             le = line.split('le="', 1)[1].split('"', 1)[0]
             bound = float("inf") if le == "+Inf" else float(le)
@@ -243,10 +250,19 @@ def _claim_latency(port: int) -> dict[str, float]:
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         out[name] = next((round(b * 1000, 1) for b, c in sorted(buckets.items())
                           if total and c >= q * total), float("nan"))
-    return out
+    return out, limit
 
 
 FLOOR_NAMES = {"group": "group floor", "step": "per-step floor"}
+
+
+def _conc(r: dict[str, Any]) -> str:
+    """The concurrency column: the fixed value, or 0 and where the adaptive limit ended."""
+    given = r["params"]["concurrency"]
+    end = r.get("concurrency_limit_at_end", float("nan"))
+    if given or end != end:
+        return str(given)
+    return f"0→{end / r['params']['procs']:.0f}"
 
 
 def run_floor(dsn: str, p: dict[str, Any], mode: str, quiet: bool = False) -> dict[str, Any]:
@@ -276,7 +292,7 @@ def parse_sweep(items: list[str]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'procs':>5} {'conc':>5} {'batch':>5} {'lease':>5} {'wf/s':>8} {'steps/s':>8} "
+    head = (f"{'procs':>5} {'conc':>9} {'batch':>5} {'lease':>5} {'wf/s':>8} {'steps/s':>8} "
             f"{'group':>7} {'ratio':>6} {'step':>7} {'ratio':>6} "
             f"{'start p50/p99 ms':>17} {'finish p50/p99 ms':>18} "
             f"{'commits/wf':>10} {'WAL B/wf':>9} {'backlog':>8} {'claim p50/p99 ms':>16}")
@@ -293,7 +309,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             else:
                 floors += "      -      - "
         lines.append(
-            f"{p['procs']:>5} {p['concurrency']:>5} {p['batch_size']:>5} {p['lease']:>5g} "
+            f"{p['procs']:>5} {_conc(r):>9} {p['batch_size']:>5} {p['lease']:>5g} "
             f"{r['workflows_per_s']:8.0f} {r['steps_per_s']:8.0f} {floors}"
             f"{s['p50']:>8.0f}/{s['p99']:<8.0f} {f['p50']:>9.0f}/{f['p99']:<8.0f} "
             f"{r['commits_per_workflow']:10.2f} {r['wal_bytes_per_workflow']:9.0f} "
@@ -307,7 +323,7 @@ def side_by_side(r: dict[str, Any]) -> str:
     over that line's."""
     head = (f"{'':<16} {'loops/proc':>10} {'wf/s':>7} {'k/this':>6} {'commits/wf':>10} "
             f"{'WAL B/wf':>8} {'CPU ms/wf workers + PostgreSQL = total':>38}")
-    rows = [("kestrel", r["params"]["concurrency"], r)]
+    rows = [("kestrel", _conc(r), r)]
     rows += [(FLOOR_NAMES[m], f["concurrency"], f) for m, f in r.get("floors", {}).items()]
     lines = [head]
     for name, conc, x in rows:
@@ -364,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=float, default=0.0,
                     help="seconds per sleep step, or hash rounds per cpu step")
     ap.add_argument("--procs", type=int, default=2)
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="per process; 0 (the runtime's default): its adaptive limit, whose "
+                         "settled value is reported (mean per process)")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lease", type=float, default=30.0)
     ap.add_argument("--heartbeat", type=float, default=10.0)

@@ -27,6 +27,7 @@ from kestrel.loops import Backoff
 from kestrel.outage import OUTAGE
 from kestrel.queues import QueueSpec
 from kestrel.runner import Runner
+from kestrel.slots import Slots
 from kestrel.sql import queries
 
 log = logging.getLogger("kestrel.worker")
@@ -83,12 +84,18 @@ class Claimer:
                                          if q in specs and specs[q].limited]
         self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
         self._limited_retry: dict[str, float] = {}
+        self.slots = Slots(cfg.concurrency or None, work=runner.committed)
+        metrics.get().concurrency_limit.set(self.slots.limit)
 
     async def run(self) -> None:
         """Claim until the worker stops; a failed claim backs off and tries again."""
         backoff = Backoff()
         while not self._stopping.is_set():
-            free = self.cfg.concurrency - len(self.leases)
+            limit = self.slots.limit
+            self.slots.observe(len(self.leases))
+            if self.slots.limit != limit:
+                metrics.get().concurrency_limit.set(self.slots.limit)
+            free = self.slots.limit - len(self.leases)
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
@@ -118,13 +125,14 @@ class Claimer:
             OUTAGE.succeeded()
             backoff.reset()
             if not more:
+                self.slots.short()
                 await self._wait_for_work()
 
     async def run_once(self, free: int | None = None) -> ClaimRound:
         """Claim into *free* slots (by default, every slot not taken), from the unlimited
         queues and each limited one."""
         if free is None:
-            free = self.cfg.concurrency - len(self.leases)
+            free = self.slots.limit - len(self.leases)
         more = False
         total = 0
         if self._unlimited:
@@ -138,7 +146,7 @@ class Claimer:
             # loop does not pay for it on every round.
             if time.monotonic() < self._limited_retry.get(spec.name, 0.0):
                 continue
-            room = self.cfg.concurrency - len(self.leases)
+            room = self.slots.limit - len(self.leases)
             if spec.per_process is not None:
                 mine = sum(1 for h in self.leases if h.queue == spec.name)
                 room = min(room, spec.per_process - mine)

@@ -75,7 +75,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("app", str, "Comma-separated modules to import; they register the workflows.",
          "MODULES"),
     Knob("procs", int, "Worker processes forked by the supervisor.", "N"),
-    Knob("concurrency", int, "Executions each worker process runs at once.", "N"),
+    Knob("concurrency", int, "Executions each worker process runs at once. 0 (the default): "
+         "a limit that adapts, starting at 256 and doubling or halving (32-1024) towards "
+         "the count that gets the most work done per second while there is a backlog "
+         "(the kestrel_concurrency_limit_executions gauge shows it); N fixes it at N.", "N"),
     Knob("batch_size", int, "Most executions one claim statement takes.", "N"),
     Knob("lease", float, "Lease length in seconds: a silent worker's executions are "
          "recovered this long after its last heartbeat.", "SECONDS"),
@@ -164,7 +167,7 @@ class Config:
     schema: str = "kestrel"
     app: str = ""
     procs: int = 1
-    concurrency: int = 64
+    concurrency: int = 0
     batch_size: int = 32
     lease: float = 30.0
     heartbeat: float = 10.0
@@ -209,9 +212,11 @@ class Config:
     def __post_init__(self) -> None:
         if not SCHEMA_NAME.fullmatch(self.schema):
             _bad("schema", self.schema, "must match [a-z_][a-z0-9_]{0,62}")
-        for name in ("procs", "concurrency", "batch_size", "max_attempts"):
+        for name in ("procs", "batch_size", "max_attempts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be at least 1")
+        if self.concurrency < 0:
+            _bad("concurrency", self.concurrency, "must be 0 (adaptive) or at least 1")
         for name in ("lease", "heartbeat", "poll_interval", "sweep_interval"):
             if not getattr(self, name) > 0:
                 _bad(name, getattr(self, name), "must be greater than 0")
@@ -283,6 +288,14 @@ class Config:
         """Seconds every worker statement waits for a lock: --lock-timeout, or min(2 s,
         lease/4) when it is 0."""
         return self.lock_timeout or min(2.0, self.lease / 4)
+
+    @property
+    def max_concurrency(self) -> int:
+        """The most executions one process may run at once: --concurrency, or the adaptive
+        limit's ceiling when it is 0 (:mod:`kestrel.slots`)."""
+        from kestrel.slots import CEILING
+
+        return self.concurrency or CEILING
 
     @property
     def prepared_statements(self) -> bool:

@@ -129,6 +129,9 @@ class Metrics:
         self.running = Gauge("kestrel_running_executions",
                              "Executions running in worker processes",
                              multiprocess_mode="livesum")
+        self.concurrency_limit = Gauge(
+            "kestrel_concurrency_limit_executions", "Executions worker processes may run at once: "
+            "--concurrency each, or each one's adaptive limit", multiprocess_mode="livesum")
         self.workers = Gauge("kestrel_workers", "Worker processes alive",
                              multiprocess_mode="livesum")
         # No workflow label: an unclaimable name may be anything a client submitted, so it

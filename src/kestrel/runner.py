@@ -112,6 +112,11 @@ class Runner:
         # lease watchdog reads them (no_connection_for), FAULTS R3.
         self._no_connection: dict[object, float] = {}
 
+    def committed(self) -> int:
+        """Checkpoints and completions this process's writers have committed so far: the
+        work the adaptive concurrency limit measures (:mod:`kestrel.slots`)."""
+        return self.checkpoints.writer.items + self.completions.writer.items
+
     # -- what a Context asks of its worker (kestrel.workflow.steps.Writer) --------------------
 
     async def save_step(self, write: StepWrite) -> StepSaved:

@@ -93,7 +93,7 @@ class Worker:
                                            lock_timeout=cfg.statement_lock_timeout,
                                            session=cfg.connection_mode == "direct")
         self._listen_dsn = cfg.notify_dsn(dsn)
-        self._executor = ThreadPoolExecutor(cfg.concurrency, thread_name_prefix="kestrel-step")
+        self._executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="kestrel-step")
         self._schedules = [s for s in schedules().values() if s.workflow in workflows]
         self.runner = Runner(cfg, workflows, pool=self._pool, q=self._q, leases=self.leases,
                              executor=self._executor, stats=self.stats, worker_id=self.id,
@@ -164,9 +164,10 @@ class Worker:
             await self._register()
             await self.registration.run_once()  # live (claimable names known) before claiming
             services = self.services()
-            log.info("worker %s started: concurrency=%d batch_size=%d queues=%s wake-ups=%s "
+            log.info("worker %s started: concurrency=%s batch_size=%d queues=%s wake-ups=%s "
                      "connections=%s prepared=%s app_version=%s", self.id,
-                     self.cfg.concurrency, self.cfg.batch_size, ",".join(self.cfg.queues),
+                     self.cfg.concurrency or f"adaptive (from {self.claimer.slots.limit})",
+                     self.cfg.batch_size, ",".join(self.cfg.queues),
                      "LISTEN/NOTIFY + polling" if any(s.name == "listener" for s in services)
                      else "polling only",
                      self.cfg.connection_mode, "yes" if self.cfg.prepared_statements else "no",
