@@ -1109,6 +1109,115 @@ BEGIN
 END;
 $$;
 
+-- name: finish_batch
+-- finish_batch(): complete_batch in its Citus form (sql/queries/executions.sql), as
+-- save_steps() is the checkpoint batch's: the worker sends it where its schema is a Citus
+-- distributed schema, and there migrate delegates it to the tenant's node, so a batch of
+-- completions is one round trip, run there, with no other node in its transaction (the
+-- statement is planned CTE by CTE: 15 commands, intermediate results copied to every node,
+-- a two-phase commit on each, so a node that is down stalls every tenant's completions).
+-- p_rows as complete_batch's: [execution, epoch, status, [result] or null, [error] or null].
+-- Plain statements, in the statement's order: lock the finishing executions and the
+-- parents they tell in id order; finish those still running under the batch's epoch; tell
+-- each parent not finishing here (child_finished(), once per child: its signal, its
+-- signal_seq, its wake-up when it waits for that child); move the executions, their
+-- checkpoints, signals and events to history under one finish time; return the ids
+-- finished. It raises no notification: one raised on the tenant's node would not reach
+-- the listeners on the coordinator, so the worker sends notify_done there after it.
+CREATE OR REPLACE FUNCTION __schema__.finish_batch(p_rows jsonb)
+RETURNS TABLE (id uuid)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_ids uuid[];      -- the executions this call finishes
+    v_now timestamptz := __schema__.kestrel_now();
+BEGIN
+    -- 1. Lock every row this call changes, in id order (lock order: see heartbeat).
+    PERFORM 1
+       FROM __schema__.workflow_executions AS e
+      WHERE e.id IN (SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
+                     UNION
+                     SELECT c.parent_id
+                       FROM __schema__.workflow_executions AS c
+                      WHERE c.id IN (SELECT (r->>0)::uuid
+                                       FROM jsonb_array_elements(p_rows) AS r)
+                        AND c.parent_id IS NOT NULL)
+      ORDER BY e.id
+        FOR UPDATE OF e;
+    -- 2. Those still running under the batch's epoch (the rest were fenced).
+    SELECT coalesce(array_agg(e.id), '{}') INTO v_ids
+      FROM __schema__.workflow_executions AS e
+     WHERE (e.id, e.lease_epoch) IN (SELECT (r->>0)::uuid, (r->>1)::integer
+                                       FROM jsonb_array_elements(p_rows) AS r)
+       AND e.status = 'running';
+    IF cardinality(v_ids) = 0 THEN
+        RETURN;
+    END IF;
+    -- 3. Tell each parent that does not finish here, one word per child.
+    UPDATE __schema__.workflow_executions AS p
+       SET signal_seq = p.signal_seq + t.n,
+           wake_at = CASE WHEN p.status = 'waiting' AND p.waiting_for = ANY (t.waits)
+                          THEN v_now ELSE p.wake_at END
+      FROM (SELECT c.parent_id, count(*) AS n, array_agg('kestrel.child:' || c.id) AS waits
+              FROM __schema__.workflow_executions AS c
+             WHERE c.id = ANY (v_ids)
+               AND c.parent_id IS NOT NULL
+               AND NOT c.parent_id = ANY (v_ids)
+             GROUP BY c.parent_id) AS t
+     WHERE p.id = t.parent_id;
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
+    SELECT c.parent_id, 'kestrel.child:' || c.id,
+           jsonb_build_object('status', r->>2,
+                              'result', CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
+                              'error', CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END),
+           'kestrel.child:' || c.id
+      FROM __schema__.workflow_executions AS c
+      JOIN jsonb_array_elements(p_rows) AS r ON (r->>0)::uuid = c.id
+     WHERE c.id = ANY (v_ids)
+       AND c.parent_id IS NOT NULL
+       AND NOT c.parent_id = ANY (v_ids)
+       AND EXISTS (SELECT 1 FROM __schema__.workflow_executions AS p WHERE p.id = c.parent_id)
+        ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
+    -- 4. To history, under one finish time: the executions, then what they wrote.
+    INSERT INTO __schema__.workflow_history
+           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+            app_version)
+    SELECT e.id, e.workflow, e.queue, e.priority, r->>2, e.args,
+           CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           e.idempotency_key, e.lease_epoch, e.attempts, e.created_at, e.started_at, v_now,
+           e.parent_id, e.deadline, e.app_version
+      FROM __schema__.workflow_executions AS e
+      JOIN jsonb_array_elements(p_rows) AS r ON (r->>0)::uuid = e.id
+     WHERE e.id = ANY (v_ids);
+    INSERT INTO __schema__.step_history
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+            started_at, finished_at, execution_finished_at)
+    SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+           started_at, finished_at, v_now
+      FROM __schema__.operation_outputs
+     WHERE execution_id = ANY (v_ids);
+    DELETE FROM __schema__.operation_outputs WHERE execution_id = ANY (v_ids);
+    INSERT INTO __schema__.signal_history
+           (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+            consumed_at, execution_finished_at)
+    SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+           consumed_at, v_now
+      FROM __schema__.signals
+     WHERE execution_id = ANY (v_ids);
+    DELETE FROM __schema__.signals WHERE execution_id = ANY (v_ids);
+    INSERT INTO __schema__.event_history
+           (execution_id, key, value, updated_at, execution_finished_at)
+    SELECT execution_id, key, value, updated_at, v_now
+      FROM __schema__.events
+     WHERE execution_id = ANY (v_ids);
+    DELETE FROM __schema__.events WHERE execution_id = ANY (v_ids);
+    DELETE FROM __schema__.workflow_executions WHERE id = ANY (v_ids);
+    RETURN QUERY SELECT unnest(v_ids);
+END;
+$$;
+
 -- name: distributed_schema
 -- distributed_schema(): whether this schema is a Citus distributed schema (schema-based
 -- sharding), where the worker sends the Citus forms of its statements (save_steps()). False

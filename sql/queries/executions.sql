@@ -201,6 +201,12 @@ SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
  WHERE (SELECT n FROM told) >= 0
    AND (SELECT n FROM archived) >= 0;
 
+-- name: complete_batch_delegated
+-- complete_batch in its Citus form: a call of finish_batch() (sql/functions/functions.sql),
+-- which migrate delegates to the tenant's node in a distributed schema. It notifies no one:
+-- the worker sends notify_done after it, on the coordinator.
+SELECT id FROM __schema__.finish_batch(%(rows)s::jsonb);
+
 -- name: release_batch
 -- Give executions back to the queue without waiting for their leases to expire (drain on
 -- shutdown). The claim already counted as an attempt, so undo that count: a clean release

@@ -39,9 +39,9 @@ SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
 SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;
 
 -- name: delegate_functions
--- In a Citus distributed schema: run save_steps() on the tenant's node, so a checkpoint
--- batch is one round trip to that node, executed there, with no other node in its
--- transaction (docs/citus.md). Anywhere else it does nothing; a schema distributed later
+-- In a Citus distributed schema: run save_steps() and finish_batch() on the tenant's node,
+-- so a checkpoint batch or a batch of completions is one round trip to that node, executed
+-- there, with no other node in its transaction (docs/citus.md). Anywhere else it does nothing; a schema distributed later
 -- gets it from the next migrate. Idempotent.
 DO $$
 BEGIN
@@ -49,13 +49,17 @@ BEGIN
         PERFORM create_distributed_function(
             '__schema__.save_steps(jsonb, boolean)'::regprocedure,
             colocate_with => '__schema__.workflow_executions');
+        PERFORM create_distributed_function(
+            '__schema__.finish_batch(jsonb)'::regprocedure,
+            colocate_with => '__schema__.workflow_executions');
     END IF;
 END
 $$;
 
 -- name: distributed_schema
 -- Whether this schema is a Citus distributed schema: the worker then sends the Citus forms
--- of its statements (save_new_steps_delegated, save_steps_delegated).
+-- of its statements (save_new_steps_delegated, save_steps_delegated,
+-- complete_batch_delegated and notify_done).
 SELECT __schema__.distributed_schema();
 
 -- name: node_lock_timeout

@@ -20,7 +20,7 @@ from kestrel import db, metrics
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Leases
 from kestrel.sql import Queries
-from kestrel.statements import executions, migrate, steps
+from kestrel.statements import executions, migrate, notify, steps
 from kestrel.types import Finish, StepSaved, StepWrite
 from kestrel.writer import GroupCommit
 
@@ -47,6 +47,10 @@ class _Commits(Generic[In, Out]):
 
     name: str  # the service's, in the worker's log lines
     kind: ClassVar[str]  # the writer's, in its log lines and metrics labels
+    delegated: bool | None = None
+    """Whether the schema is a Citus distributed schema, where the Citus form of the
+    statement is sent (a call of a function delegated to the tenant's node: save_steps(),
+    finish_batch()); read on the first batch (:meth:`_delegated`)."""
 
     def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
                  in_flight: int) -> None:
@@ -69,15 +73,18 @@ class _Commits(Generic[In, Out]):
         """Commit *batch* in one statement; return one result per item, in order."""
         raise NotImplementedError
 
+    async def _delegated(self, conn: Any) -> bool:
+        """Whether to send the Citus form: asked of the database once per writer."""
+        if self.delegated is None:
+            self.delegated = await db.run(conn, migrate.distributed_schema(self._q))
+        return self.delegated
+
 
 class CheckpointCommits(_Commits[StepWrite, StepSaved]):
     """Checkpoints, group-committed: ``writer.submit`` one and wait for what is recorded."""
 
     name = "checkpoint-writer"
     kind = "checkpoint"
-    delegated: bool | None = None
-    """Whether the schema is a Citus distributed schema, where the Citus form of the
-    statement is sent (statements.steps.save_steps); read on the first batch."""
 
     @staticmethod
     def size(item: StepWrite) -> int:
@@ -89,10 +96,8 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
-            if self.delegated is None:
-                self.delegated = await db.run(conn, migrate.distributed_schema(self._q))
             saved = await db.run(conn, steps.save_steps(self._q, writes,
-                                                        delegated=self.delegated))
+                                                        delegated=await self._delegated(conn)))
             failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
@@ -123,12 +128,15 @@ class Completions(_Commits[Finish, bool]):
         return len(item.result or "") + len(item.error or "")
 
     async def run_once(self, finishes: list[Finish]) -> list[bool]:
-        """Finish *finishes* in one statement; return, for each, whether it is finished by
+        """Finish *finishes* in one statement (and, in the Citus form, a notification after
+        it); return, for each, whether it is finished by
         this claim (by this statement or by an earlier try whose reply was lost)."""
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_complete")
-            done = await db.run(conn, executions.complete_batch(self._q, finishes))
+            delegated = await self._delegated(conn)
+            done = await db.run(conn, executions.complete_batch(self._q, finishes,
+                                                                delegated=delegated))
             failpoint("after_complete_commit")
             missing = [f for f in finishes if f.execution_id not in done]
             if missing:
@@ -136,6 +144,11 @@ class Completions(_Commits[Finish, bool]):
                 # earlier try whose reply was lost (FAULTS X4). History tells which.
                 done |= await db.run(conn, executions.finished_readback(
                     self._q, missing))
+            if delegated and done:
+                # Committed on the tenant's node, and result() waiters listen on the
+                # coordinator. A lost reply here retries the batch, which learns these
+                # finishes from history above and notifies again.
+                await db.run(conn, notify.notify_done(self._q))
         m = metrics.get()
         m.completion_seconds.observe(time.monotonic() - started)
         m.completion_batch.observe(len(finishes))

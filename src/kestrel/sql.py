@@ -55,6 +55,7 @@ class Queries:
     set_lock_timeout: str
     heartbeat: str
     complete_batch: str
+    complete_batch_delegated: str
     release_batch: str
     give_back: str
     park: str
@@ -99,6 +100,7 @@ class Queries:
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
     wake_workers: str
+    notify_done: str
     # sql/queries/queues.sql (kestrel/statements/queues.py)
     upsert_queue_limit: str
     lock_queue_limit: str

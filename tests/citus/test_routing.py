@@ -66,7 +66,9 @@ EXPECTED = {
     "heartbeat": (1, 0),
     "save_steps": (1, 0),   # the Citus form: save_steps() delegated to the tenant's node
     "save_steps as a statement": (6, 2),  # the form plain PostgreSQL gets, for comparison
-    "complete_batch": (15, 4),
+    "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
+    "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
+    "complete_batch as a statement": (15, 4),  # the form plain PostgreSQL gets
     "reenqueue_expired": (11, 4),
 }
 
@@ -95,6 +97,12 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
     [c] = run("claim_batch", statements.executions.claim_batch(
         q, owner="routing", queues=["default"], limit=4, lease_s=30))
     assert c.id == eid
+    db.run_sync(conn, statements.client.submit(q, statements.client.submit_params(
+        workflow="three_steps", args="[2]", queue="default", priority=0,
+        idempotency_key=None)))
+    [c2] = db.run_sync(conn, statements.executions.claim_batch(
+        q, owner="routing", queues=["default"], limit=4, lease_s=30))
+    seen.take()
     assert run("heartbeat", statements.executions.heartbeat(
         q, held=[(c.id, c.epoch)], lease_s=30)) == {c.id: False}
     now = time.monotonic()
@@ -107,8 +115,16 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
     saved = run("save_steps as a statement", statements.steps.save_steps(q, [
         StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3, 5)]))
     assert [s.inserted for s in saved] == [True] * 2
-    assert run("complete_batch", statements.executions.complete_batch(
+    # The execution with checkpoints (its archive has the most to do) by each form in turn.
+    assert run("complete_batch as a statement", statements.executions.complete_batch(
         q, [Finish(c.id, c.epoch, Status.COMPLETED, "3", None)])) == {c.id}
+    db.run_sync(conn, statements.steps.save_steps(q, [
+        StepWrite(c2.id, c2.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(5)],
+        delegated=True))
+    seen.take()
+    assert run("complete_batch", statements.executions.complete_batch(
+        q, [Finish(c2.id, c2.epoch, Status.COMPLETED, "6", None)], delegated=True)) == {c2.id}
+    run("notify_done", statements.notify.notify_done(q))
     run("reenqueue_expired", statements.sweeper.reenqueue_expired(q, limit=10,
                                                                    max_attempts=5))
     assert trips == EXPECTED, trips

@@ -288,11 +288,28 @@ def test_notifications_raised_through_the_coordinator_reach_its_listeners(
     assert f"kestrel.{tenant}.done" in heard
 
 
+def move_schema(dsn: str, schema: str, source: int, target: int) -> None:
+    """``citus_schema_move``: the tenant's schema, every table of it."""
+    q(dsn, schema, "SELECT citus_schema_move(%s::regnamespace, '127.0.0.1', %s, "
+      "'block_writes')", [schema, target])
+
+
+def move_shard(dsn: str, schema: str, source: int, target: int) -> None:
+    """``citus_move_shard_placement`` of the executions table's shard, the rebalancer's own
+    step: the shards colocated with it (every table of the tenant) move with it."""
+    shard = q1(dsn, schema, "SELECT shardid FROM pg_dist_shard "
+               "WHERE logicalrelid = %s::regclass", [f"{schema}.workflow_executions"])
+    q(dsn, schema, "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s, "
+      "'block_writes')", [shard, source, target])
+
+
+@pytest.mark.parametrize("move", [move_schema, move_shard], ids=["schema", "shard"])
 def test_a_tenant_moved_to_another_node_under_load_loses_nothing(
-        citus_dsn: str, tenant: str, tmp_path: Path) -> None:
-    """The rebalancer's move of a running tenant (``citus_schema_move``, writes blocked while
-    its shards copy): the runtime rides through it and every execution ends once with the
-    model's result, each checkpoint once."""
+        citus_dsn: str, tenant: str, tmp_path: Path,
+        move: Callable[[str, str, int, int], None]) -> None:
+    """A running tenant moved to the other node (writes blocked while its shards copy), by
+    schema or by the rebalancer's shard move: the runtime rides through it and every
+    execution ends once with the model's result, each checkpoint once."""
     from tests.apps import ledger_app as app
     from tests.helpers import submit_many
 
@@ -301,12 +318,13 @@ def test_a_tenant_moved_to_another_node_under_load_loses_nothing(
     workers = {int(r[0]) for r in q(citus_dsn, tenant, "SELECT nodeport FROM pg_dist_node "
                                     "WHERE shouldhaveshards AND groupid <> 0")}
     before = node_of(citus_dsn, tenant)
-    with runtime(citus_dsn, tenant, procs=2, app=APP, log=tmp_path / "runtime.log"):
+    # 64 at once per process: the load lasts long enough for the move to land in it.
+    with runtime(citus_dsn, tenant, procs=2, app=APP, log=tmp_path / "runtime.log",
+                 args=["--concurrency", "64"]):
         wait_until(lambda: q1(citus_dsn, tenant,
                               "SELECT count(*) FROM {s}.workflow_history") >= n // 8,
                    timeout=60, what="the load under way")
-        q(citus_dsn, tenant, "SELECT citus_schema_move(%s::regnamespace, '127.0.0.1', %s, "
-          "'block_writes')", [tenant, (workers - {before}).pop()])
+        move(citus_dsn, tenant, before, (workers - {before}).pop())
         moved_at = q1(citus_dsn, tenant, "SELECT count(*) FROM {s}.workflow_history")
         wait_until(lambda: q1(citus_dsn, tenant,
                               "SELECT count(*) FROM {s}.workflow_history") == n,

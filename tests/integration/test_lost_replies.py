@@ -30,7 +30,7 @@ import pytest
 import kestrel
 from kestrel import connections, db, failpoints, metrics, statements
 from kestrel.client import SyncClient
-from kestrel.commits import CheckpointCommits
+from kestrel.commits import CheckpointCommits, Completions
 from kestrel.config import Config
 from kestrel.errors import InvalidState
 from kestrel.migrate import current_version, migrate
@@ -219,13 +219,14 @@ def checkpoint_resent(env: Env) -> None:
 
 @contextmanager
 def citus_form() -> Iterator[None]:
-    """The worker sends the Citus form of the checkpoint batch (a call of save_steps(), what
-    a distributed schema gets) here on plain PostgreSQL, where the same function runs."""
-    CheckpointCommits.delegated = True
+    """The worker sends the Citus forms of the checkpoint batch and of the completions (calls
+    of save_steps() and finish_batch(), then notify_done: what a distributed schema gets)
+    here on plain PostgreSQL, where the same functions run."""
+    CheckpointCommits.delegated = Completions.delegated = True
     try:
         yield
     finally:
-        CheckpointCommits.delegated = None
+        CheckpointCommits.delegated = Completions.delegated = None
 
 
 def checkpoint_delegated(env: Env) -> None:
@@ -249,6 +250,19 @@ def complete_read_back(env: Env) -> None:
     # finished_readback only runs after a completion's reply was lost.
     lose("complete_batch")
     complete(env)
+
+
+def complete_delegated(env: Env) -> None:
+    with citus_form():
+        complete(env)
+
+
+def complete_read_back_delegated(env: Env) -> None:
+    # The Citus form's reply lost: the retry finishes nothing, learns the finish from
+    # history, and notifies then.
+    lose("complete_batch_delegated")
+    with citus_form():
+        complete(env)
 
 
 def release(env: Env) -> None:
@@ -731,7 +745,10 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "park": Lost((park,)),
     "set_event": Lost((set_event,)),
     "complete_batch": Lost((complete,)),
-    "finished_readback": Lost((complete_read_back,)),
+    "finished_readback": Lost((complete_read_back, complete_read_back_delegated)),
+    "complete_batch_delegated": Lost((complete_delegated,)),
+    # A lost reply retries the batch: finished_readback learns it, and the word goes again.
+    "notify_done": Lost((complete_delegated,)),
     "release_batch": Lost((release,)),
     "give_back": Lost((give_back,)),
     "set_lock_timeout": Read("a transaction-local setting sent before a statement behind "

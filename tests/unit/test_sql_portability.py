@@ -62,7 +62,7 @@ def test_a_function_delegated_to_a_tenant_node_has_no_insert_in_a_cte() -> None:
     (docs/citus.md)."""
     delegate = named_statements()["delegate_functions"]
     delegated = set(re.findall(r"'__schema__\.(\w+)\(", delegate))
-    assert delegated == {"save_steps"}
+    assert delegated == {"save_steps", "finish_batch"}
     assert not {f"function {name}" for name in delegated} & set(planned_cte_by_cte())
 
 

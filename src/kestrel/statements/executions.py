@@ -129,9 +129,12 @@ def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: st
                 lambda rows: str(rows[0][0]))
 
 
-def complete_batch(q: Queries, finishes: Sequence[Finish]) -> Stmt[set[uuid.UUID]]:
-    """Finish executions and move them to history; the ids that were still owned."""
-    return Stmt(q.complete_batch,
+def complete_batch(q: Queries, finishes: Sequence[Finish], *, delegated: bool = False
+                   ) -> Stmt[set[uuid.UUID]]:
+    """Finish executions and move them to history; the ids that were still owned.
+    *delegated*: the Citus form (``complete_batch_delegated``, a call of ``finish_batch()``,
+    which raises no notification: send :func:`kestrel.statements.notify.notify_done`)."""
+    return Stmt(q.complete_batch_delegated if delegated else q.complete_batch,
                 {"rows": json_rows([f.execution_id, f.epoch, f.status.value,
                                     wrapped(f.result), wrapped(f.error)] for f in finishes)},
                 _ids)

@@ -1,4 +1,4 @@
-"""The worker's wake-up channel (``sql/queries/notify.sql``)."""
+"""The wake-up channels: the workers', and result() waiters' (``sql/queries/notify.sql``)."""
 
 from __future__ import annotations
 
@@ -14,3 +14,8 @@ def listen(q: Queries) -> Stmt[None]:
 def wake_workers(q: Queries) -> Stmt[None]:
     """Wake this schema's idle workers when the transaction commits."""
     return command(q.wake_workers)
+
+
+def notify_done(q: Queries) -> Stmt[None]:
+    """Wake this schema's result() waiters (after complete_batch_delegated)."""
+    return command(q.notify_done)
