@@ -67,7 +67,8 @@ def test_d3_terminated_backends_listen_included(
                     killed.append(name)
                 time.sleep(0.1)
 
-    args = ["--poll-interval", "3"]
+    # 64 in flight per process: the bound on bodies run again below.
+    args = ["--poll-interval", "3", "--concurrency", "64"]
     with runtime(pg_dsn, schema, procs=2, args=args, log=tmp_path / "rt.log"):
         t = threading.Thread(target=terminator)
         t.start()
@@ -148,7 +149,8 @@ def test_d1_d2_postgres_restarts_mid_run(
     submit_many(dsn, schema, "three_steps", "jsonb_build_array(i)", n)
     log = tmp_path / "rt.log"
     restarts = 0
-    with runtime(dsn, schema, procs=2, log=log):
+    # 64 in flight per process: the bound on bodies run again below.
+    with runtime(dsn, schema, procs=2, log=log, args=["--concurrency", "64"]):
         wait_until(lambda: finished_count(dsn, schema) >= 100, timeout=60, what="progress")
         for _ in range(3):
             # -m immediate is a crash: the restart replays WAL (crash recovery).
@@ -184,7 +186,8 @@ def test_d10_lock_and_statement_timeouts_are_retried_and_nothing_crashes(
     sep = "&" if "?" in direct_dsn else "?"
     dsn = f"{direct_dsn}{sep}options=-c%20{setting}%3D200"
     log = tmp_path / "rt.log"
-    with runtime(dsn, schema, procs=2, log=log):
+    # 64 in flight per process: the bound on bodies run again below.
+    with runtime(dsn, schema, procs=2, log=log, args=["--concurrency", "64"]):
         wait_until(lambda: finished_count(pg_dsn, schema) >= 20, timeout=30, what="progress")
         with psycopg.connect(direct_dsn) as blocker:
             blocker.execute(f'LOCK TABLE "{schema}".workflow_executions IN ACCESS EXCLUSIVE MODE')
@@ -314,13 +317,17 @@ def test_d5_a_worker_partitioned_past_its_lease_is_fenced_and_recovers_at_once(
     submit_many(direct_dsn, schema, "slow_middle", "jsonb_build_array(i, 0.3)", n)
     bouncer = PgBouncer(direct_dsn, pool_size=8)
     port = free_port()
-    a_args = ["--connection-mode", "pgbouncer", "--listen", "no", "--metrics-port", str(port)]
+    # A runs 64 at once: the bound on bodies B runs again below.
+    a_args = ["--connection-mode", "pgbouncer", "--listen", "no", "--metrics-port", str(port),
+              "--concurrency", "64"]
     try:
         with runtime(bouncer.dsn, schema, procs=1, args=a_args, log=tmp_path / "a.log") as a:
             a_pids = set(wait_until(lambda: worker_pids(a.pid), timeout=20, what="A's worker"))
             wait_until(lambda: any(e["pid"] in a_pids for e in app.read_ledger(ledger_path)),
                        timeout=30, what="A at work")
-            with runtime(direct_dsn, schema, procs=1, log=tmp_path / "b.log"):
+            # B at 64 as well: alone, it cannot finish the load before A is back.
+            with runtime(direct_dsn, schema, procs=1, log=tmp_path / "b.log",
+                         args=["--concurrency", "64"]):
                 bouncer.kill()
                 time.sleep(4.0)
                 bouncer.start()
@@ -354,7 +361,9 @@ def test_database_unreachable_past_the_lease_then_back_resumes_within_seconds(
     parts = urlsplit(direct_dsn)
     db = parts.path.lstrip("/") or "postgres"
     admin = urlunsplit(parts._replace(path="/template1"))
-    with runtime(direct_dsn, schema, procs=2, log=tmp_path / "rt.log"):
+    # 64 in flight per process: the bound on bodies run again below.
+    with runtime(direct_dsn, schema, procs=2, log=tmp_path / "rt.log",
+                 args=["--concurrency", "64"]):
         wait_until(lambda: finished_count(direct_dsn, schema) >= 60, timeout=60,
                    what="work under way")
         with psycopg.connect(admin, autocommit=True) as conn:

@@ -202,7 +202,8 @@ def test_l1a_a_crashing_service_ends_its_worker_and_the_supervisor_restarts_it(
     port = free_port()
     log = tmp_path / "crashing.log"
     with runtime(pg_dsn, schema, procs=1, log=log,
-                 args=["--sweep-interval", "2", "--metrics-port", str(port)],
+                 args=["--sweep-interval", "2", "--metrics-port", str(port),
+                       "--concurrency", "64"],  # the bound on bodies run again, below
                  env={"KESTREL_FAILPOINTS": "sweeper_round=crash:1"}) as rt:
         fired = wait_until(lambda: events(log, "failpoint sweeper_round fired"), timeout=60,
                            what="the sweeper's crash")[0]
@@ -250,7 +251,7 @@ def test_l1b_upkeep_without_ddl_rights_stands_down_and_a_later_service_death_sti
     port = free_port()
     log = tmp_path / "restricted.log"
     args = ["--maintenance-interval", "0.2", "--history-ahead", "6", "--sweep-interval", "3",
-            "--metrics-port", str(port)]
+            "--metrics-port", str(port), "--concurrency", "64"]  # the bound below
     with least_privilege_role(direct_dsn, schema) as runtime_dsn:
         with psycopg.connect(runtime_dsn, autocommit=True) as conn, \
                 pytest.raises(psycopg.errors.InsufficientPrivilege):  # no DDL for this role

@@ -169,7 +169,9 @@ def test_f6_sigkill_of_the_supervisor_under_load(
 ) -> None:
     n = 400
     submit_many(pg_dsn, schema, "slow_middle", "jsonb_build_array(i, 0.5)", n)
-    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log") as proc:
+    # 64 in flight per process: the bound on bodies run again below.
+    with runtime(pg_dsn, schema, procs=2, log=tmp_path / "rt.log",
+                 args=["--concurrency", "64"]) as proc:
         children = wait_until(lambda: len(p := worker_pids(proc.pid)) == 2 and p,
                               timeout=20, what="two workers")
         wait_until(lambda: finished_count(pg_dsn, schema) >= 50, timeout=60, what="progress")

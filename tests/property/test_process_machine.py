@@ -9,6 +9,7 @@ result, and no step body ran more often than the kills that hit it allow.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -23,7 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kestrel.client import SyncClient
 from tests.apps import ledger_app as app
-from tests.helpers import q, start_runtime, stop_runtime, wait_until, worker_pids
+from tests.helpers import alive, q, start_runtime, stop_runtime, wait_until, worker_pids
 
 settings.register_profile(
     "process-ci", max_examples=4, stateful_step_count=8, deadline=None, derandomize=True,
@@ -52,7 +53,9 @@ class ProcessMachine(RuleBasedStateMachine):
         self.kills = 0
 
     def _start_runtime(self) -> None:
-        self.proc = start_runtime(self.dsn, self.schema, args=["--max-attempts", "10"],
+        self.proc = start_runtime(self.dsn, self.schema,
+                                  # 64 in flight: the bound on bodies run again (invariant)
+                                  args=["--max-attempts", "10", "--concurrency", "64"],
                                   env={"KESTREL_TEST_LEDGER": str(self.ledger)}, out=self.log)
         wait_until(lambda: len(worker_pids(self.proc.pid)) == 2, timeout=20, what="workers")
 
@@ -132,12 +135,15 @@ class ProcessMachine(RuleBasedStateMachine):
 
     @rule()
     def freeze_a_worker_past_its_lease(self) -> None:
-        pids = worker_pids(self.proc.pid)
+        # Live ones: a worker another rule just killed is a zombie until its supervisor
+        # reaps it, and gone by the time it would be continued.
+        pids = [p for p in worker_pids(self.proc.pid) if alive(p)]
         if not pids:
             return
         os.kill(pids[0], signal.SIGSTOP)
         time.sleep(3.0)  # lease is 2 s: the sweeper requeues, another worker re-claims
-        os.kill(pids[0], signal.SIGCONT)
+        with contextlib.suppress(ProcessLookupError):  # it died while stopped: killed too
+            os.kill(pids[0], signal.SIGCONT)
         self.kills += 1
 
     @rule()
