@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the Citus coordinator (default: the local one, or KESTREL_CITUS_DSN)")
     ap.add_argument("--workflows", type=int, default=2000, help="per tenant")
     ap.add_argument("--procs", type=int, default=1, help="worker processes per tenant")
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=0,
+                    help="per process; 0 (the runtime's default): its adaptive limit")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)

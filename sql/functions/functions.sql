@@ -1109,6 +1109,84 @@ BEGIN
 END;
 $$;
 
+-- name: move_finished
+-- move_finished(): what finishing executions does, as plain statements, for the Citus forms
+-- of the statements that finish them (finish_batch(), sweep_expired(), fail_late()): each of
+-- p_ids (locked by the caller, in id order with the parents they tell) ends with
+-- p_status[i], p_result[i], p_error[i]. Tell each parent that does not finish here, one
+-- word per child (child_finished(): its signal, its signal_seq, its wake-up when it waits
+-- for that child; a parent no longer live gets none); move the executions to history under
+-- p_now, their checkpoints, signals and events after them (archive_finished()). Plain
+-- statements because Citus plans a statement with an INSERT in a CTE CTE by CTE even on the
+-- tenant's node (docs/citus.md); on one PostgreSQL those statements stay (one statement is
+-- cheaper there). Returns the checkpoints archived.
+CREATE OR REPLACE FUNCTION __schema__.move_finished(
+    p_ids uuid[], p_status text[], p_result jsonb[], p_error jsonb[], p_now timestamptz
+) RETURNS bigint
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_archived bigint;
+BEGIN
+    UPDATE __schema__.workflow_executions AS p
+       SET signal_seq = p.signal_seq + t.n,
+           wake_at = CASE WHEN p.status = 'waiting' AND p.waiting_for = ANY (t.waits)
+                          THEN p_now ELSE p.wake_at END
+      FROM (SELECT c.parent_id, count(*) AS n, array_agg('kestrel.child:' || c.id) AS waits
+              FROM __schema__.workflow_executions AS c
+             WHERE c.id = ANY (p_ids)
+               AND c.parent_id IS NOT NULL
+               AND NOT c.parent_id = ANY (p_ids)
+             GROUP BY c.parent_id) AS t
+     WHERE p.id = t.parent_id;
+    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
+    SELECT c.parent_id, 'kestrel.child:' || c.id,
+           jsonb_build_object('status', f.status, 'result', f.result, 'error', f.error),
+           'kestrel.child:' || c.id
+      FROM __schema__.workflow_executions AS c
+      JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
+        ON f.id = c.id
+     WHERE c.parent_id IS NOT NULL
+       AND NOT c.parent_id = ANY (p_ids)
+       AND EXISTS (SELECT 1 FROM __schema__.workflow_executions AS p WHERE p.id = c.parent_id)
+        ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
+    INSERT INTO __schema__.workflow_history
+           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
+            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
+            app_version)
+    SELECT e.id, e.workflow, e.queue, e.priority, f.status, e.args, f.result, f.error,
+           e.idempotency_key, e.lease_epoch, e.attempts, e.created_at, e.started_at, p_now,
+           e.parent_id, e.deadline, e.app_version
+      FROM __schema__.workflow_executions AS e
+      JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
+        ON f.id = e.id;
+    INSERT INTO __schema__.step_history
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+            started_at, finished_at, execution_finished_at)
+    SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+           started_at, finished_at, p_now
+      FROM __schema__.operation_outputs
+     WHERE execution_id = ANY (p_ids);
+    GET DIAGNOSTICS v_archived = ROW_COUNT;
+    DELETE FROM __schema__.operation_outputs WHERE execution_id = ANY (p_ids);
+    INSERT INTO __schema__.signal_history
+           (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+            consumed_at, execution_finished_at)
+    SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
+           consumed_at, p_now
+      FROM __schema__.signals
+     WHERE execution_id = ANY (p_ids);
+    DELETE FROM __schema__.signals WHERE execution_id = ANY (p_ids);
+    INSERT INTO __schema__.event_history
+           (execution_id, key, value, updated_at, execution_finished_at)
+    SELECT execution_id, key, value, updated_at, p_now
+      FROM __schema__.events
+     WHERE execution_id = ANY (p_ids);
+    DELETE FROM __schema__.events WHERE execution_id = ANY (p_ids);
+    DELETE FROM __schema__.workflow_executions WHERE id = ANY (p_ids);
+    RETURN v_archived;
+END;
+$$;
+
 -- name: finish_batch
 -- finish_batch(): complete_batch in its Citus form (sql/queries/executions.sql), as
 -- save_steps() is the checkpoint batch's: the worker sends it where its schema is a Citus
@@ -1117,22 +1195,22 @@ $$;
 -- statement is planned CTE by CTE: 15 commands, intermediate results copied to every node,
 -- a two-phase commit on each, so a node that is down stalls every tenant's completions).
 -- p_rows as complete_batch's: [execution, epoch, status, [result] or null, [error] or null].
--- Plain statements, in the statement's order: lock the finishing executions and the
--- parents they tell in id order; finish those still running under the batch's epoch; tell
--- each parent not finishing here (child_finished(), once per child: its signal, its
--- signal_seq, its wake-up when it waits for that child); move the executions, their
--- checkpoints, signals and events to history under one finish time; return the ids
--- finished. It raises no notification: one raised on the tenant's node would not reach
--- the listeners on the coordinator, so the worker sends notify_done there after it.
+-- In the statement's order: lock the finishing executions and the parents they tell in id
+-- order; take those still running under the batch's epoch (the others were fenced); finish
+-- them (move_finished()); return their ids. It raises no notification: one raised on the
+-- tenant's node would not reach the listeners on the coordinator, so the worker sends
+-- notify_done there after it.
 CREATE OR REPLACE FUNCTION __schema__.finish_batch(p_rows jsonb)
 RETURNS TABLE (id uuid)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    v_ids uuid[];      -- the executions this call finishes
-    v_now timestamptz := __schema__.kestrel_now();
+    v_ids uuid[];
+    v_status text[];
+    v_result jsonb[];
+    v_error jsonb[];
 BEGIN
-    -- 1. Lock every row this call changes, in id order (lock order: see heartbeat).
+    -- Lock every row this call changes, in id order (lock order: see heartbeat).
     PERFORM 1
        FROM __schema__.workflow_executions AS e
       WHERE e.id IN (SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
@@ -1144,77 +1222,127 @@ BEGIN
                         AND c.parent_id IS NOT NULL)
       ORDER BY e.id
         FOR UPDATE OF e;
-    -- 2. Those still running under the batch's epoch (the rest were fenced).
-    SELECT coalesce(array_agg(e.id), '{}') INTO v_ids
+    SELECT coalesce(array_agg(e.id), '{}'), array_agg(r->>2),
+           array_agg(CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END),
+           array_agg(CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END)
+      INTO v_ids, v_status, v_result, v_error
       FROM __schema__.workflow_executions AS e
-     WHERE (e.id, e.lease_epoch) IN (SELECT (r->>0)::uuid, (r->>1)::integer
-                                       FROM jsonb_array_elements(p_rows) AS r)
-       AND e.status = 'running';
-    IF cardinality(v_ids) = 0 THEN
-        RETURN;
+      JOIN jsonb_array_elements(p_rows) AS r
+        ON e.id = (r->>0)::uuid AND e.lease_epoch = (r->>1)::integer
+     WHERE e.status = 'running';
+    IF cardinality(v_ids) > 0 THEN
+        PERFORM __schema__.move_finished(v_ids, v_status, v_result, v_error,
+                                         __schema__.kestrel_now());
     END IF;
-    -- 3. Tell each parent that does not finish here, one word per child.
-    UPDATE __schema__.workflow_executions AS p
-       SET signal_seq = p.signal_seq + t.n,
-           wake_at = CASE WHEN p.status = 'waiting' AND p.waiting_for = ANY (t.waits)
-                          THEN v_now ELSE p.wake_at END
-      FROM (SELECT c.parent_id, count(*) AS n, array_agg('kestrel.child:' || c.id) AS waits
-              FROM __schema__.workflow_executions AS c
-             WHERE c.id = ANY (v_ids)
-               AND c.parent_id IS NOT NULL
-               AND NOT c.parent_id = ANY (v_ids)
-             GROUP BY c.parent_id) AS t
-     WHERE p.id = t.parent_id;
-    INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
-    SELECT c.parent_id, 'kestrel.child:' || c.id,
-           jsonb_build_object('status', r->>2,
-                              'result', CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
-                              'error', CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END),
-           'kestrel.child:' || c.id
-      FROM __schema__.workflow_executions AS c
-      JOIN jsonb_array_elements(p_rows) AS r ON (r->>0)::uuid = c.id
-     WHERE c.id = ANY (v_ids)
-       AND c.parent_id IS NOT NULL
-       AND NOT c.parent_id = ANY (v_ids)
-       AND EXISTS (SELECT 1 FROM __schema__.workflow_executions AS p WHERE p.id = c.parent_id)
-        ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
-    -- 4. To history, under one finish time: the executions, then what they wrote.
-    INSERT INTO __schema__.workflow_history
-           (id, workflow, queue, priority, status, args, result, error, idempotency_key,
-            lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-            app_version)
-    SELECT e.id, e.workflow, e.queue, e.priority, r->>2, e.args,
-           CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
-           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
-           e.idempotency_key, e.lease_epoch, e.attempts, e.created_at, e.started_at, v_now,
-           e.parent_id, e.deadline, e.app_version
-      FROM __schema__.workflow_executions AS e
-      JOIN jsonb_array_elements(p_rows) AS r ON (r->>0)::uuid = e.id
-     WHERE e.id = ANY (v_ids);
-    INSERT INTO __schema__.step_history
-           (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-            started_at, finished_at, execution_finished_at)
-    SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-           started_at, finished_at, v_now
-      FROM __schema__.operation_outputs
-     WHERE execution_id = ANY (v_ids);
-    DELETE FROM __schema__.operation_outputs WHERE execution_id = ANY (v_ids);
-    INSERT INTO __schema__.signal_history
-           (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
-            consumed_at, execution_finished_at)
-    SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
-           consumed_at, v_now
-      FROM __schema__.signals
-     WHERE execution_id = ANY (v_ids);
-    DELETE FROM __schema__.signals WHERE execution_id = ANY (v_ids);
-    INSERT INTO __schema__.event_history
-           (execution_id, key, value, updated_at, execution_finished_at)
-    SELECT execution_id, key, value, updated_at, v_now
-      FROM __schema__.events
-     WHERE execution_id = ANY (v_ids);
-    DELETE FROM __schema__.events WHERE execution_id = ANY (v_ids);
-    DELETE FROM __schema__.workflow_executions WHERE id = ANY (v_ids);
     RETURN QUERY SELECT unnest(v_ids);
+END;
+$$;
+
+-- name: sweep_expired
+-- sweep_expired(): reenqueue_expired in its Citus form (sql/queries/sweeper.sql), delegated
+-- to the tenant's node like finish_batch(): the sweeper's round is then one round trip to
+-- that node with no other node in its transaction, where the statement commits in two
+-- phases on every node (so a node that is down stalled every tenant's recovery). The same
+-- steps: lock up to p_limit running executions whose lease expired, oldest expiry first,
+-- skipping rows someone holds; put those with attempts left back in the queue; quarantine
+-- the others (move_finished(), a parent told). Returns what the statement returns.
+CREATE OR REPLACE FUNCTION __schema__.sweep_expired(p_limit integer, p_max_attempts integer)
+RETURNS TABLE (requeued bigint, quarantined bigint, examined bigint, told bigint,
+               archived bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := __schema__.kestrel_now();
+    v_expired uuid[];
+    v_poisoned uuid[];
+    v_errors jsonb[];
+    v_requeued bigint := 0;
+    v_told bigint := 0;
+    v_archived bigint := 0;
+BEGIN
+    SELECT coalesce(array_agg(x.id), '{}'),
+           coalesce(array_agg(x.id) FILTER (WHERE x.attempts >= p_max_attempts), '{}'),
+           coalesce(array_agg(jsonb_build_object(
+               'type', 'Quarantined',
+               'message', format('claimed %s times without finishing (max_attempts = %s): '
+                                 'the execution keeps losing its worker',
+                                 x.attempts, p_max_attempts)))
+               FILTER (WHERE x.attempts >= p_max_attempts), '{}')
+      INTO v_expired, v_poisoned, v_errors
+      FROM (SELECT e.id, e.attempts
+              FROM __schema__.workflow_executions AS e
+             WHERE e.status = 'running'
+               AND e.lease_expires_at < v_now
+             ORDER BY e.lease_expires_at
+             LIMIT p_limit
+               FOR UPDATE SKIP LOCKED) AS x;
+    UPDATE __schema__.workflow_executions AS e
+       SET status = 'queued',
+           lease_owner = NULL,
+           lease_expires_at = NULL,
+           updated_at = v_now
+     WHERE e.id = ANY (v_expired)
+       AND NOT e.id = ANY (v_poisoned);
+    GET DIAGNOSTICS v_requeued = ROW_COUNT;
+    IF cardinality(v_poisoned) > 0 THEN
+        SELECT count(*) INTO v_told
+          FROM __schema__.workflow_executions AS c
+         WHERE c.id = ANY (v_poisoned)
+           AND c.parent_id IS NOT NULL
+           AND NOT c.parent_id = ANY (v_poisoned);
+        v_archived := __schema__.move_finished(
+            v_poisoned, array_fill('quarantined'::text, ARRAY[cardinality(v_poisoned)]),
+            array_fill(NULL::jsonb, ARRAY[cardinality(v_poisoned)]), v_errors, v_now);
+    END IF;
+    RETURN QUERY SELECT v_requeued, cardinality(v_poisoned)::bigint,
+                        cardinality(v_expired)::bigint, v_told, v_archived;
+END;
+$$;
+
+-- name: fail_late
+-- fail_late(): expire_deadlines in its Citus form (sql/queries/sweeper.sql), delegated to
+-- the tenant's node like sweep_expired(): fail up to p_limit queued and waiting executions
+-- whose workflow deadline passed, earliest first, skipping rows someone holds; each leaves
+-- a row for the metrics collector (uncounted_finishes); their parents are told
+-- (move_finished()). Returns what the statement returns: failed, told, archived.
+CREATE OR REPLACE FUNCTION __schema__.fail_late(p_limit integer)
+RETURNS TABLE (failed bigint, told bigint, archived bigint)
+LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_now timestamptz := __schema__.kestrel_now();
+    v_ids uuid[];
+    v_errors jsonb[];
+    v_told bigint := 0;
+    v_archived bigint := 0;
+BEGIN
+    SELECT coalesce(array_agg(x.id), '{}'),
+           coalesce(array_agg(jsonb_build_object(
+               'type', 'kestrel.errors.DeadlineExceeded',
+               'message', format('workflow deadline %s passed', x.deadline))), '{}')
+      INTO v_ids, v_errors
+      FROM (SELECT e.id, e.deadline
+              FROM __schema__.workflow_executions AS e
+             WHERE e.deadline < v_now
+               AND e.status IN ('queued', 'waiting')
+             ORDER BY e.deadline
+             LIMIT p_limit
+               FOR UPDATE SKIP LOCKED) AS x;
+    IF cardinality(v_ids) > 0 THEN
+        INSERT INTO __schema__.uncounted_finishes (execution_id, workflow, status, deadline)
+        SELECT e.id, e.workflow, 'failed', true
+          FROM __schema__.workflow_executions AS e
+         WHERE e.id = ANY (v_ids);
+        SELECT count(*) INTO v_told
+          FROM __schema__.workflow_executions AS c
+         WHERE c.id = ANY (v_ids)
+           AND c.parent_id IS NOT NULL
+           AND NOT c.parent_id = ANY (v_ids);
+        v_archived := __schema__.move_finished(
+            v_ids, array_fill('failed'::text, ARRAY[cardinality(v_ids)]),
+            array_fill(NULL::jsonb, ARRAY[cardinality(v_ids)]), v_errors, v_now);
+    END IF;
+    RETURN QUERY SELECT cardinality(v_ids)::bigint, v_told, v_archived;
 END;
 $$;
 

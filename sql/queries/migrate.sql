@@ -39,9 +39,10 @@ SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
 SELECT offset_by FROM __schema__.clock_offset FOR UPDATE;
 
 -- name: delegate_functions
--- In a Citus distributed schema: run save_steps() and finish_batch() on the tenant's node,
--- so a checkpoint batch or a batch of completions is one round trip to that node, executed
--- there, with no other node in its transaction (docs/citus.md). Anywhere else it does nothing; a schema distributed later
+-- In a Citus distributed schema: run save_steps(), finish_batch(), sweep_expired() and
+-- fail_late() on the tenant's node, so a checkpoint batch, a batch of completions or a
+-- sweeper's pass is one round trip to that node, executed there, with no other node in its
+-- transaction (docs/citus.md). Anywhere else it does nothing; a schema distributed later
 -- gets it from the next migrate. Idempotent.
 DO $$
 BEGIN
@@ -52,6 +53,12 @@ BEGIN
         PERFORM create_distributed_function(
             '__schema__.finish_batch(jsonb)'::regprocedure,
             colocate_with => '__schema__.workflow_executions');
+        PERFORM create_distributed_function(
+            '__schema__.sweep_expired(integer, integer)'::regprocedure,
+            colocate_with => '__schema__.workflow_executions');
+        PERFORM create_distributed_function(
+            '__schema__.fail_late(integer)'::regprocedure,
+            colocate_with => '__schema__.workflow_executions');
     END IF;
 END
 $$;
@@ -59,7 +66,8 @@ $$;
 -- name: distributed_schema
 -- Whether this schema is a Citus distributed schema: the worker then sends the Citus forms
 -- of its statements (save_new_steps_delegated, save_steps_delegated,
--- complete_batch_delegated and notify_done).
+-- complete_batch_delegated and notify_done, reenqueue_expired_delegated,
+-- expire_deadlines_delegated).
 SELECT __schema__.distributed_schema();
 
 -- name: node_lock_timeout

@@ -58,6 +58,11 @@ SELECT (SELECT count(*) FROM requeued) AS requeued,
        (SELECT n FROM told) AS told,
        (SELECT n FROM archived) AS archived;
 
+-- name: reenqueue_expired_delegated
+-- reenqueue_expired in its Citus form: a call of sweep_expired() (sql/functions), which
+-- migrate delegates to the tenant's node in a distributed schema.
+SELECT * FROM __schema__.sweep_expired(%(limit)s, %(max_attempts)s);
+
 -- name: expire_deadlines
 -- Fail queued and waiting executions whose workflow deadline passed (running ones are
 -- stopped by their worker, which knows the deadline from the claim). Bounded. No worker sees
@@ -102,6 +107,11 @@ WITH late AS (
     SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM moved
 )
 SELECT (SELECT count(*) FROM moved), (SELECT n FROM told), (SELECT n FROM archived);
+
+-- name: expire_deadlines_delegated
+-- expire_deadlines in its Citus form: a call of fail_late() (sql/functions), which migrate
+-- delegates to the tenant's node in a distributed schema.
+SELECT * FROM __schema__.fail_late(%(limit)s);
 
 -- name: expire_worker_leases
 -- A worker process its supervisor reaped (it died: SIGKILL, OOM, a crash) holds no lease

@@ -16,11 +16,11 @@ from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import db, metrics
+from kestrel import db, forms, metrics
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Leases
 from kestrel.sql import Queries
-from kestrel.statements import executions, migrate, notify, steps
+from kestrel.statements import executions, notify, steps
 from kestrel.types import Finish, StepSaved, StepWrite
 from kestrel.writer import GroupCommit
 
@@ -47,10 +47,6 @@ class _Commits(Generic[In, Out]):
 
     name: str  # the service's, in the worker's log lines
     kind: ClassVar[str]  # the writer's, in its log lines and metrics labels
-    delegated: bool | None = None
-    """Whether the schema is a Citus distributed schema, where the Citus form of the
-    statement is sent (a call of a function delegated to the tenant's node: save_steps(),
-    finish_batch()); read on the first batch (:meth:`_delegated`)."""
 
     def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
                  in_flight: int) -> None:
@@ -73,12 +69,6 @@ class _Commits(Generic[In, Out]):
         """Commit *batch* in one statement; return one result per item, in order."""
         raise NotImplementedError
 
-    async def _delegated(self, conn: Any) -> bool:
-        """Whether to send the Citus form: asked of the database once per writer."""
-        if self.delegated is None:
-            self.delegated = await db.run(conn, migrate.distributed_schema(self._q))
-        return self.delegated
-
 
 class CheckpointCommits(_Commits[StepWrite, StepSaved]):
     """Checkpoints, group-committed: ``writer.submit`` one and wait for what is recorded."""
@@ -96,8 +86,8 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_checkpoint_commit")
-            saved = await db.run(conn, steps.save_steps(self._q, writes,
-                                                        delegated=await self._delegated(conn)))
+            delegated = await forms.delegated(conn, self._q)
+            saved = await db.run(conn, steps.save_steps(self._q, writes, delegated=delegated))
             failpoint("after_checkpoint_commit_before_ack", writes)
             m = metrics.get()
             m.checkpoint_seconds.observe(time.monotonic() - started)
@@ -134,7 +124,7 @@ class Completions(_Commits[Finish, bool]):
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_complete")
-            delegated = await self._delegated(conn)
+            delegated = await forms.delegated(conn, self._q)
             done = await db.run(conn, executions.complete_batch(self._q, finishes,
                                                                 delegated=delegated))
             failpoint("after_complete_commit")

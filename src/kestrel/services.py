@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, connections, db, metrics, statements
+from kestrel import codec, connections, db, forms, metrics, statements
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.loops import Backoff, every
@@ -63,7 +63,8 @@ class Sweeper:
         while True:
             async with self._pool.connection() as conn:
                 r = await db.run(conn, statements.sweeper.reenqueue_expired(
-                    self._q, limit=limit, max_attempts=self._cfg.max_attempts))
+                    self._q, limit=limit, max_attempts=self._cfg.max_attempts,
+                    delegated=await forms.delegated(conn, self._q)))
             requeued += r.requeued
             quarantined += r.quarantined
             if r.examined < limit:
@@ -71,7 +72,7 @@ class Sweeper:
         while True:
             async with self._pool.connection() as conn:
                 expired = await db.run(conn, statements.sweeper.expire_deadlines(
-                    self._q, limit=limit))
+                    self._q, limit=limit, delegated=await forms.delegated(conn, self._q)))
             if expired:
                 log.info("failed %d queued or waiting executions past their deadline", expired)
             if expired < limit:

@@ -119,7 +119,9 @@ class Queries:
     set_event: str
     # sql/queries/sweeper.sql (kestrel/statements/sweeper.py)
     reenqueue_expired: str
+    reenqueue_expired_delegated: str
     expire_deadlines: str
+    expire_deadlines_delegated: str
     expire_worker_leases: str
     # sql/queries/testing.sql (kestrel/statements/testing.py)
     advance_clock: str

@@ -69,7 +69,10 @@ EXPECTED = {
     "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
     "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
     "complete_batch as a statement": (15, 4),  # the form plain PostgreSQL gets
-    "reenqueue_expired": (11, 4),
+    "reenqueue_expired": (1, 0),  # the Citus form: sweep_expired() delegated
+    "reenqueue_expired as a statement": (11, 4),
+    "expire_deadlines": (1, 0),  # the Citus form: fail_late() delegated
+    "expire_deadlines as a statement": (11, 5),
 }
 
 
@@ -125,6 +128,10 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
     assert run("complete_batch", statements.executions.complete_batch(
         q, [Finish(c2.id, c2.epoch, Status.COMPLETED, "6", None)], delegated=True)) == {c2.id}
     run("notify_done", statements.notify.notify_done(q))
-    run("reenqueue_expired", statements.sweeper.reenqueue_expired(q, limit=10,
-                                                                   max_attempts=5))
+    run("reenqueue_expired", statements.sweeper.reenqueue_expired(
+        q, limit=10, max_attempts=5, delegated=True))
+    run("reenqueue_expired as a statement", statements.sweeper.reenqueue_expired(
+        q, limit=10, max_attempts=5))
+    run("expire_deadlines", statements.sweeper.expire_deadlines(q, limit=10, delegated=True))
+    run("expire_deadlines as a statement", statements.sweeper.expire_deadlines(q, limit=10))
     assert trips == EXPECTED, trips

@@ -1,6 +1,9 @@
-"""The two forms of a batch of completions do the same: the statement (complete_batch) and
-the call of finish_batch() a Citus distributed schema gets (complete_batch_delegated, the
-same function running here). One batch, every case at once: executions finished with a
+"""The two forms of every statement that finishes executions do the same: the statements
+plain PostgreSQL gets (complete_batch, reenqueue_expired, expire_deadlines) and the calls a
+Citus distributed schema gets (finish_batch(), sweep_expired(), fail_late(), the same
+functions running here; docs/citus.md).
+
+A batch of completions, every case at once: executions finished with a
 result, a JSON null, none, an error; one fenced by a newer epoch; their checkpoints, signals
 and events moved to history under the finish time; a waiting parent told by two children
 (one word each, woken by the one it waits for); a parent finishing in the same batch as its
@@ -27,6 +30,28 @@ from tests.helpers import q, q1
 @pytest.fixture(params=[False, True], ids=["statement", "citus-form"])
 def form(request: pytest.FixtureRequest) -> bool:
     return bool(request.param)
+
+
+def claim_all(pg_dsn: str, schema: str, n: int) -> dict[uuid.UUID, int]:
+    """Claim the *n* queued executions as worker "w"; their epochs."""
+
+    async def main() -> dict[uuid.UUID, int]:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            connections.configure_connection(conn)
+            claimed = await db.run(conn, statements.executions.claim_batch(
+                queries(schema), owner="w", queues=["default"], limit=n, lease_s=30))
+        return {x.id: x.epoch for x in claimed}
+
+    return asyncio.run(main())
+
+
+def run(pg_dsn: str, stmt: Any) -> Any:
+    async def main() -> Any:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+            connections.configure_connection(conn)
+            return await db.run(conn, stmt)
+
+    return asyncio.run(main())
 
 
 def test_both_forms_finish_a_batch_alike(pg_dsn: str, schema: str, form: bool) -> None:
@@ -141,3 +166,76 @@ def test_a_parent_waiting_for_another_child_sleeps_and_a_gone_parent_gets_no_wor
     assert seq == 1 and asleep
     assert q(pg_dsn, schema, "SELECT execution_id, name FROM {s}.signals") == [
         (parent, f"kestrel.child:{child}")]
+
+
+def test_both_forms_of_the_sweeper_requeue_quarantine_and_fail_alike(
+        pg_dsn: str, schema: str, form: bool) -> None:
+    qs = queries(schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    ids = [client.submit(app.three_steps, i).id for i in range(4)]
+    lost, poisoned, alive, parent = ids
+    epoch = claim_all(pg_dsn, schema, 4)
+    run(pg_dsn, statements.steps.save_steps(
+        qs, [StepWrite(poisoned, epoch[poisoned], 0, "add", "5", None, 1, 0.0)]))
+    # lost's and poisoned's workers died (their leases ended); poisoned is out of attempts;
+    # alive's lease holds. parent waits for poisoned.
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET lease_expires_at = "
+      "{s}.kestrel_now() - interval '1 second' WHERE id IN (%s, %s)", [lost, poisoned])
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET attempts = 5, parent_id = %s "
+      "WHERE id = %s", [parent, poisoned])
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'waiting', "
+      "waiting_for = %s, wake_at = 'infinity', lease_owner = NULL, lease_expires_at = NULL "
+      "WHERE id = %s", [f"kestrel.child:{poisoned}", parent])
+    swept = run(pg_dsn, statements.sweeper.reenqueue_expired(
+        qs, limit=10, max_attempts=5, delegated=form))
+    assert (swept.requeued, swept.quarantined, swept.examined) == (1, 1, 2)
+    again = run(pg_dsn, statements.sweeper.reenqueue_expired(
+        qs, limit=10, max_attempts=5, delegated=form))
+    assert (again.requeued, again.quarantined, again.examined) == (0, 0, 0)
+    assert dict(q(pg_dsn, schema, "SELECT id, status FROM {s}.workflow_executions")) == {
+        lost: "queued", alive: "running", parent: "waiting"}
+    assert q1(pg_dsn, schema, "SELECT lease_owner FROM {s}.workflow_executions "
+              "WHERE id = %s", [lost]) is None
+    status, error = q(pg_dsn, schema, "SELECT status, error FROM {s}.workflow_history "
+                      "WHERE id = %s", [poisoned])[0]
+    assert status == "quarantined" and error == {
+        "type": "Quarantined", "message": "claimed 5 times without finishing "
+        "(max_attempts = 5): the execution keeps losing its worker"}
+    assert q(pg_dsn, schema, "SELECT execution_id, output FROM {s}.step_history") == [
+        (poisoned, 5)]
+    assert q(pg_dsn, schema, "SELECT execution_id, name, payload FROM {s}.signals") == [
+        (parent, f"kestrel.child:{poisoned}",
+         {"status": "quarantined", "result": None, "error": error})]
+    assert q1(pg_dsn, schema, "SELECT wake_at <= {s}.kestrel_now() "
+              "FROM {s}.workflow_executions WHERE id = %s", [parent])
+
+
+def test_both_forms_fail_the_queued_and_waiting_past_their_deadline_alike(
+        pg_dsn: str, schema: str, form: bool) -> None:
+    qs = queries(schema)
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    late_q, late_w, early, running, parent = (client.submit(app.three_steps, i).id
+                                              for i in range(5))
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET deadline = "
+      "{s}.kestrel_now() - interval '1 minute' WHERE id IN (%s, %s, %s)",
+      [late_q, late_w, running])
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET deadline = "
+      "{s}.kestrel_now() + interval '1 hour' WHERE id = %s", [early])
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'running', "
+      "lease_owner = 'w', lease_expires_at = {s}.kestrel_now() + interval '1 minute' "
+      "WHERE id = %s", [running])  # its own worker fails it: not the sweeper's
+    q(pg_dsn, schema, "UPDATE {s}.workflow_executions SET status = 'waiting', "
+      "waiting_for = 'go', wake_at = 'infinity', parent_id = %s WHERE id = %s",
+      [parent, late_w])
+    assert run(pg_dsn, statements.sweeper.expire_deadlines(qs, limit=10, delegated=form)) == 2
+    assert run(pg_dsn, statements.sweeper.expire_deadlines(qs, limit=10, delegated=form)) == 0
+    rows = q(pg_dsn, schema, "SELECT id, status, error->>'type' FROM {s}.workflow_history")
+    assert sorted(rows) == sorted([(late_q, "failed", "kestrel.errors.DeadlineExceeded"),
+                                   (late_w, "failed", "kestrel.errors.DeadlineExceeded")])
+    assert sorted(q(pg_dsn, schema, "SELECT execution_id, status, deadline "
+                    "FROM {s}.uncounted_finishes")) == sorted(
+        [(late_q, "failed", True), (late_w, "failed", True)])
+    assert q(pg_dsn, schema, "SELECT execution_id, name FROM {s}.signals") == [
+        (parent, f"kestrel.child:{late_w}")]
+    assert {r[0] for r in q(pg_dsn, schema, "SELECT id FROM {s}.workflow_executions")} == {
+        early, running, parent}

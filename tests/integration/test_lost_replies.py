@@ -28,9 +28,8 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import connections, db, failpoints, metrics, statements
+from kestrel import connections, db, failpoints, forms, metrics, statements
 from kestrel.client import SyncClient
-from kestrel.commits import CheckpointCommits, Completions
 from kestrel.config import Config
 from kestrel.errors import InvalidState
 from kestrel.migrate import current_version, migrate
@@ -218,25 +217,22 @@ def checkpoint_resent(env: Env) -> None:
 
 
 @contextmanager
-def citus_form() -> Iterator[None]:
-    """The worker sends the Citus forms of the checkpoint batch and of the completions (calls
-    of save_steps() and finish_batch(), then notify_done: what a distributed schema gets)
-    here on plain PostgreSQL, where the same functions run."""
-    CheckpointCommits.delegated = Completions.delegated = True
-    try:
+def citus_form(env: Env) -> Iterator[None]:
+    """The worker sends the Citus forms of the write path (calls of save_steps(),
+    finish_batch() then notify_done, sweep_expired(), fail_late(): what a distributed schema
+    gets) here on plain PostgreSQL, where the same functions run."""
+    with forms.forced(env.q):
         yield
-    finally:
-        CheckpointCommits.delegated = Completions.delegated = None
 
 
 def checkpoint_delegated(env: Env) -> None:
-    with citus_form():
+    with citus_form(env):
         three_steps_end_once(env)
 
 
 def checkpoint_resent_delegated(env: Env) -> None:
     lose("save_new_steps_delegated")
-    with citus_form():
+    with citus_form(env):
         three_steps_end_once(env)
 
 
@@ -253,7 +249,7 @@ def complete_read_back(env: Env) -> None:
 
 
 def complete_delegated(env: Env) -> None:
-    with citus_form():
+    with citus_form(env):
         complete(env)
 
 
@@ -261,7 +257,7 @@ def complete_read_back_delegated(env: Env) -> None:
     # The Citus form's reply lost: the retry finishes nothing, learns the finish from
     # history, and notifies then.
     lose("complete_batch_delegated")
-    with citus_form():
+    with citus_form(env):
         complete(env)
 
 
@@ -477,6 +473,16 @@ def sweep_expired(env: Env) -> None:
       "lease_expires_at = {s}.kestrel_now() - interval '1 second' RETURNING id")
     env.work(env.finished())
     assert env.history(h.id) == ("completed", app.model(9), 2)
+
+
+def sweep_expired_delegated(env: Env) -> None:
+    with citus_form(env):
+        sweep_expired(env)
+
+
+def deadline_delegated(env: Env) -> None:
+    with citus_form(env):
+        deadline(env)
 
 
 def deadline(env: Env) -> None:
@@ -757,7 +763,9 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "signal": Lost((client_signal, workflow_signal)),
     # The worker's services.
     "reenqueue_expired": Lost((sweep_expired,)),
+    "reenqueue_expired_delegated": Lost((sweep_expired_delegated,)),
     "expire_deadlines": Lost((deadline,)),
+    "expire_deadlines_delegated": Lost((deadline_delegated,)),
     "maintenance_lock": Lost((upkeep,)),
     "ensure_partitions": Lost((upkeep,)),
     "drop_partitions": Lost((upkeep,)),

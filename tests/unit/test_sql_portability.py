@@ -62,8 +62,19 @@ def test_a_function_delegated_to_a_tenant_node_has_no_insert_in_a_cte() -> None:
     (docs/citus.md)."""
     delegate = named_statements()["delegate_functions"]
     delegated = set(re.findall(r"'__schema__\.(\w+)\(", delegate))
-    assert delegated == {"save_steps", "finish_batch"}
-    assert not {f"function {name}" for name in delegated} & set(planned_cte_by_cte())
+    assert delegated == {"save_steps", "finish_batch", "sweep_expired", "fail_late"}
+    # And what they call, run on the node as well.
+    bodies = function_definitions()
+    reached, todo = set(), list(delegated)
+    while todo:
+        name = todo.pop()
+        if name in reached:
+            continue
+        reached.add(name)
+        todo += [c for c in re.findall(r"__schema__\.(\w+)\(", bodies[name])
+                 if c in bodies and c != name]
+    assert "move_finished" in reached  # the walk sees the calls
+    assert not {f"function {name}" for name in reached} & set(planned_cte_by_cte())
 
 
 @pytest.mark.parametrize("name", sorted(planned_cte_by_cte()))

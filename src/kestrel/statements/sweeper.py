@@ -16,22 +16,26 @@ def _sweep(rows: list[tuple[Any, ...]]) -> SweepResult:
     return SweepResult(requeued=rows[0][0], quarantined=rows[0][1], examined=rows[0][2])
 
 
-def reenqueue_expired(q: Queries, *, limit: int, max_attempts: int) -> Stmt[SweepResult]:
+def reenqueue_expired(q: Queries, *, limit: int, max_attempts: int, delegated: bool = False
+                      ) -> Stmt[SweepResult]:
     """Requeue running executions whose lease expired, up to *limit*.
 
     Those claimed *max_attempts* times move to history as quarantined instead. ``examined``
-    counts the expired leases found: callers loop while it reaches *limit*.
+    counts the expired leases found: callers loop while it reaches *limit*. *delegated*: the
+    Citus form (``reenqueue_expired_delegated``, a call of ``sweep_expired()``).
     """
-    return Stmt(q.reenqueue_expired, {"limit": limit, "max_attempts": max_attempts}, _sweep)
+    return Stmt(q.reenqueue_expired_delegated if delegated else q.reenqueue_expired,
+                {"limit": limit, "max_attempts": max_attempts}, _sweep)
 
 
-def expire_deadlines(q: Queries, *, limit: int) -> Stmt[int]:
+def expire_deadlines(q: Queries, *, limit: int, delegated: bool = False) -> Stmt[int]:
     """Fail queued and waiting executions past their workflow deadline; how many.
 
-    At most *limit*; they move to history and their parents are told.
+    At most *limit*; they move to history and their parents are told. *delegated*: the
+    Citus form (``expire_deadlines_delegated``, a call of ``fail_late()``).
     """
-    return Stmt(q.expire_deadlines, {"limit": limit},
-                lambda rows: int(rows[0][0]) if rows else 0)
+    return Stmt(q.expire_deadlines_delegated if delegated else q.expire_deadlines,
+                {"limit": limit}, lambda rows: int(rows[0][0]) if rows else 0)
 
 
 def recover_dead_worker(q: Queries, *, worker_id: str, max_attempts: int,
