@@ -1119,13 +1119,11 @@ $$;
 -- p_now, their checkpoints, signals and events after them (archive_finished()). Plain
 -- statements because Citus plans a statement with an INSERT in a CTE CTE by CTE even on the
 -- tenant's node (docs/citus.md); on one PostgreSQL those statements stay (one statement is
--- cheaper there). Returns the checkpoints archived.
+-- cheaper there).
 CREATE OR REPLACE FUNCTION __schema__.move_finished(
     p_ids uuid[], p_status text[], p_result jsonb[], p_error jsonb[], p_now timestamptz
-) RETURNS bigint
+) RETURNS void
 LANGUAGE plpgsql AS $$
-DECLARE
-    v_archived bigint;
 BEGIN
     UPDATE __schema__.workflow_executions AS p
        SET signal_seq = p.signal_seq + t.n,
@@ -1166,7 +1164,6 @@ BEGIN
            started_at, finished_at, p_now
       FROM __schema__.operation_outputs
      WHERE execution_id = ANY (p_ids);
-    GET DIAGNOSTICS v_archived = ROW_COUNT;
     DELETE FROM __schema__.operation_outputs WHERE execution_id = ANY (p_ids);
     INSERT INTO __schema__.signal_history
            (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
@@ -1183,7 +1180,6 @@ BEGIN
      WHERE execution_id = ANY (p_ids);
     DELETE FROM __schema__.events WHERE execution_id = ANY (p_ids);
     DELETE FROM __schema__.workflow_executions WHERE id = ANY (p_ids);
-    RETURN v_archived;
 END;
 $$;
 
@@ -1245,10 +1241,10 @@ $$;
 -- phases on every node (so a node that is down stalled every tenant's recovery). The same
 -- steps: lock up to p_limit running executions whose lease expired, oldest expiry first,
 -- skipping rows someone holds; put those with attempts left back in the queue; quarantine
--- the others (move_finished(), a parent told). Returns what the statement returns.
+-- the others (move_finished(), a parent told). Returns what the statement's caller reads
+-- of it: requeued, quarantined, examined.
 CREATE OR REPLACE FUNCTION __schema__.sweep_expired(p_limit integer, p_max_attempts integer)
-RETURNS TABLE (requeued bigint, quarantined bigint, examined bigint, told bigint,
-               archived bigint)
+RETURNS TABLE (requeued bigint, quarantined bigint, examined bigint)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
@@ -1257,8 +1253,6 @@ DECLARE
     v_poisoned uuid[];
     v_errors jsonb[];
     v_requeued bigint := 0;
-    v_told bigint := 0;
-    v_archived bigint := 0;
 BEGIN
     SELECT coalesce(array_agg(x.id), '{}'),
            coalesce(array_agg(x.id) FILTER (WHERE x.attempts >= p_max_attempts), '{}'),
@@ -1285,17 +1279,12 @@ BEGIN
        AND NOT e.id = ANY (v_poisoned);
     GET DIAGNOSTICS v_requeued = ROW_COUNT;
     IF cardinality(v_poisoned) > 0 THEN
-        SELECT count(*) INTO v_told
-          FROM __schema__.workflow_executions AS c
-         WHERE c.id = ANY (v_poisoned)
-           AND c.parent_id IS NOT NULL
-           AND NOT c.parent_id = ANY (v_poisoned);
-        v_archived := __schema__.move_finished(
+        PERFORM __schema__.move_finished(
             v_poisoned, array_fill('quarantined'::text, ARRAY[cardinality(v_poisoned)]),
             array_fill(NULL::jsonb, ARRAY[cardinality(v_poisoned)]), v_errors, v_now);
     END IF;
     RETURN QUERY SELECT v_requeued, cardinality(v_poisoned)::bigint,
-                        cardinality(v_expired)::bigint, v_told, v_archived;
+                        cardinality(v_expired)::bigint;
 END;
 $$;
 
@@ -1304,17 +1293,15 @@ $$;
 -- the tenant's node like sweep_expired(): fail up to p_limit queued and waiting executions
 -- whose workflow deadline passed, earliest first, skipping rows someone holds; each leaves
 -- a row for the metrics collector (uncounted_finishes); their parents are told
--- (move_finished()). Returns what the statement returns: failed, told, archived.
+-- (move_finished()). Returns how many it failed.
 CREATE OR REPLACE FUNCTION __schema__.fail_late(p_limit integer)
-RETURNS TABLE (failed bigint, told bigint, archived bigint)
+RETURNS bigint
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
     v_now timestamptz := __schema__.kestrel_now();
     v_ids uuid[];
     v_errors jsonb[];
-    v_told bigint := 0;
-    v_archived bigint := 0;
 BEGIN
     SELECT coalesce(array_agg(x.id), '{}'),
            coalesce(array_agg(jsonb_build_object(
@@ -1333,16 +1320,11 @@ BEGIN
         SELECT e.id, e.workflow, 'failed', true
           FROM __schema__.workflow_executions AS e
          WHERE e.id = ANY (v_ids);
-        SELECT count(*) INTO v_told
-          FROM __schema__.workflow_executions AS c
-         WHERE c.id = ANY (v_ids)
-           AND c.parent_id IS NOT NULL
-           AND NOT c.parent_id = ANY (v_ids);
-        v_archived := __schema__.move_finished(
+        PERFORM __schema__.move_finished(
             v_ids, array_fill('failed'::text, ARRAY[cardinality(v_ids)]),
             array_fill(NULL::jsonb, ARRAY[cardinality(v_ids)]), v_errors, v_now);
     END IF;
-    RETURN QUERY SELECT cardinality(v_ids)::bigint, v_told, v_archived;
+    RETURN cardinality(v_ids);
 END;
 $$;
 
