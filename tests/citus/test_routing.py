@@ -73,6 +73,9 @@ EXPECTED = {
     "reenqueue_expired as a statement": (11, 4),
     "expire_deadlines": (1, 0),  # the Citus form: fail_late() delegated
     "expire_deadlines as a statement": (11, 5),
+    "recover_dead_worker": (4, 0),  # one transaction; its pass in the Citus form, each
+    # statement of sweep_expired() routed (in a transaction Citus delegates no call)
+    "recover_dead_worker with the statement": (13, 4),
 }
 
 
@@ -84,7 +87,8 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
     trips: dict[str, tuple[int, int]] = {}
 
     def run(name: str, stmt: Any) -> Any:
-        result = db.run_sync(conn, stmt)
+        result = (db.run_sync(conn, stmt) if isinstance(stmt, statements.Stmt)
+                  else db.run_script_sync(conn, stmt))
         sent = seen.take()
         elsewhere = [cmd for port, cmd in sent if port != node]
         # Only intermediate results ever reach another node; every read or write of the
@@ -134,4 +138,16 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
         q, limit=10, max_attempts=5))
     run("expire_deadlines", statements.sweeper.expire_deadlines(q, limit=10, delegated=True))
     run("expire_deadlines as a statement", statements.sweeper.expire_deadlines(q, limit=10))
+    # The supervisor's release of a reaped worker's leases, one transaction, in each form
+    # (the script asks which one it is: a distributed schema).
+    for name, form in (("recover_dead_worker", None),
+                       ("recover_dead_worker with the statement", False)):
+        db.run_sync(conn, statements.client.submit(q, statements.client.submit_params(
+            workflow="three_steps", args="[3]", queue="default", priority=0,
+            idempotency_key=None)))
+        db.run_sync(conn, statements.executions.claim_batch(
+            q, owner=f"dead:{name}", queues=["default"], limit=1, lease_s=30))
+        seen.take()
+        assert run(name, statements.sweeper.recover_dead_worker(
+            q, worker_id=f"dead:{name}", max_attempts=5, delegated=form)).requeued == 1
     assert trips == EXPECTED, trips

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import psycopg
+import pytest
 
 from kestrel import connections, db, statements
 from kestrel.sql import queries
@@ -29,14 +30,19 @@ def _claim(dsn: str, schema: str, owner: str, limit: int) -> list[object]:
     return asyncio.run(main())
 
 
-def _recover(dsn: str, schema: str, owner: str, max_attempts: int = 5) -> SweepResult:
+def _recover(dsn: str, schema: str, owner: str, max_attempts: int = 5,
+             delegated: bool | None = None) -> SweepResult:
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         return db.run_script_sync(conn, statements.sweeper.recover_dead_worker(
-            queries(schema), worker_id=owner, max_attempts=max_attempts))
+            queries(schema), worker_id=owner, max_attempts=max_attempts,
+            delegated=delegated))
 
 
+# None: the script asks the database (plain PostgreSQL: the statement); True: the Citus
+# form a distributed schema gets (sweep_expired(), which runs here too).
+@pytest.mark.parametrize("form", [None, True], ids=["asked", "citus-form"])
 def test_only_the_dead_incarnations_rows_are_released_and_a_crash_counts_as_an_attempt(
-    pg_dsn: str, schema: str
+    pg_dsn: str, schema: str, form: bool | None
 ) -> None:
     """The dead worker's rows go back to the queue at once, their attempt counted; a row
     out of attempts is quarantined, as the sweeper would; rows of another process (the same
@@ -50,7 +56,7 @@ def test_only_the_dead_incarnations_rows_are_released_and_a_crash_counts_as_an_a
     q(pg_dsn, schema, "INSERT INTO {s}.workers (worker_id, app_version, workflows, queues, "
       "stale_after) VALUES ('host:42:dead', '', ARRAY['quick'], ARRAY['default'], "
       "interval '1 hour')")
-    assert _recover(pg_dsn, schema, "host:42:dead") == SweepResult(
+    assert _recover(pg_dsn, schema, "host:42:dead", delegated=form) == SweepResult(
         requeued=2, quarantined=1, examined=3)
     rows = dict((r[0], r[1:]) for r in q(
         pg_dsn, schema, "SELECT id, status, lease_owner, attempts, "
@@ -63,5 +69,5 @@ def test_only_the_dead_incarnations_rows_are_released_and_a_crash_counts_as_an_a
              [poison]) == [("quarantined",)]
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workers") == 0
     # A retry after a lost reply, or a second reap of the same id: nothing more to do.
-    assert _recover(pg_dsn, schema, "host:42:dead") == SweepResult(0, 0, 0)
+    assert _recover(pg_dsn, schema, "host:42:dead", delegated=form) == SweepResult(0, 0, 0)
     assert _recover(pg_dsn, schema, "host:42:never-lived") == SweepResult(0, 0, 0)

@@ -7,6 +7,7 @@ from typing import Any
 
 from kestrel.sql import Queries
 from kestrel.statements import notify
+from kestrel.statements.migrate import distributed_schema
 from kestrel.statements.stmt import Script, Stmt, first
 from kestrel.statements.versions import unregister_worker
 from kestrel.types import SweepResult
@@ -39,16 +40,23 @@ def expire_deadlines(q: Queries, *, limit: int, delegated: bool = False) -> Stmt
 
 
 def recover_dead_worker(q: Queries, *, worker_id: str, max_attempts: int,
-                        limit: int = 500) -> Script[SweepResult]:
+                        limit: int = 500, delegated: bool | None = None
+                        ) -> Script[SweepResult]:
     """A reaped worker's executions back in the queue now (or quarantined, out of
     attempts), and its row out of the live workers: what its supervisor runs (FAULTS O8).
-    ``examined`` is how many leases it still held."""
+    ``examined`` is how many leases it still held. The pass is reenqueue_expired's Citus
+    form in a Citus distributed schema (asked of the database when *delegated* is None): in
+    a transaction Citus runs the function on the coordinator, each of its plain statements
+    routed to the tenant's node, so no other node joins the transaction."""
     held = yield Stmt(q.expire_worker_leases, {"owner": worker_id}, first)
     if held:
         yield notify.wake_workers(q)
+        if delegated is None:
+            delegated = yield distributed_schema(q)
     requeued = quarantined = 0
     while held:
-        r = yield reenqueue_expired(q, limit=limit, max_attempts=max_attempts)
+        r = yield reenqueue_expired(q, limit=limit, max_attempts=max_attempts,
+                                    delegated=bool(delegated))
         requeued, quarantined = requeued + r.requeued, quarantined + r.quarantined
         if r.examined < limit:
             break
