@@ -24,7 +24,7 @@ from typing import Any
 from kestrel import codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
-from kestrel.sql import SCHEMA_NAME, queries
+from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE, queries
 from kestrel.types import Execution, Status
 from kestrel.workflow import WorkflowFn, workflow_name
 
@@ -63,7 +63,7 @@ class ClientBase:
                  max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES, pool_size: int = 4,
                  connection_mode: str | None = None, listen_dsn: str | None = None) -> None:
         if not SCHEMA_NAME.fullmatch(schema):
-            raise ConfigError(f"invalid schema name {schema!r}")
+            raise ConfigError(f"invalid schema name {schema[:100]!r}: {SCHEMA_RULE}")
         if pool_size < 0:
             raise ConfigError("pool_size must not be negative")
         mode = connection_mode or os.environ.get("KESTREL_CONNECTION_MODE") or "direct"

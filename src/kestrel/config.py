@@ -20,7 +20,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, MAX_HISTORY_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError
-from kestrel.sql import SCHEMA_NAME
+from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE
 
 if TYPE_CHECKING:
     from kestrel.queues import QueueSpec
@@ -211,7 +211,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if not SCHEMA_NAME.fullmatch(self.schema):
-            _bad("schema", self.schema, "must match [a-z_][a-z0-9_]{0,62}")
+            _bad("schema", self.schema[:100], f"must be {SCHEMA_RULE}")
         for name in ("procs", "batch_size", "max_attempts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be at least 1")

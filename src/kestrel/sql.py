@@ -3,7 +3,7 @@
 Statements live in ``sql/queries/*.sql`` under ``-- name: <name>`` headers; migrations in
 ``sql/migrations/NNNN_<name>.sql``. ``__schema__`` becomes the quoted schema identifier and
 ``__schema_name__`` the bare name (for NOTIFY channels). The schema name is validated by
-:class:`kestrel.config.Config` against ``[a-z_][a-z0-9_]{0,62}`` before it gets here, so the
+:class:`kestrel.config.Config` against :data:`SCHEMA_NAME` before it gets here, so the
 substitution cannot inject anything.
 """
 
@@ -16,9 +16,15 @@ from pathlib import Path
 
 from kestrel.errors import ConfigError
 
-SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,47}")
 """What a schema name may be: it is written into every statement (``__schema__``), so it is
-checked here, where that happens, and by :class:`kestrel.config.Config` before."""
+checked here, where that happens, and by :class:`kestrel.config.Config` before. At most 48
+characters: the longest notification channel, ``kestrel.<schema>.events``, must fit
+PostgreSQL's 63 bytes (a longer channel fails every statement that notifies on it)."""
+
+SCHEMA_RULE = ("1-48 of a-z 0-9 _, not starting with a digit (the notification channel "
+               "kestrel.<schema>.events must fit PostgreSQL's 63 bytes)")
+"""What :data:`SCHEMA_NAME` asks, in the errors that refuse a name."""
 
 
 def sql_dir() -> Path:
@@ -159,7 +165,7 @@ def parse_named(text: str) -> dict[str, str]:
 def render(text: str, schema: str) -> str:
     """Fill the schema placeholders into *text*."""
     if not SCHEMA_NAME.fullmatch(schema):
-        raise ConfigError(f"invalid schema name {schema!r}")
+        raise ConfigError(f"invalid schema name {schema[:100]!r}: {SCHEMA_RULE}")
     return text.replace("__schema_name__", schema).replace("__schema__", f'"{schema}"')
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from kestrel.migrate import migrate
 from kestrel.sql import function_definitions, movable_clock_definitions, render
 from tests.helpers import q
@@ -48,3 +50,53 @@ def test_migrate_again_reapplies_the_definitions(pg_dsn: str, schema: str) -> No
     assert q(pg_dsn, schema, "SELECT {s}.valid_queue_name('no spaces allowed')") == [(True,)]
     assert migrate(pg_dsn, schema) == []  # nothing pending
     assert q(pg_dsn, schema, "SELECT {s}.valid_queue_name('no spaces allowed')") == [(False,)]
+
+
+def test_the_longest_schema_name_notifies_on_every_channel(pg_dsn: str) -> None:
+    """48 characters, the most a schema name may have: kestrel.<schema>.events, its longest
+    notification channel, is 63 bytes, PostgreSQL's limit. A submit (the workers' channel),
+    an event (events), a signal and the completion (done) all go through, heard by a
+    client that listens; one character more is refused before anything is written."""
+    import threading
+
+    import psycopg
+
+    from kestrel.client import SyncClient
+    from kestrel.config import Config
+    from kestrel.errors import ConfigError
+    from tests.apps import ledger_app as app
+    from tests.helpers import config, run_worker_until
+
+    name = "k" * 48
+    assert len(f"kestrel.{name}.events") == 63
+    migrate(pg_dsn, name)
+    try:
+        client = SyncClient(pg_dsn, schema=name, pool_size=0, listen_dsn=pg_dsn)
+        h = client.submit(app.progress)
+        got: dict[str, object] = {}
+
+        def wait() -> None:
+            got["stage"] = client.get_event(h.id, "stage", timeout=30)
+            client.signal(h.id, "go")
+            got["result"] = client.result(h.id, timeout=30)
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        run_worker_until(pg_dsn, config(name, listen=True), lambda: "result" in got,
+                         timeout=40)
+        waiter.join(timeout=5)
+        assert got["result"] == "done" and got["stage"] in ("analyzing", "fixing")
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+    for refused in (lambda: Config(schema="k" * 49),
+                    lambda: SyncClient(pg_dsn, schema="k" * 49, pool_size=0),
+                    lambda: migrate(pg_dsn, "k" * 49)):
+        with pytest.raises(ConfigError, match="63 bytes"):
+            refused()
+    assert q(pg_dsn, "public", "SELECT count(*) FROM pg_namespace WHERE nspname = %s",
+             ["k" * 49]) == [(0,)]
+    # Why: PostgreSQL refuses the 64-byte channel that name would need.
+    with psycopg.connect(pg_dsn, autocommit=True) as conn, \
+            pytest.raises(psycopg.errors.InvalidParameterValue, match="channel name too long"):
+        conn.execute("SELECT pg_notify(%s, '')", [f"kestrel.{'k' * 49}.events"])

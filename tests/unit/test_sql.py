@@ -31,7 +31,7 @@ def test_render_quotes_schema() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", ["", "Public", "1abc", 'x"; DROP TABLE t; --', "a-b", "a.b", "x" * 64]
+    "bad", ["", "Public", "1abc", 'x"; DROP TABLE t; --', "a-b", "a.b", "x" * 64, "x" * 49]
 )
 def test_render_rejects_invalid_schema(bad: str) -> None:
     with pytest.raises(ConfigError):
