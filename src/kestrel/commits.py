@@ -10,19 +10,23 @@ one commit.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import db, forms, metrics
+from kestrel import connections, db, forms, metrics
 from kestrel.failpoints import afailpoint, failpoint
 from kestrel.lease import Leases
 from kestrel.sql import Queries
 from kestrel.statements import executions, notify, steps
 from kestrel.types import Finish, StepSaved, StepWrite
 from kestrel.writer import GroupCommit
+
+log = logging.getLogger("kestrel.writer")
 
 
 class _Fenced(Protocol):
@@ -118,9 +122,9 @@ class Completions(_Commits[Finish, bool]):
         return len(item.result or "") + len(item.error or "")
 
     async def run_once(self, finishes: list[Finish]) -> list[bool]:
-        """Finish *finishes* in one statement (and, in the Citus form, a notification after
-        it); return, for each, whether it is finished by
-        this claim (by this statement or by an earlier try whose reply was lost)."""
+        """Finish *finishes* in one statement (in the Citus form, a notification after it);
+        return, for each, whether it is finished by this claim (by this statement or by an
+        earlier try whose reply was lost)."""
         started = time.monotonic()
         async with self._pool.connection() as conn:
             await afailpoint("before_complete")
@@ -136,9 +140,19 @@ class Completions(_Commits[Finish, bool]):
                     self._q, missing))
             if delegated and done:
                 # Committed on the tenant's node, and result() waiters listen on the
-                # coordinator. A lost reply here retries the batch, which learns these
-                # finishes from history above and notifies again.
-                await db.run(conn, notify.notify_done(self._q))
+                # coordinator. A lost connection here retries the batch, which learns these
+                # finishes from history above and notifies again; a notification refused
+                # (a full NOTIFY queue) fails no finish that committed: waiters recheck
+                # every second anyway.
+                try:
+                    failpoint("before_notify_done")
+                    await db.run(conn, notify.notify_done(self._q))
+                except psycopg.Error as exc:
+                    if connections.is_transient(exc):
+                        raise
+                    log.warning("completions committed, but their notification was refused "
+                                "(%s); result() waiters learn of them by their recheck",
+                                connections.sqlstate(exc))
         m = metrics.get()
         m.completion_seconds.observe(time.monotonic() - started)
         m.completion_batch.observe(len(finishes))

@@ -67,7 +67,7 @@ def _parse_failpoints(spec: str) -> dict[str, list[Any]]:
 FAILPOINTS = ("after_claim_commit", "before_checkpoint_commit",
               "after_checkpoint_commit_before_ack", "before_complete", "after_complete_commit",
               "before_park", "after_park_commit", "sweeper_round", "step_body",
-              "after_consume_signal_commit")
+              "after_consume_signal_commit", "before_notify_done")
 LOST_REPLY = "lost_reply:"
 """The prefix of a lost-reply point: ``lost_reply:submit`` loses the reply to ``submit``."""
 

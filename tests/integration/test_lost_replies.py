@@ -15,6 +15,7 @@ here: a new statement has to show the property (or be a read) to get in.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -901,6 +902,30 @@ def test_a_worker_whose_start_loses_a_reply_closes_its_pool(
     assert fired(statement) == 1
     assert worker._pool.closed
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workers") == 0  # unregistered
+
+
+@pytest.mark.parametrize("refusal", ["refused", "connection lost"])
+def test_a_completion_whose_notification_fails_is_still_finished_once(
+    pg_dsn: str, schema: str, ledger_path: Path, refusal: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The Citus form's notification after the committed completion (notify_done): refused
+    for what it is (a full NOTIFY queue), the finish stands and a warning says so; its
+    connection lost, the batch is sent again, learns the finish from history and notifies."""
+    env = Env(pg_dsn, schema, ledger_path)
+    if refusal == "refused":
+        failpoints.arm("before_notify_done", "error", error=psycopg.errors.ProgramLimitExceeded(
+            "too many notifications in the NOTIFY queue"))
+    else:
+        failpoints.arm("before_notify_done")
+    with citus_form(env), caplog.at_level(logging.WARNING):
+        worker = three_steps_end_once(env)
+    assert (worker.stats.completed, worker.stats.failed, worker.stats.fenced) == (1, 0, 0)
+    said = [r.getMessage() for r in caplog.records]
+    assert "failpoint before_notify_done fired (error)" in said or \
+        "failpoint before_notify_done fired (raise)" in said  # exercised
+    warned = [m for m in said if "notification was refused" in m]
+    assert len(warned) == (1 if refusal == "refused" else 0)
 
 
 # -- the table is the statement list ---------------------------------------------------------
