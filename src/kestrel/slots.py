@@ -22,8 +22,8 @@ has filled (or drained) to it:
 A probe that is kept goes on the same way (from the start, the limit doubles until a
 doubling stops paying), one that is not is undone; then the limit holds, and every
 :data:`HOLD_S` it probes again, in the other direction each time, so it follows a disk or a
-workload that changes. A window the process spends less than saturated (a claim came back short,
-the queue drained) is thrown away: with no backlog the limit is never reached, so it costs
+workload that changes. A window the process spends less than saturated (a claim came back
+short, the queue drained) is thrown away: with no backlog the limit is never reached, so it costs
 nothing, and nothing is learned from it.
 
 ``--concurrency N`` fixes the limit at N: what a step calls (an API with a rate limit, a
@@ -40,18 +40,23 @@ from enum import Enum
 log = logging.getLogger("kestrel.worker")
 
 START = 256
-"""Where an adaptive limit starts: the knee measured on the 2-core VM at both flush delays
-(BENCHMARKS.md, issue 23)."""
+"""Where an adaptive limit starts: the best of 64, 128 and 256 on the 2-core VM at both
+flush delays (BENCHMARKS.md, issue 23, item 1); from there one or two doublings reach the
+knee measured later (512 to 1,024 there, item 4)."""
 
 FLOOR = 32
+"""The least an adaptive limit goes down to."""
 CEILING = 1024
+"""The most an adaptive limit goes up to (and the step threads' pool size)."""
 WINDOW_S = 0.5
+"""The shortest window a rate is measured over."""
 GAIN = 1.05
 """A doubling is kept when it did at least this many times the work."""
 KEEP_DOWN = 0.98
 """A halving is kept when it did at least this share of the work: fewer slots are worth a
 little (each execution waits less in the process, a crash strands fewer), not much."""
 HOLD_S = 10.0
+"""How long the limit holds after a probe ends before the next one."""
 
 
 class _Phase(Enum):
