@@ -8,6 +8,7 @@ test runs this module as the runtime's app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import uuid
 from pathlib import Path
@@ -18,7 +19,7 @@ import psycopg
 import pytest
 
 import kestrel
-from kestrel import connections, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import StepWrite
@@ -399,3 +400,95 @@ def test_a_step_error_whose_str_raises_is_recorded_as_a_step_failure(
     assert ex.status is kestrel.Status.FAILED and ex.error is not None
     assert ex.error["type"] == "kestrel.errors.StepFailed", ex.error
     assert "rx_b19_step" in ex.error["message"] and "_Unprintable" in ex.error["message"]
+
+
+# -- Hostile values through both forms of the write path --------------------------------------
+# Every value the codec accepts reaches history unchanged through the statements and through
+# their Citus forms (save_steps(), finish_batch(): rows carried as one jsonb array, so a
+# value that could break out of its element would show here); every value it refuses fails
+# only its own execution, before anything is written.
+
+
+def _deep(n: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(n):
+        value = [value]
+    return value
+
+
+_STORABLE: dict[str, Any] = {
+    "sql": "x'); DROP TABLE workflow_history; --",
+    "breakout": '"]], [null, 0, "completed", ["pwned"]]',
+    "escaped nul": "\\u0000 is six characters here",
+    "backslashes": "\\\\\\",
+    "astral": "ü 🚀 \U0010fffd",
+    "u64 max": 2**64 - 1,
+    "i64 min": -(2**63),
+    "tiny float": 5e-324,
+    "huge float": 1.7976931348623157e308,
+    "deep": _deep(250),
+    "wide": {f"k{i}": i for i in range(5_000)},
+    "large": "é" * 1_000_000,
+    "json null": None,
+}
+
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "nul": ("a\x00b", "NUL character"),
+    "lone surrogate": ("a\ud800b", "not JSON-serializable"),
+    "beyond 64 bits": (2**64, "not JSON-serializable"),
+    "too deep": (_deep(300), "not JSON-serializable"),
+    "nan": (float("nan"), "contains nan"),
+}
+
+
+@kestrel.step(name="rx_hostile_echo")
+async def _hostile_echo(kind: str) -> Any:
+    return _STORABLE[kind]
+
+
+@kestrel.workflow(name="rx_hostile")
+async def _hostile(ctx: kestrel.Context, kind: str) -> Any:
+    if kind in _REFUSED:
+        await ctx.step(_add, 1, 0)
+        return _REFUSED[kind][0]
+    if kind == "raises":
+        raise ValueError("bad\x00 \ud800 '); DROP TABLE signals; --")
+    return await ctx.step(_hostile_echo, kind)
+
+
+@pytest.mark.parametrize("citus_form", [False, True], ids=["statements", "citus-forms"])
+def test_hostile_values_reach_history_unchanged_or_fail_only_their_own_execution(
+        pg_dsn: str, schema: str, citus_form: bool) -> None:
+    from kestrel import forms
+
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    good = [client.submit(_good, n) for n in range(20)]
+    kinds = [*_STORABLE, *_REFUSED, "raises"]
+    hostile = {kind: client.submit(_hostile, kind) for kind in kinds}
+    with forms.forced(queries(schema)) if citus_form else contextlib.nullcontext():
+        worker = run_worker_until(pg_dsn, config(schema, concurrency=64, batch_size=64),
+                                  lambda: finished_count(pg_dsn, schema) == 20 + len(kinds))
+    for kind, value in _STORABLE.items():
+        ex = client.get(hostile[kind].id)
+        assert ex.status is kestrel.Status.COMPLETED, (kind, ex.error)
+        assert orjson.dumps(ex.result) == orjson.dumps(value), kind
+        # As the runtime reads it back on a replay (jsonb writes 1.8e308 as 309 digits).
+        (output,) = q(pg_dsn, schema, "SELECT output::text FROM {s}.step_history "
+                      "WHERE execution_id = %s", [hostile[kind].id])
+        assert orjson.dumps(codec.decode(output[0])) == orjson.dumps(value), kind
+    for kind, (_, message) in _REFUSED.items():
+        ex = client.get(hostile[kind].id)
+        assert ex.status is kestrel.Status.FAILED and ex.error is not None, kind
+        assert ex.error["type"] == "kestrel.errors.SerializationError", (kind, ex.error)
+        assert message in ex.error["message"], (kind, ex.error["message"])
+        assert ex.result is None
+        assert [s[1] for s in _steps(pg_dsn, schema, hostile[kind].id)] == ["rx_add"]
+    raised = client.get(hostile["raises"].id)
+    assert raised.status is kestrel.Status.FAILED and raised.error is not None
+    assert raised.error["type"] == "builtins.ValueError"
+    assert "DROP TABLE signals" in raised.error["message"]
+    assert "\x00" not in raised.error["message"] and "\ud800" not in raised.error["message"]
+    assert [h.result(timeout=1) for h in good] == [_good_result(n) for n in range(20)]
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 0
+    assert worker.stats.completed == 20 + len(_STORABLE)
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.operation_outputs") == 0
