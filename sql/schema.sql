@@ -164,9 +164,10 @@ CREATE TABLE __schema__.operation_outputs (
     started_at timestamp with time zone NOT NULL,
     finished_at timestamp with time zone DEFAULT __schema__.kestrel_now() NOT NULL,
     CONSTRAINT operation_outputs_check CHECK (((output IS NULL) OR (error IS NULL)))
-);
+)
+PARTITION BY RANGE (execution_id);
 
-CREATE TABLE __schema__.step_history (
+CREATE TABLE __schema__.operation_outputs_default (
     execution_id uuid NOT NULL,
     step_id integer NOT NULL,
     step_name text NOT NULL,
@@ -175,10 +176,9 @@ CREATE TABLE __schema__.step_history (
     attempt integer NOT NULL,
     lease_epoch integer NOT NULL,
     started_at timestamp with time zone NOT NULL,
-    finished_at timestamp with time zone NOT NULL,
-    execution_finished_at timestamp with time zone NOT NULL
-)
-PARTITION BY RANGE (execution_finished_at);
+    finished_at timestamp with time zone DEFAULT __schema__.kestrel_now() NOT NULL,
+    CONSTRAINT operation_outputs_check CHECK (((output IS NULL) OR (error IS NULL)))
+);
 
 CREATE VIEW __schema__.workflow_steps AS
  SELECT o.execution_id,
@@ -197,21 +197,21 @@ CREATE VIEW __schema__.workflow_steps AS
    FROM (__schema__.operation_outputs o
      JOIN __schema__.workflow_executions e ON ((e.id = o.execution_id)))
 UNION ALL
- SELECT s.execution_id,
+ SELECT o.execution_id,
     h.workflow,
     h.queue,
     h.status AS execution_status,
-    s.step_id,
-    s.step_name,
-    s.attempt,
-    s.output,
-    s.error,
-    s.started_at,
-    s.finished_at,
-    (s.finished_at - s.started_at) AS duration,
-    s.execution_finished_at
-   FROM (__schema__.step_history s
-     JOIN __schema__.workflow_history h ON (((h.id = s.execution_id) AND (h.finished_at = s.execution_finished_at))));
+    o.step_id,
+    o.step_name,
+    o.attempt,
+    o.output,
+    o.error,
+    o.started_at,
+    o.finished_at,
+    (o.finished_at - o.started_at) AS duration,
+    h.finished_at AS execution_finished_at
+   FROM (__schema__.operation_outputs o
+     JOIN __schema__.workflow_history h ON ((h.id = o.execution_id)));
 
 CREATE VIEW __schema__.patch_markers AS
  SELECT execution_id,
@@ -295,18 +295,19 @@ CREATE SEQUENCE __schema__.signals_id_seq
 
 ALTER SEQUENCE __schema__.signals_id_seq OWNED BY __schema__.signals.id;
 
-CREATE TABLE __schema__.step_history_default (
-    execution_id uuid NOT NULL,
-    step_id integer NOT NULL,
-    step_name text NOT NULL,
-    output jsonb,
-    error jsonb,
-    attempt integer NOT NULL,
-    lease_epoch integer NOT NULL,
-    started_at timestamp with time zone NOT NULL,
-    finished_at timestamp with time zone NOT NULL,
-    execution_finished_at timestamp with time zone NOT NULL
-);
+CREATE VIEW __schema__.step_history AS
+ SELECT o.execution_id,
+    o.step_id,
+    o.step_name,
+    o.output,
+    o.error,
+    o.attempt,
+    o.lease_epoch,
+    o.started_at,
+    o.finished_at,
+    h.finished_at AS execution_finished_at
+   FROM (__schema__.operation_outputs o
+     JOIN __schema__.workflow_history h ON ((h.id = o.execution_id)));
 
 CREATE TABLE __schema__.ui_sessions (
     secret_hash bytea NOT NULL,
@@ -383,9 +384,9 @@ CREATE TABLE __schema__.workflow_history_default (
 
 ALTER TABLE ONLY __schema__.event_history ATTACH PARTITION __schema__.event_history_default DEFAULT;
 
-ALTER TABLE ONLY __schema__.signal_history ATTACH PARTITION __schema__.signal_history_default DEFAULT;
+ALTER TABLE ONLY __schema__.operation_outputs ATTACH PARTITION __schema__.operation_outputs_default DEFAULT;
 
-ALTER TABLE ONLY __schema__.step_history ATTACH PARTITION __schema__.step_history_default DEFAULT;
+ALTER TABLE ONLY __schema__.signal_history ATTACH PARTITION __schema__.signal_history_default DEFAULT;
 
 ALTER TABLE ONLY __schema__.workflow_history ATTACH PARTITION __schema__.workflow_history_default DEFAULT;
 
@@ -405,6 +406,9 @@ ALTER TABLE ONLY __schema__.idempotency_keys
 
 ALTER TABLE ONLY __schema__.operation_outputs
     ADD CONSTRAINT operation_outputs_pkey PRIMARY KEY (execution_id, step_id);
+
+ALTER TABLE ONLY __schema__.operation_outputs_default
+    ADD CONSTRAINT operation_outputs_default_pkey PRIMARY KEY (execution_id, step_id);
 
 ALTER TABLE ONLY __schema__.queue_limits
     ADD CONSTRAINT queue_limits_pkey PRIMARY KEY (queue);
@@ -446,14 +450,6 @@ CREATE INDEX signal_history_execution_idx ON ONLY __schema__.signal_history USIN
 CREATE INDEX signal_history_default_execution_id_id_idx ON __schema__.signal_history_default USING btree (execution_id, id);
 
 CREATE INDEX signals_pending_idx ON __schema__.signals USING btree (execution_id, name, id) WHERE (consumed_step IS NULL);
-
-CREATE INDEX step_history_errors_idx ON ONLY __schema__.step_history USING btree (execution_finished_at) WHERE (error IS NOT NULL);
-
-CREATE INDEX step_history_default_execution_finished_at_idx ON __schema__.step_history_default USING btree (execution_finished_at) WHERE (error IS NOT NULL);
-
-CREATE INDEX step_history_execution_idx ON ONLY __schema__.step_history USING btree (execution_id, step_id);
-
-CREATE INDEX step_history_default_execution_id_step_id_idx ON __schema__.step_history_default USING btree (execution_id, step_id);
 
 CREATE INDEX ui_sessions_expires_idx ON __schema__.ui_sessions USING btree (expires_at);
 
@@ -497,11 +493,9 @@ CREATE INDEX workflow_history_default_workflow_finished_at_idx ON __schema__.wor
 
 ALTER INDEX __schema__.event_history_execution_idx ATTACH PARTITION __schema__.event_history_default_execution_id_key_idx;
 
+ALTER INDEX __schema__.operation_outputs_pkey ATTACH PARTITION __schema__.operation_outputs_default_pkey;
+
 ALTER INDEX __schema__.signal_history_execution_idx ATTACH PARTITION __schema__.signal_history_default_execution_id_id_idx;
-
-ALTER INDEX __schema__.step_history_errors_idx ATTACH PARTITION __schema__.step_history_default_execution_finished_at_idx;
-
-ALTER INDEX __schema__.step_history_execution_idx ATTACH PARTITION __schema__.step_history_default_execution_id_step_id_idx;
 
 ALTER INDEX __schema__.workflow_history_created_idx ATTACH PARTITION __schema__.workflow_history_default_created_at_id_idx;
 

@@ -17,6 +17,29 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT now()
 $$;
 
+-- name: new_execution_id
+-- A new execution's id: a UUIDv7 (RFC 9562) of the database clock, its first 48 bits the
+-- milliseconds since 1970, the rest random. operation_outputs is range-partitioned by
+-- execution id (migration 0019), so a period's executions keep their checkpoints in that
+-- period's partition; kestrel.ids.new_id() makes the same ids in Python.
+CREATE OR REPLACE FUNCTION __schema__.new_execution_id() RETURNS uuid
+LANGUAGE sql VOLATILE AS $$
+    SELECT encode(set_byte(r.b, 6, (get_byte(r.b, 6) & 15) | 112), 'hex')::uuid
+      FROM (SELECT overlay(uuid_send(gen_random_uuid())
+                           PLACING substring(int8send(floor(extract(epoch FROM
+                               __schema__.kestrel_now()) * 1000)::bigint) FROM 3)
+                           FROM 1 FOR 6) AS b) AS r
+$$;
+
+-- name: execution_id_at
+-- The smallest UUIDv7 of the millisecond at p_at: the bound of a partition of
+-- operation_outputs that starts at p_at.
+CREATE OR REPLACE FUNCTION __schema__.execution_id_at(p_at timestamptz) RETURNS uuid
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT (lpad(to_hex(floor(extract(epoch FROM p_at) * 1000)::bigint), 12, '0')
+            || repeat('0', 20))::uuid
+$$;
+
 -- name: check_name
 -- A name or key: 1-1024 characters and at most 2048 bytes of UTF-8 (codec.check_text). The
 -- byte bound keeps every indexed name (history by workflow, pending signals by name, events
@@ -275,7 +298,7 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_id uuid := coalesce(p_id, gen_random_uuid());
+    v_id uuid := coalesce(p_id, __schema__.new_execution_id());
     v_traceparent text := __schema__.trace_parent_or_null(p_traceparent);
     v_tracestate text;
     v_parent_traceparent text;
@@ -605,7 +628,8 @@ $$;
 -- the failed step. A workflow that caught StepFailed and took another branch then found the
 -- other branch's checkpoints at positions its re-run reaches by the first branch, and
 -- failed with NonDeterminismError (FAULTS X7). Now only the checkpoints before the first
--- failed one come back; the rest are dropped and run again. A child whose parent was
+-- failed one are kept (where they were written: migration 0019); the rest are dropped and
+-- run again. A child whose parent was
 -- cancelled is not brought back (KS009), as submit() would not start it.
 --
 -- The re-run is a fresh run from the first failed step (FAULTS O1, O2), so what the dropped
@@ -682,22 +706,15 @@ BEGIN
       FROM removed;
     IF FOUND THEN
         -- The first failed step's position: it and everything after it runs again.
-        SELECT coalesce(min(s.step_id), 2147483647) INTO v_cut
-          FROM __schema__.step_history AS s
-         WHERE s.execution_id = p_execution AND s.step_id >= 0 AND s.error IS NOT NULL;
-        WITH back AS (
-            DELETE FROM __schema__.step_history AS s
-             WHERE s.execution_id = p_execution
-         RETURNING s.*
-        )
-        INSERT INTO __schema__.operation_outputs
-               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-                started_at, finished_at)
-        SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-               started_at, finished_at
-          FROM back
-         WHERE CASE WHEN step_id >= 0 THEN step_id < v_cut
-                    ELSE __schema__.marker_position(output) < v_cut END;
+        SELECT coalesce(min(o.step_id), 2147483647) INTO v_cut
+          FROM __schema__.operation_outputs AS o
+         WHERE o.execution_id = p_execution AND o.step_id >= 0 AND o.error IS NOT NULL;
+        -- The checkpoints stay where they were written (migration 0019); those from the
+        -- first failure on go.
+        DELETE FROM __schema__.operation_outputs AS o
+         WHERE o.execution_id = p_execution
+           AND NOT CASE WHEN o.step_id >= 0 THEN o.step_id < v_cut
+                        ELSE __schema__.marker_position(o.output) < v_cut END;
         WITH back AS (
             DELETE FROM __schema__.signal_history AS s
              WHERE s.execution_id = p_execution
@@ -812,7 +829,7 @@ CREATE OR REPLACE FUNCTION __schema__.fork(
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_new uuid := coalesce(p_id, gen_random_uuid());
+    v_new uuid := coalesce(p_id, __schema__.new_execution_id());
     v_src __schema__.executions%ROWTYPE;
     v_last integer;
     v_child record;
@@ -930,19 +947,20 @@ END
 $$;
 
 -- name: archive_finished
--- Everything finished executions had, moved by complete/cancel/quarantine/deadline in the
--- statement that moves them to history: their checkpoints to step_history, their signals
--- (consumed or not) to signal_history and their events to event_history (migration 0013),
--- each stamped with p_finished_at, the finish time the caller wrote to workflow_history and
--- that partitions it, so the hot tables hold live work only and retention drops all of it
--- with the execution. retry() brings it back. Returns the number of checkpoints moved. Each
--- DELETE finds its rows by an index that leads with the execution id; an execution that
--- never signalled or published costs two index probes.
+-- What finished executions had besides their checkpoints, moved by complete/cancel/
+-- quarantine/deadline in the statement that moves them to history: their signals (consumed
+-- or not) to signal_history and their events to event_history (migration 0013), each stamped
+-- with p_finished_at, the finish time the caller wrote to workflow_history and that
+-- partitions it, so the hot tables hold live work only and retention drops all of it with
+-- the execution. retry() brings it back. Checkpoints stay where they were written
+-- (operation_outputs, partitioned by execution id: migration 0019). Returns the number of
+-- rows moved. Each DELETE finds its rows by an index that leads with the execution id; an
+-- execution that never signalled or published costs two index probes.
 --
 -- The time is passed, never read again here: a second read of the clock can differ from
 -- the first (a test clock moved while the finishing statement waited on a row a client held;
--- the operator machine's soak found the execution in history with its checkpoints under
--- another time, so workflow_steps, which joins on it, showed none).
+-- the operator machine's soak found the execution in history with its signals under another
+-- time).
 --
 -- PL/pgSQL (issue 24): Citus plans no statement of a SQL function that uses its parameters.
 CREATE OR REPLACE FUNCTION __schema__.archive_finished(p_ids uuid[],
@@ -952,19 +970,7 @@ LANGUAGE plpgsql AS $$
 DECLARE
     v_n bigint;
 BEGIN
-    WITH moved AS (
-        DELETE FROM __schema__.operation_outputs AS o
-         WHERE o.execution_id = ANY(p_ids)
-     RETURNING o.*
-    ), archived AS (
-        INSERT INTO __schema__.step_history
-               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-                started_at, finished_at, execution_finished_at)
-        SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-               started_at, finished_at, p_finished_at
-          FROM moved
-        RETURNING 1
-    ), signals_moved AS (
+    WITH signals_moved AS (
         DELETE FROM __schema__.signals AS s
          WHERE s.execution_id = ANY(p_ids)
      RETURNING s.*
@@ -975,6 +981,7 @@ BEGIN
         SELECT id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
                consumed_at, p_finished_at
           FROM signals_moved
+        RETURNING 1
     ), events_moved AS (
         DELETE FROM __schema__.events AS v
          WHERE v.execution_id = ANY(p_ids)
@@ -984,8 +991,10 @@ BEGIN
                (execution_id, key, value, updated_at, execution_finished_at)
         SELECT execution_id, key, value, updated_at, p_finished_at
           FROM events_moved
+        RETURNING 1
     )
-    SELECT count(*) INTO v_n FROM archived;
+    SELECT (SELECT count(*) FROM signals_archived) + (SELECT count(*) FROM events_archived)
+      INTO v_n;
     RETURN v_n;
 END
 $$;
@@ -1116,7 +1125,8 @@ $$;
 -- p_status[i], p_result[i], p_error[i]. Tell each parent that does not finish here, one
 -- word per child (child_finished(): its signal, its signal_seq, its wake-up when it waits
 -- for that child; a parent no longer live gets none); move the executions to history under
--- p_now, their checkpoints, signals and events after them (archive_finished()). Plain
+-- p_now, their signals and events after them (archive_finished(); their checkpoints stay
+-- where they were written, migration 0019). Plain
 -- statements because Citus plans a statement with an INSERT in a CTE CTE by CTE even on the
 -- tenant's node (docs/citus.md); on one PostgreSQL those statements stay (one statement is
 -- cheaper there).
@@ -1157,14 +1167,6 @@ BEGIN
       FROM __schema__.workflow_executions AS e
       JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
         ON f.id = e.id;
-    INSERT INTO __schema__.step_history
-           (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-            started_at, finished_at, execution_finished_at)
-    SELECT execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-           started_at, finished_at, p_now
-      FROM __schema__.operation_outputs
-     WHERE execution_id = ANY (p_ids);
-    DELETE FROM __schema__.operation_outputs WHERE execution_id = ANY (p_ids);
     INSERT INTO __schema__.signal_history
            (id, execution_id, name, payload, idempotency_key, created_at, consumed_step,
             consumed_at, execution_finished_at)

@@ -1,10 +1,14 @@
 -- Partition upkeep for workflow_history and what leaves the hot tables with an execution:
--- step_history, signal_history and event_history (installed by `migrate`, replaced on every
--- run: the _v1 names change if the signatures ever do).
+-- signal_history and event_history, range-partitioned by finish time with identical bounds;
+-- and for operation_outputs, every checkpoint, range-partitioned by execution id (UUIDv7:
+-- creation time) with the ids of the same periods' bounds (migration 0019). Installed by
+-- `migrate`, replaced on every run: the _v1 names change if the signatures ever do.
 --
--- All four tables are range-partitioned by finish time with identical bounds. Upkeep creates
--- partitions ahead of time and drops (or detaches) those wholly older than the retention:
--- history is never trimmed with DELETE. Partition names and bounds derive from a validated
+-- Upkeep creates partitions ahead of time and drops (or detaches) those wholly older than
+-- the retention: history is never trimmed with DELETE. A period of operation_outputs goes
+-- once none of the executions created in it is live or in history any more (a two-week
+-- wait keeps its checkpoints); its DEFAULT partition (ids that are no UUIDv7 of a covered
+-- period) is trimmed of the checkpoints of executions that are gone. Partition names and bounds derive from a validated
 -- interval ('day', 'week' or 'month') and timestamps, never from caller text, and every
 -- identifier goes through format('%I'). Each function runs with a short lock_timeout (set on
 -- the function, so no session state leaks): if a lock is contended it fails fast and the
@@ -30,6 +34,8 @@ DECLARE
     v_table text;
     v_name text;
     v_column text;
+    v_lo text;
+    v_hi text;
     v_created integer := 0;
 BEGIN
     CASE p_interval
@@ -46,11 +52,19 @@ BEGIN
                AT TIME ZONE 'UTC';
     FOR i IN 0 .. p_ahead LOOP
         v_end := ((v_start AT TIME ZONE 'UTC') + v_step) AT TIME ZONE 'UTC';
-        FOREACH v_table IN ARRAY ARRAY['workflow_history', 'step_history', 'signal_history',
-                                       'event_history'] LOOP
+        FOREACH v_table IN ARRAY ARRAY['workflow_history', 'signal_history', 'event_history',
+                                       'operation_outputs'] LOOP
             CONTINUE WHEN i = 0 AND NOT p_include_current;
             v_column := CASE v_table WHEN 'workflow_history' THEN 'finished_at'
+                                     WHEN 'operation_outputs' THEN 'execution_id'
                                      ELSE 'execution_finished_at' END;
+            IF v_table = 'operation_outputs' THEN
+                v_lo := __schema__.execution_id_at(v_start)::text;
+                v_hi := __schema__.execution_id_at(v_end)::text;
+            ELSE
+                v_lo := v_start::text;
+                v_hi := v_end::text;
+            END IF;
             v_name := v_table || '_p' || to_char(v_start AT TIME ZONE 'UTC', v_format);
             CONTINUE WHEN to_regclass(format('%I.%I', '__schema_name__', v_name)) IS NOT NULL;
             -- Rows that landed in the DEFAULT partition for this range (before upkeep first
@@ -59,12 +73,12 @@ BEGIN
                            '__schema_name__', v_name, '__schema_name__', v_table);
             EXECUTE format('WITH moved AS (DELETE FROM %I.%I WHERE %I >= %L AND %I < %L RETURNING *) '
                            'INSERT INTO %I.%I SELECT * FROM moved',
-                           '__schema_name__', v_table || '_default', v_column, v_start, v_column,
-                           v_end, '__schema_name__', v_name);
+                           '__schema_name__', v_table || '_default', v_column, v_lo, v_column,
+                           v_hi, '__schema_name__', v_name);
             BEGIN
                 EXECUTE format('ALTER TABLE %I.%I ATTACH PARTITION %I.%I FOR VALUES FROM (%L) TO (%L)',
-                               '__schema_name__', v_table, '__schema_name__', v_name, v_start,
-                               v_end);
+                               '__schema_name__', v_table, '__schema_name__', v_name, v_lo,
+                               v_hi);
                 v_created := v_created + 1;
             EXCEPTION WHEN invalid_object_definition THEN
                 -- It overlaps partitions of an earlier interval setting: leave this period
@@ -102,8 +116,7 @@ BEGIN
           JOIN pg_class AS parent ON parent.oid = i.inhparent
           JOIN pg_namespace AS n ON n.oid = parent.relnamespace
          WHERE n.nspname = '__schema_name__'
-           AND parent.relname IN ('workflow_history', 'step_history', 'signal_history',
-                                  'event_history')
+           AND parent.relname IN ('workflow_history', 'signal_history', 'event_history')
            AND NOT child.relispartition IS DISTINCT FROM true
          ORDER BY 3
     LOOP
@@ -117,6 +130,52 @@ BEGIN
         END IF;
         v_dropped := v_dropped + 1;
     END LOOP;
+    -- Checkpoints: a period's partition goes when the period is past the retention and no
+    -- execution created in it is live or in history (after the drops above). Locked first,
+    -- so no checkpoint lands in it between the look and the drop.
+    FOR v_part IN
+        SELECT child.relname AS child,
+               substring(pg_get_expr(child.relpartbound, child.oid)
+                         FROM $r$FROM \('([^']+)'\)$r$)::uuid AS lo,
+               substring(pg_get_expr(child.relpartbound, child.oid)
+                         FROM $r$TO \('([^']+)'\)$r$)::uuid AS hi
+          FROM pg_inherits AS i
+          JOIN pg_class AS child ON child.oid = i.inhrelid
+          JOIN pg_class AS parent ON parent.oid = i.inhparent
+          JOIN pg_namespace AS n ON n.oid = parent.relnamespace
+         WHERE n.nspname = '__schema_name__'
+           AND parent.relname = 'operation_outputs'
+         ORDER BY 3
+    LOOP
+        CONTINUE WHEN v_part.hi IS NULL;  -- the DEFAULT partition
+        CONTINUE WHEN v_part.hi > __schema__.execution_id_at(__schema__.kestrel_now()
+                                                              - p_retention);
+        EXECUTE format('LOCK TABLE %I.%I IN ACCESS EXCLUSIVE MODE', '__schema_name__',
+                       v_part.child);
+        CONTINUE WHEN EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                               WHERE e.id >= v_part.lo AND e.id < v_part.hi)
+                   OR EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
+                               WHERE h.id >= v_part.lo AND h.id < v_part.hi);
+        IF p_detach_only THEN
+            EXECUTE format('ALTER TABLE %I.operation_outputs DETACH PARTITION %I.%I',
+                           '__schema_name__', '__schema_name__', v_part.child);
+        ELSE
+            EXECUTE format('DROP TABLE %I.%I', '__schema_name__', v_part.child);
+        END IF;
+        v_dropped := v_dropped + 1;
+    END LOOP;
+    -- DEFAULT: the checkpoints of executions neither live nor in history, at most 10,000
+    -- executions' a round (the next round takes more).
+    DELETE FROM __schema__.operation_outputs_default AS d
+     WHERE d.execution_id IN (
+            SELECT g.execution_id
+              FROM (SELECT DISTINCT execution_id FROM __schema__.operation_outputs_default)
+                   AS g
+             WHERE NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                                WHERE e.id = g.execution_id)
+               AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
+                                WHERE h.id = g.execution_id)
+             LIMIT 10000);
     RETURN v_dropped;
 END
 $$;

@@ -54,13 +54,9 @@ SELECT id, workflow, queue, priority, status, args, result, error,
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_steps
--- Checkpoints of one execution, live (operation_outputs) or finished (step_history).
+-- Checkpoints of one execution, live or finished: they never leave operation_outputs.
 SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
   FROM __schema__.operation_outputs
- WHERE execution_id = %(id)s
-UNION ALL
-SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
-  FROM __schema__.step_history
  WHERE execution_id = %(id)s
  ORDER BY step_id;
 
@@ -85,12 +81,9 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_versi
    AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
    AND (%(app_version)s::text IS NULL OR app_version = %(app_version)s::text)
    AND (%(patch)s::text IS NULL
-        OR (EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
-                     WHERE o.execution_id = x.id AND o.step_id < 0
-                       AND o.step_name = 'kestrel.patch:' || %(patch)s::text)
-            OR EXISTS (SELECT 1 FROM __schema__.step_history AS s
-                        WHERE s.execution_id = x.id AND s.step_id < 0
-                          AND s.step_name = 'kestrel.patch:' || %(patch)s::text))
+        OR EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                    WHERE o.execution_id = x.id AND o.step_id < 0
+                      AND o.step_name = 'kestrel.patch:' || %(patch)s::text)
            = %(with_patch)s
            AND x.workflow IN (SELECT p.workflow FROM __schema__.patch_markers AS p
                                WHERE p.patch = %(patch)s::text))

@@ -190,8 +190,9 @@ WITH finished(id, epoch, status, result, error) AS (
      WHERE parent_id IS NOT NULL
        AND parent_id NOT IN (SELECT id FROM removed)
 ), archived AS (
-    -- Their checkpoints follow them into step_history (one statement for the whole batch),
-    -- under the finish time written above (one value: the same kestrel_now() for the batch).
+    -- Their signals and events follow them into history (one statement for the whole
+    -- batch), under the finish time written above (one value: the same kestrel_now() for
+    -- the batch). Their checkpoints stay where they were written (migration 0019).
     SELECT __schema__.archive_finished(array_agg(id), min(finished_at)) AS n FROM moved
 )
 -- Identical notifications in one transaction collapse into one: a waiting result() wakes

@@ -21,8 +21,8 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
   JOIN pg_class AS parent ON parent.oid = i.inhparent
   JOIN pg_namespace AS n ON n.oid = parent.relnamespace
  WHERE n.nspname = '__schema_name__'
-   AND parent.relname IN ('workflow_history', 'step_history', 'signal_history',
-                          'event_history')
+   AND parent.relname IN ('workflow_history', 'signal_history', 'event_history',
+                          'operation_outputs')
  ORDER BY parent.relname, child.relname;
 
 -- name: take_uncounted_finishes

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, connections, db, statements
+from kestrel import codec, connections, db, ids, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -204,7 +204,7 @@ class Client(ClientBase):
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
         new = await self._run(statements.client.fork(
-            self._q, id=ident(execution_id), from_step=from_step, new_id=uuid.uuid4(),
+            self._q, id=ident(execution_id), from_step=from_step, new_id=ids.new_id(),
             idempotency_key=idempotency_key))
         return Handle(self, new)
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import codec, connections, db, statements
+from kestrel import codec, connections, db, ids, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
@@ -203,7 +203,7 @@ class SyncClient(ClientBase):
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
         new = self._run(statements.client.fork(
-            self._q, id=ident(execution_id), from_step=from_step, new_id=uuid.uuid4(),
+            self._q, id=ident(execution_id), from_step=from_step, new_id=ids.new_id(),
             idempotency_key=idempotency_key))
         return SyncHandle(self, new)
 

@@ -24,8 +24,7 @@ from tests.helpers import audit, finished_count, q, runtime, submit_many, wait_u
 from tests.pgcluster import Cluster
 
 SCHEMA = "failover"
-COMMITTED = ("SELECT execution_id::text, step_id, output::text FROM {s}.operation_outputs "
-             "UNION ALL SELECT execution_id::text, step_id, output::text FROM {s}.step_history")
+COMMITTED = "SELECT execution_id::text, step_id, output::text FROM {s}.operation_outputs"
 
 
 @pytest.fixture

@@ -56,7 +56,7 @@ def conn(citus_dsn: str) -> Iterator[psycopg.Connection[Any]]:
 # (commands to the tenant's node, intermediate results copied to the other node) per
 # statement, as Citus 13.2.2 plans them. Routed whole: one command. Planned CTE by CTE (an
 # INSERT in a CTE): a command per CTE, those of the PL/pgSQL functions it calls (the archive
-# of a finished execution's checkpoints, signals, events), and each subplan's result copied
+# of a finished execution's signals and events), and each subplan's result copied
 # to every worker node, the tenant's and the other, in a transaction that commits on both in
 # two phases (docs/citus.md: what delegating them to the tenant's node measured, and what is
 # next).
@@ -68,14 +68,14 @@ EXPECTED = {
     "save_steps as a statement": (6, 2),  # the form plain PostgreSQL gets, for comparison
     "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
     "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
-    "complete_batch as a statement": (15, 4),  # the form plain PostgreSQL gets
+    "complete_batch as a statement": (11, 3),  # the form plain PostgreSQL gets
     "reenqueue_expired": (1, 0),  # the Citus form: sweep_expired() delegated
-    "reenqueue_expired as a statement": (11, 4),
+    "reenqueue_expired as a statement": (9, 3),
     "expire_deadlines": (1, 0),  # the Citus form: fail_late() delegated
-    "expire_deadlines as a statement": (11, 5),
+    "expire_deadlines as a statement": (9, 4),
     "recover_dead_worker": (4, 0),  # one transaction; its pass in the Citus form, each
     # statement of sweep_expired() routed (in a transaction Citus delegates no call)
-    "recover_dead_worker with the statement": (13, 4),
+    "recover_dead_worker with the statement": (11, 3),
 }
 
 

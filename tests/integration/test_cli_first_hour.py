@@ -106,10 +106,10 @@ def test_show_places_patch_markers_and_names_the_execution_a_fork_came_from(
     client = SyncClient(pg_dsn, schema=schema, pool_size=0)
     h = client.submit(app.three_steps, 4)
     run_worker_until(pg_dsn, config(schema), lambda: client.get(h.id).status.terminal)
-    q1(pg_dsn, schema, "INSERT INTO {s}.step_history (execution_id, step_id, step_name, "
-       "output, attempt, lease_epoch, started_at, finished_at, execution_finished_at) "
-       "SELECT id, -1, 'kestrel.patch:p1', '{{\"at\": 2}}', 1, 1, finished_at, finished_at, "
-       "finished_at FROM {s}.workflow_history WHERE id = %s RETURNING 1", [h.id])
+    q1(pg_dsn, schema, "INSERT INTO {s}.operation_outputs (execution_id, step_id, step_name, "
+       "output, attempt, lease_epoch, started_at, finished_at) "
+       "SELECT id, -1, 'kestrel.patch:p1', '{{\"at\": 2}}', 1, 1, finished_at, finished_at "
+       "FROM {s}.workflow_history WHERE id = %s RETURNING 1", [h.id])
     _, out, _ = cli("show", str(h.id))
     lines = [line.strip() for line in out.splitlines()]
     marker = next(i for i, line in enumerate(lines) if line.startswith("patch"))

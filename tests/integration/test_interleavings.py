@@ -35,13 +35,9 @@ from tests.helpers import config, finished_count, q, q1, run_worker_until, wait_
 
 
 def _steps(dsn: str, schema: str, eid: object) -> list[tuple[Any, ...]]:
-    """(step_id, step_name, lease_epoch) of every checkpoint of *eid*, live or archived."""
-    return q(dsn, schema,
-             "SELECT step_id, step_name, lease_epoch FROM ("
-             " SELECT execution_id, step_id, step_name, lease_epoch FROM {s}.operation_outputs"
-             " UNION ALL"
-             " SELECT execution_id, step_id, step_name, lease_epoch FROM {s}.step_history"
-             ") AS s WHERE execution_id = %s ORDER BY step_id", [eid])
+    """(step_id, step_name, lease_epoch) of every checkpoint of *eid*, live or finished."""
+    return q(dsn, schema, "SELECT step_id, step_name, lease_epoch FROM {s}.operation_outputs "
+             "WHERE execution_id = %s ORDER BY step_id", [eid])
 
 
 def _metric(name: str, **labels: str) -> float:

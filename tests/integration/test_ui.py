@@ -611,11 +611,10 @@ def test_a_fork_links_its_source_and_shows_reused_steps_and_markers_in_place(
     fork = str(client.fork(source, 2).id)
     assert client.result(fork, timeout=60) == 3
     # A patch marker in the source's history (after the fork: this app knows no patch).
-    q1(server.dsn, server.schema, "INSERT INTO {s}.step_history (execution_id, step_id, "
-       "step_name, output, attempt, lease_epoch, started_at, finished_at, "
-       "execution_finished_at) SELECT id, -1, 'kestrel.patch:p1', '{{\"at\": 1}}', 1, 1, "
-       "finished_at, finished_at, finished_at FROM {s}.workflow_history WHERE id = %s "
-       "RETURNING 1", [source])
+    q1(server.dsn, server.schema, "INSERT INTO {s}.operation_outputs (execution_id, "
+       "step_id, step_name, output, attempt, lease_epoch, started_at, finished_at) "
+       "SELECT id, -1, 'kestrel.patch:p1', '{{\"at\": 1}}', 1, 1, finished_at, finished_at "
+       "FROM {s}.workflow_history WHERE id = %s RETURNING 1", [source])
     page = server.client("reader").get(f"/ui/executions/{fork}").body.decode()
     assert f'id="forked-from" href="/ui/executions/{source}"' in page
     assert "reused from the execution it was forked from" in page

@@ -245,7 +245,7 @@ class InterleavingMachine(RuleBasedStateMachine):
         self.admin = self.run(self.connect("admin", autocommit=True, track=False))
         self.observer = self.run(self.connect("observer", autocommit=True, track=False))
         self.sql("TRUNCATE {s}.workflow_executions, {s}.workflow_history,"
-                 " {s}.operation_outputs, {s}.step_history, {s}.idempotency_keys,"
+                 " {s}.operation_outputs, {s}.idempotency_keys,"
                  " {s}.signals, {s}.events, {s}.signal_history, {s}.event_history")
         self.sql("UPDATE {s}.clock_offset SET offset_by = '0'")
         self.workers = [self.run(self.connect(f"w{i}")) for i in range(3)]
@@ -1098,9 +1098,7 @@ class InterleavingMachine(RuleBasedStateMachine):
             return
         rows = self.sql(
             "SELECT execution_id, step_id, step_name, output, count(*) OVER "
-            "(PARTITION BY execution_id, step_id) FROM (SELECT execution_id, step_id,"
-            " step_name, output FROM {s}.operation_outputs UNION ALL SELECT execution_id,"
-            " step_id, step_name, output FROM {s}.step_history) AS x")
+            "(PARTITION BY execution_id, step_id) FROM {s}.workflow_steps")
         for eid, k, name, out, count in rows:
             assert count == 1, f"I1: {count} checkpoints of step {k} of {eid}"
             ex = self.execs[eid]

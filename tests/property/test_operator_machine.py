@@ -341,7 +341,7 @@ class OperatorMachine(RuleBasedStateMachine):
         FAIL_FINAL.clear()
         self.admin = self.run(self.connect("admin"))
         self.sql("TRUNCATE {s}.workflow_executions, {s}.workflow_history,"
-                 " {s}.operation_outputs, {s}.step_history, {s}.idempotency_keys,"
+                 " {s}.operation_outputs, {s}.idempotency_keys,"
                  " {s}.signals, {s}.events")
         self.client = Client(self.dsn, schema=self.schema, pool_size=0)
         self.auto = self.run(self.chan("auto", autocommit=True))

@@ -41,7 +41,7 @@ class ProcessMachine(RuleBasedStateMachine):
     def start(self) -> None:
         self.dsn, self.schema, tmp = ENV["dsn"], ENV["schema"], ENV["tmp"]
         q(self.dsn, self.schema, "TRUNCATE {s}.workflow_executions, {s}.operation_outputs, "
-          "{s}.workflow_history, {s}.step_history, {s}.idempotency_keys")
+          "{s}.workflow_history, {s}.idempotency_keys")
         q(self.dsn, self.schema, "UPDATE {s}.clock_offset SET offset_by = '0'")
         self.tmp = Path(tmp)
         self.ledger = self.tmp / f"ledger-{uuid.uuid4().hex}.jsonl"

@@ -90,7 +90,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         connections.configure_connection(self.conn)
         self.sql(
             "TRUNCATE {s}.workflow_executions, {s}.operation_outputs, {s}.workflow_history,"
-            " {s}.step_history, {s}.idempotency_keys, {s}.signals, {s}.events,"
+            " {s}.idempotency_keys, {s}.signals, {s}.events,"
             " {s}.signal_history, {s}.event_history")
         self.sql("UPDATE {s}.clock_offset SET offset_by = '0'")
         self.client = SyncClient(self.dsn, schema=self.schema, pool_size=0)

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import codec, statements, tracing
+from kestrel import codec, ids, statements, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -258,7 +258,7 @@ class HttpClient(Client):
                                      delay, None, dedup_key, "return")
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
-        params["id"] = chosen = uuid.uuid4()
+        params["id"] = chosen = ids.new_id()
         eid = await self._run(statements.client.submit(self._q, params))
         if eid == chosen:
             count_submitted(params["workflow"])
