@@ -8,7 +8,8 @@
 -- the retention: history is never trimmed with DELETE. A period of operation_outputs goes
 -- once none of the executions created in it is live or in history any more (a two-week
 -- wait keeps its checkpoints); its DEFAULT partition (ids that are no UUIDv7 of a covered
--- period) is trimmed of the checkpoints of executions that are gone. Partition names and bounds derive from a validated
+-- period) is trimmed of the checkpoints of executions that are gone, in a round that drops
+-- history. Partition names and bounds derive from a validated
 -- interval ('day', 'week' or 'month') and timestamps, never from caller text, and every
 -- identifier goes through format('%I'). Each function runs with a short lock_timeout (set on
 -- the function, so no session state leaks): if a lock is contended it fails fast and the
@@ -103,6 +104,7 @@ AS $$
 DECLARE
     v_part record;
     v_dropped integer := 0;
+    v_history_dropped integer;
 BEGIN
     IF p_retention <= interval '0' THEN
         RAISE EXCEPTION 'retention must be positive, not %', p_retention USING ERRCODE = 'KS002';
@@ -130,6 +132,7 @@ BEGIN
         END IF;
         v_dropped := v_dropped + 1;
     END LOOP;
+    v_history_dropped := v_dropped;
     -- Checkpoints: a period's partition goes when the period is past the retention and no
     -- execution created in it is live or in history (after the drops above). Locked first,
     -- so no checkpoint lands in it between the look and the drop.
@@ -164,18 +167,16 @@ BEGIN
         END IF;
         v_dropped := v_dropped + 1;
     END LOOP;
-    -- DEFAULT: the checkpoints of executions neither live nor in history, at most 10,000
-    -- executions' a round (the next round takes more).
-    DELETE FROM __schema__.operation_outputs_default AS d
-     WHERE d.execution_id IN (
-            SELECT g.execution_id
-              FROM (SELECT DISTINCT execution_id FROM __schema__.operation_outputs_default)
-                   AS g
-             WHERE NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
-                                WHERE e.id = g.execution_id)
-               AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
-                                WHERE h.id = g.execution_id)
-             LIMIT 10000);
+    -- DEFAULT: the checkpoints of executions neither live nor in history. Only in a round
+    -- that dropped history (what makes them so), not every round: the look reads all of
+    -- DEFAULT, which after an upgrade holds the retention's worth of older checkpoints.
+    IF v_history_dropped > 0 THEN
+        DELETE FROM __schema__.operation_outputs_default AS d
+         WHERE NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                            WHERE e.id = d.execution_id)
+           AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
+                            WHERE h.id = d.execution_id);
+    END IF;
     RETURN v_dropped;
 END
 $$;

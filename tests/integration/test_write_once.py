@@ -118,7 +118,14 @@ def test_retention_keeps_a_period_while_one_of_its_executions_lives(
     client.signal(waiting.id, "approve", "ok")
     run_worker_until(pg_dsn, config(schema),
                      lambda: client.get(waiting.id).status.value == "completed")
+    # An orphan in DEFAULT stays through a round that drops no history (the look reads
+    # all of DEFAULT: only rounds that make orphans pay for it).
+    orphan = uuid.uuid4()
+    q(pg_dsn, schema, "INSERT INTO {s}.operation_outputs (execution_id, step_id, step_name, "
+      "output, attempt, lease_epoch, started_at) VALUES (%s, 0, 'add', '1', 1, 1, now())",
+      [orphan])
     assert drop() == 0
+    assert partition_of(pg_dsn, schema, orphan) == [f"{schema}.operation_outputs_default"]
     assert [s.name for s in client.steps(waiting.id)] == ["add", "kestrel.signal:approve",
                                                           "add"]
     # Forty days on, its history is past retention: history and checkpoints go together.
@@ -128,8 +135,9 @@ def test_retention_keeps_a_period_while_one_of_its_executions_lives(
     assert q1(pg_dsn, schema, "SELECT to_regclass(%s)", [f"{schema}.{old_day}"]) is None
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.executions WHERE id = %s",
               [waiting.id]) == 0
-    # The live v4 execution is untouched.
+    # The live v4 execution is untouched; the orphan went with that round.
     assert partition_of(pg_dsn, schema, live_v4) == [f"{schema}.operation_outputs_default"]
+    assert partition_of(pg_dsn, schema, orphan) == []
 
 
 def test_a_period_partition_holding_an_id_a_caller_chose_is_kept(
