@@ -1192,7 +1192,8 @@ $$;
 -- completions is one round trip, run there, with no other node in its transaction (the
 -- statement is planned CTE by CTE: 15 commands, intermediate results copied to every node,
 -- a two-phase commit on each, so a node that is down stalls every tenant's completions).
--- p_rows as complete_batch's: [execution, epoch, status, [result] or null, [error] or null].
+-- p_rows as complete_batch's: [execution, epoch, status, [result] or null, [error] or null]
+-- and the tail's seven fields, or none.
 -- In the statement's order: lock the finishing executions and the parents they tell in id
 -- order; take those still running under the batch's epoch (the others were fenced); finish
 -- them (move_finished()); return their ids. It raises no notification: one raised on the
@@ -1227,8 +1228,24 @@ BEGIN
       FROM __schema__.workflow_executions AS e
       JOIN jsonb_array_elements(p_rows) AS r
         ON e.id = (r->>0)::uuid AND e.lease_epoch = (r->>1)::integer
-     WHERE e.status = 'running';
+     WHERE e.status = 'running'
+       AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                        WHERE o.execution_id = e.id AND o.step_id = (r->>5)::integer);
     IF cardinality(v_ids) > 0 THEN
+        -- The tails of those finishing (complete_batch: what a tail is, and why one whose
+        -- position is recorded already leaves its execution unfinished).
+        INSERT INTO __schema__.operation_outputs
+               (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
+                started_at, finished_at)
+        SELECT (r->>0)::uuid, (r->>5)::integer, r->>6,
+               CASE WHEN jsonb_typeof(r->7) = 'array' THEN r->7->0 END,
+               CASE WHEN jsonb_typeof(r->8) = 'array' THEN r->8->0 END,
+               (r->>9)::integer, (r->>1)::integer,
+               __schema__.kestrel_now() - make_interval(secs => (r->>10)::float8),
+               __schema__.kestrel_now() - make_interval(secs => (r->>11)::float8)
+          FROM jsonb_array_elements(p_rows) AS r
+         WHERE (r->>0)::uuid = ANY (v_ids)
+           AND r->>5 IS NOT NULL;
         PERFORM __schema__.move_finished(v_ids, v_status, v_result, v_error,
                                          __schema__.kestrel_now());
     END IF;

@@ -142,12 +142,29 @@ SELECT e.id, false, false
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and
 -- append them to history in the same statement, so each execution is always in exactly one
 -- place. A finished child signals its parent. Returns the ids that were finished; the others
--- were fenced.
-WITH finished(id, epoch, status, result, error) AS (
-    -- One JSON array of rows, as in save_steps_batch (statements/executions.py).
+-- were fenced, or met a recorded tail (below).
+--
+-- A row may carry the workflow's last checkpoint (its tail: the run ended right after that
+-- step, whose write the worker held back), written here with the end it led to, under the
+-- same lock and epoch check: one statement and one row lock fewer per workflow than a
+-- checkpoint batch and then a completion (issue 23, item 3). A plain INSERT: its position
+-- can be recorded already only by an older claim whose write committed after this claim
+-- read the history (the checkpoint batch's rare fallback). Such an execution is not
+-- finished here: its end was computed from a value that is not the recorded
+-- one; its lease runs out and the next claim replays the recorded value. A row of that kind
+-- committed after this statement's snapshot fails it with unique_violation, and the worker
+-- sends it again (Stmt.if_recorded), when the next snapshot sees the row.
+WITH finished(id, epoch, status, result, error, step_id, step_name, output, step_error,
+              attempt, ran_s, waited_s) AS (
+    -- One JSON array of rows, as in save_steps_batch (statements/executions.py); the tail's
+    -- seven fields follow the five of the end, or are absent.
     SELECT (r->>0)::uuid, (r->>1)::integer, r->>2,
            CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END,
-           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END
+           CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
+           (r->>5)::integer, r->>6,
+           CASE WHEN jsonb_typeof(r->7) = 'array' THEN r->7->0 END,
+           CASE WHEN jsonb_typeof(r->8) = 'array' THEN r->8->0 END,
+           (r->>9)::integer, (r->>10)::float8, (r->>11)::float8
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), locked AS (
     -- Every row this statement will change, the finishing executions and the parents they
@@ -168,7 +185,22 @@ WITH finished(id, epoch, status, result, error) AS (
        AND e.lease_epoch = f.epoch
        AND e.status = 'running'
        AND e.id IN (SELECT id FROM locked)
+       -- Not with a tail whose position is recorded already (above). A probe per row
+       -- driven by `finished`: `e.id NOT IN (…)` read the whole hot table.
+       AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
+                        WHERE o.execution_id = f.id AND o.step_id = f.step_id)
  RETURNING e.*, f.status AS final_status, f.result AS final_result, f.error AS final_error
+), tails AS (
+    INSERT INTO __schema__.operation_outputs
+           (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
+            finished_at)
+    SELECT f.id, f.step_id, f.step_name, f.output, f.step_error, f.attempt, f.epoch,
+           __schema__.kestrel_now() - make_interval(secs => f.ran_s),
+           __schema__.kestrel_now() - make_interval(secs => f.waited_s)
+      FROM finished AS f
+      JOIN removed AS r ON r.id = f.id
+     WHERE f.step_id IS NOT NULL
+    RETURNING 1
 ), moved AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,

@@ -137,6 +137,38 @@ def decode(data: str | bytes) -> Any:
     return orjson.loads(data)
 
 
+def stored(text: str) -> Any:
+    """The value that reading *text* back from a ``jsonb`` column gives, without the trip:
+    what :func:`decode` returns for the text PostgreSQL writes out for what :func:`encode`
+    wrote. ``jsonb`` orders an object's keys by their length in UTF-8 bytes, then bytewise,
+    and writes a number in exponent form with no digits after the point once its exponent
+    is applied (``1e+16``) as plain digits, which read as an integer within 64 bits and as
+    a float beyond; everything else reads back as it was written.
+
+    A worker hands this value to the workflow for a checkpoint whose write it defers to the
+    next call or to the completion (``kestrel.workflow.steps``), so the live run sees what
+    a replay will. ``tests/integration/test_tail.py`` holds it against a real ``jsonb``.
+    """
+    if "{" not in text and not _EXPONENT.search(text.encode()):
+        return orjson.loads(text)
+    return json.loads(text, parse_float=_stored_float, object_pairs_hook=_stored_object)
+
+
+def _stored_float(text: str) -> Any:
+    if "e" in text or "E" in text:
+        number = Decimal(text)
+        exponent = number.as_tuple().exponent
+        if isinstance(exponent, int) and exponent >= 0:
+            return orjson.loads(str(int(number)))  # the digits jsonb writes, read as orjson does
+    return float(text)
+
+
+def _stored_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    ordered = sorted(((key.encode(), key, value) for key, value in pairs),
+                     key=lambda item: (len(item[0]), item[0]))
+    return {key: value for _, key, value in ordered}
+
+
 # Where a number may not read back unchanged: a run of 16 or more digits (and points), an
 # exponent, or a negative zero. Numbers without any of these (at most 15 significant digits,
 # between 1e-15 and 1e15) always do, so most text is read by orjson alone.

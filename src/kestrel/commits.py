@@ -118,8 +118,10 @@ class Completions(_Commits[Finish, bool]):
 
     @staticmethod
     def size(item: Finish) -> int:
-        """The result and error, in characters."""
-        return len(item.result or "") + len(item.error or "")
+        """The result and error, and the tail's, in characters."""
+        tail = item.tail
+        return len(item.result or "") + len(item.error or "") + (
+            0 if tail is None else CheckpointCommits.size(tail))
 
     async def run_once(self, finishes: list[Finish]) -> list[bool]:
         """Finish *finishes* in one statement (in the Citus form, a notification after it);
@@ -132,6 +134,10 @@ class Completions(_Commits[Finish, bool]):
             done = await db.run(conn, executions.complete_batch(self._q, finishes,
                                                                 delegated=delegated))
             failpoint("after_complete_commit")
+            tails = [f.tail for f in finishes if f.tail is not None]
+            if tails:
+                # Those checkpoints committed here, with their ends (FAULTS F2 for them).
+                failpoint("after_checkpoint_commit_before_ack", tails)
             missing = [f for f in finishes if f.execution_id not in done]
             if missing:
                 # Not finished by this statement: fenced by a newer claim, or finished by an

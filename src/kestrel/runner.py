@@ -350,6 +350,11 @@ class Runner:
         outcome = ctx.decision or outcome
         # From here on: whether the deadline is what ends this attempt (counted in _finish).
         lease.deadline_hit = isinstance(outcome, DeadlineExceeded)
+        if isinstance(outcome, CodeTooOld):
+            # A step this code ran before its end was found too old stays recorded: the
+            # newer code replays it rather than running it again.
+            with contextlib.suppress(KestrelError):
+                await ctx.send_tail()
         if isinstance(outcome, CodeTooOld) and not await self._give_back(lease, outcome):
             tracing.mark(ctx.trace, "given_back")
             return None
@@ -359,6 +364,10 @@ class Runner:
             metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, outcome)
             return None
+        # The last step's checkpoint, if its write waits (the run ended right after it): the
+        # completion writes it, unless the execution ends cancelled (which records nothing
+        # more) or is dropped above (a crash right after the step, for whoever runs it next).
+        tail = ctx.take_tail()
         if isinstance(outcome, Cancelled | CodeTooOld):  # CodeTooOld: cancelled meanwhile
             return Finish(c.id, c.epoch, Status.CANCELLED, None, codec.encode(
                 {"type": "Cancelled", "message": "cancelled by request"}, what="error"))
@@ -369,10 +378,10 @@ class Runner:
             except KestrelError as exc:
                 outcome = exc
             else:
-                return Finish(c.id, c.epoch, Status.COMPLETED, result, None)
+                return Finish(c.id, c.epoch, Status.COMPLETED, result, None, tail)
         if ctx.trace is not None:
             ctx.trace.failed(outcome)
-        return self._failure(c, outcome)
+        return self._failure(c, outcome, tail)
 
     async def _give_back(self, lease: Lease, why: CodeTooOld) -> bool:
         """Give back an execution that newer code ran, unfailed and without counting the
@@ -456,9 +465,10 @@ class Runner:
             m.fenced.labels("completion").inc()
             log.info("completion of %s was fenced: a newer claim owns it", c.id)
 
-    def _failure(self, c: Claimed, error: BaseException) -> Finish:
+    def _failure(self, c: Claimed, error: BaseException, tail: StepWrite | None = None
+                 ) -> Finish:
         described = describe_error(error)
         log.info("execution %s (%s) failed: %s: %s", c.id, c.workflow, described["type"],
                  described["message"][:500])
         return Finish(c.id, c.epoch, Status.FAILED, None,
-                      codec.encode(described, what="workflow error"))
+                      codec.encode(described, what="workflow error"), tail)

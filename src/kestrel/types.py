@@ -117,6 +117,9 @@ class Finish:
     status: Status
     result: str | None
     error: str | None
+    # The workflow's last checkpoint, not yet written (the run ended right after its step):
+    # the completion writes it in its own statement (statements.executions.complete_batch).
+    tail: StepWrite | None = None
 
 
 @dataclass(frozen=True, slots=True)

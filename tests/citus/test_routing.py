@@ -16,7 +16,7 @@ import pytest
 
 from kestrel import connections, db, statements
 from kestrel.sql import queries
-from kestrel.types import Finish, Status, StepWrite
+from kestrel.types import Finish, RecordedStep, Status, StepWrite
 from tests.citus.test_tenants import node_of
 
 _SERVER = re.compile(r"on server \S+@[\d.]+:(\d+)")
@@ -68,7 +68,7 @@ EXPECTED = {
     "save_steps as a statement": (6, 2),  # the form plain PostgreSQL gets, for comparison
     "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
     "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
-    "complete_batch as a statement": (11, 3),  # the form plain PostgreSQL gets
+    "complete_batch as a statement": (13, 4),  # the form plain PostgreSQL gets (with a tail)
     "reenqueue_expired": (1, 0),  # the Citus form: sweep_expired() delegated
     "reenqueue_expired as a statement": (9, 3),
     "expire_deadlines": (1, 0),  # the Citus form: fail_late() delegated
@@ -123,14 +123,18 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
         StepWrite(c.id, c.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(3, 5)]))
     assert [s.inserted for s in saved] == [True] * 2
     # The execution with checkpoints (its archive has the most to do) by each form in turn.
+    # Each with its last checkpoint (the tail) in the completion's statement.
     assert run("complete_batch as a statement", statements.executions.complete_batch(
-        q, [Finish(c.id, c.epoch, Status.COMPLETED, "3", None)])) == {c.id}
+        q, [Finish(c.id, c.epoch, Status.COMPLETED, "3", None,
+                   StepWrite(c.id, c.epoch, 5, "add", "5", None, 1, 0.01, now))])) == {c.id}
     db.run_sync(conn, statements.steps.save_steps(q, [
         StepWrite(c2.id, c2.epoch, k, "add", str(k), None, 1, 0.01, now) for k in range(5)],
         delegated=True))
     seen.take()
     assert run("complete_batch", statements.executions.complete_batch(
-        q, [Finish(c2.id, c2.epoch, Status.COMPLETED, "6", None)], delegated=True)) == {c2.id}
+        q, [Finish(c2.id, c2.epoch, Status.COMPLETED, "6", None,
+                   StepWrite(c2.id, c2.epoch, 5, "add", "5", None, 1, 0.01, now))],
+        delegated=True)) == {c2.id}
     run("notify_done", statements.notify.notify_done(q))
     run("reenqueue_expired", statements.sweeper.reenqueue_expired(
         q, limit=10, max_attempts=5, delegated=True))
@@ -151,3 +155,6 @@ def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant:
         assert run(name, statements.sweeper.recover_dead_worker(
             q, worker_id=f"dead:{name}", max_attempts=5, delegated=form)).requeued == 1
     assert trips == EXPECTED, trips
+    for done in (c, c2):  # the tails, written on the tenant's node with their ends
+        assert db.run_sync(conn, statements.steps.load_step(
+            q, execution_id=done.id, step_id=5)) == RecordedStep("add", 5, None)

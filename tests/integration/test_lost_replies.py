@@ -241,6 +241,10 @@ def complete(env: Env) -> None:
     worker = three_steps_end_once(env)
     # Learned from history (finished_readback), not taken for a fenced write.
     assert (worker.stats.completed, worker.stats.fenced) == (1, 0)
+    # The last step's checkpoint went with the completion (its tail), once.
+    assert q(env.dsn, env.schema, "SELECT step_id, xmin = (SELECT xmin FROM "
+             "{s}.workflow_history) FROM {s}.operation_outputs ORDER BY 1") == [
+        (0, False), (1, False), (2, True)]
 
 
 def complete_read_back(env: Env) -> None:

@@ -8,6 +8,7 @@ learns it from what comes back.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -131,13 +132,30 @@ def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: st
 
 def complete_batch(q: Queries, finishes: Sequence[Finish], *, delegated: bool = False
                    ) -> Stmt[set[uuid.UUID]]:
-    """Finish executions and move them to history; the ids that were still owned.
+    """Finish executions and move them to history; the ids that were still owned. A
+    Finish with a tail writes that checkpoint in the same statement; one whose tail's
+    position is already recorded (an older claim's write) is not finished (it is not in
+    the result, and history does not have it).
     *delegated*: the Citus form (``complete_batch_delegated``, a call of ``finish_batch()``,
     which raises no notification: send :func:`kestrel.statements.notify.notify_done`)."""
-    return Stmt(q.complete_batch_delegated if delegated else q.complete_batch,
-                {"rows": json_rows([f.execution_id, f.epoch, f.status.value,
-                                    wrapped(f.result), wrapped(f.error)] for f in finishes)},
-                _ids)
+    now = time.monotonic()
+    query = q.complete_batch_delegated if delegated else q.complete_batch
+    # The same statement again after unique_violation: a tail met a row an older claim
+    # committed after this statement's snapshot; the next snapshot sees it (and leaves
+    # that execution unfinished).
+    return Stmt(query, {"rows": json_rows(_finish_row(f, now) for f in finishes)}, _ids,
+                if_recorded=query)
+
+
+def _finish_row(f: Finish, now: float) -> list[Any]:
+    row = [f.execution_id, f.epoch, f.status.value, wrapped(f.result), wrapped(f.error)]
+    w = f.tail
+    if w is not None:
+        # As a checkpoint batch's row (statements.steps.save_steps), after the five above.
+        waited = max(0.0, now - w.ended_at)
+        row += [w.step_id, w.name, wrapped(w.output), wrapped(w.error), w.attempt,
+                w.ran_s + waited, waited]
+    return row
 
 
 def finished_readback(q: Queries, finishes: Sequence[Finish]) -> Stmt[set[uuid.UUID]]:

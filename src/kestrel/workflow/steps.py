@@ -7,9 +7,11 @@ changed workflow, :class:`~kestrel.errors.NonDeterminismError`, from a history w
 newer code, :class:`~kestrel.errors.CodeTooOld`). An unrecorded position is checked first
 (``_check_unrecorded``: every patch marker up to here known, a parked wait called as that
 wait; a read-only replay ends there with :class:`HistoryEnd`); then the body runs with its
-retries and its output is checkpointed through the :class:`Writer` (``_record``) before the
-workflow goes on. The runtime's decisions about an attempt (lease lost, cancelled, a refused
-write) are sticky (``_decide``).
+retries and its output is checkpointed through the :class:`Writer` (``_record``): held back
+as the tail while the workflow's own code goes on with the value as it will be stored, and
+sent before the next call takes a position or reaches the database (``_settle``), or by the
+completion with the workflow's end. The runtime's decisions about an attempt (lease lost,
+cancelled, a refused write) are sticky (``_decide``).
 
 The other parts of a Context build on this one: durable waits in
 :mod:`kestrel.workflow.waits`, patch markers in :mod:`kestrel.workflow.patches`, what is
@@ -152,6 +154,10 @@ class StepContext:
     _recorded_upto: int = field(default=-1, init=False)
     # The patch markers of the history: (patch id, the position it was recorded at).
     _markers: list[tuple[str, int]] = field(default_factory=list, init=False)
+    # The checkpoint of the last step run, not yet sent (the tail), and the value the
+    # workflow was handed for it: sent before the next call touches the database or takes
+    # a position (``_settle``), or by the completion, in its statement (``take_tail``).
+    _tail: tuple[StepWrite, RecordedStep] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         steps = self.claimed.steps
@@ -209,7 +215,7 @@ class StepContext:
 
     async def _step(self, spec: StepSpec, fn: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        step_id = self._take_position()
+        step_id = await self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
             if self.trace is not None:
@@ -269,12 +275,62 @@ class StepContext:
         ran = time.perf_counter() - clock
         m.child(m.step_seconds, *labels).observe(ran)
         m.child(m.step_runs, *labels, "error" if error else "ok").inc()
-        return await self._record(step_id, spec.name, output, error, attempt, ran)
+        return await self._record(step_id, spec.name, output, error, attempt, ran,
+                                  defer=not self.read_only)
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,
-                      attempt: int, ran_s: float) -> Any:
+                      attempt: int, ran_s: float, *, defer: bool = False) -> Any:
+        """Checkpoint what the step at *step_id* returned or raised and return (or raise)
+        what is recorded. *defer*: a step body's checkpoint is not sent now but held as the
+        tail, and the workflow goes on with the value the write will store
+        (:func:`kestrel.codec.stored`, what a replay reads): the next call sends it first
+        and waits for it, or the completion carries it in its own statement, so a
+        workflow's last checkpoint and its end are one write (issue 23, item 3). Until the
+        next call only the workflow's own code runs, which touches nothing outside."""
+        await self._settle()
         write = StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
                           attempt, ran_s)
+        if defer:
+            handed = RecordedStep(name, None if output is None else codec.stored(output),
+                                  None if error is None else codec.stored(error))
+            self._tail = (write, handed)
+            return self._replay(step_id, name, handed)
+        saved = await self._save(write)
+        assert saved.recorded is not None
+        return self._replay(step_id, name, saved.recorded)
+
+    async def _settle(self) -> None:
+        """Send the tail, if one waits, and wait for it: before anything else of this run
+        reaches the database, takes a position or records. The tail leaves first, so one
+        cancelled while on its way (a deadline) is never also sent by the completion. What
+        is recorded is what the workflow was handed, unless an older claim's write of the
+        same position committed after this claim read the history: the workflow went on
+        with a value that is not the recorded one, so this attempt is dropped (nothing more
+        is written; the next claim replays the recorded value)."""
+        if self._tail is None:
+            return
+        write, handed = self._tail
+        self._tail = None
+        saved = await self._save(write)
+        if not saved.inserted and saved.recorded != handed:
+            self._decide(LeaseLost(
+                f"the checkpoint of step {write.name!r} at position {write.step_id} was "
+                f"recorded by an older claim of {self.execution_id}; dropping this attempt"))
+
+    async def send_tail(self) -> None:
+        """Send the tail now, if one waits (an end that the completion does not write)."""
+        await self._settle()
+
+    def take_tail(self) -> StepWrite | None:
+        """The tail's checkpoint, for the completion to write in its statement; none is
+        left to send after this."""
+        tail, self._tail = self._tail, None
+        return None if tail is None else tail[0]
+
+    async def _save(self, write: StepWrite) -> StepSaved:
+        """Send *write* through the group commit; every refusal becomes this attempt's
+        decision (raised)."""
+        name = write.name
         try:
             saved = await self.writer.save_step(write)
         except LeaseLost as exc:
@@ -297,12 +353,12 @@ class StepContext:
         if not saved.owned:
             self._decide(LeaseLost(f"execution {self.execution_id} was claimed by a newer "
                                    "epoch"))
-        assert saved.recorded is not None
-        return self._replay(step_id, name, saved.recorded)
+        return saved
 
-    def _take_position(self) -> int:
+    async def _take_position(self) -> int:
         if self.decision is not None:
             raise self.decision
+        await self._settle()
         step_id = self._next_step
         self._next_step += 1
         return step_id

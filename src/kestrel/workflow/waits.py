@@ -66,7 +66,7 @@ class Waits(StepContext):
         await self._sleep(max(0.0, (when - now).total_seconds()))
 
     async def _sleep(self, seconds: float) -> None:
-        step_id = self._take_position()
+        step_id = await self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
             self._replay(step_id, SLEEP_STEP, recorded)
@@ -118,7 +118,7 @@ class Waits(StepContext):
             raise ValueError("timeout must not be negative")
         codec.check_text(name, what="signal name")
         step_name = SIGNAL_STEP + name
-        step_id = self._take_position()
+        step_id = await self._take_position()
         recorded = self.claimed.steps.get(step_id)
         if recorded is None:
             self._check_can_start()
