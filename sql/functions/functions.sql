@@ -7,6 +7,19 @@
 -- tests/integration/test_schema.py checks that the schema holds exactly the functions
 -- defined here and in sql/partitions.
 
+-- name: kestrel_functions_version
+-- The version of these functions that code relies on: raised here when a function changes
+-- so that code calling it depends on the change (2: finish_batch() writes the completion's
+-- tail, issue 23). migrate installs it with the rest, every time; a runtime role that may
+-- not migrate checks it at boot (boot.check_schema_current) as it checks the migration:
+-- functions older than its code needs refuse the boot (a call would silently do the old
+-- thing), newer ones serve it (a function keeps serving code one version older). The number
+-- is read from this text by kestrel.sql.functions_version(): this is its one home.
+CREATE OR REPLACE FUNCTION __schema__.kestrel_functions_version() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT 2
+$$;
+
 -- name: kestrel_now
 -- The database clock: every lease, timer and sleep decision reads it, never a worker's
 -- clock (DESIGN §2.5). Plain now(), inlined into every statement that calls it; nothing the

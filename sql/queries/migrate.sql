@@ -63,6 +63,11 @@ BEGIN
 END
 $$;
 
+-- name: functions_version
+-- The version of the schema's functions (kestrel_functions_version(), sql/functions); the
+-- caller takes a schema without that function (installed before it existed) for version 0.
+SELECT __schema__.kestrel_functions_version();
+
 -- name: distributed_schema
 -- Whether this schema is a Citus distributed schema: the worker then sends the Citus forms
 -- of its statements (save_new_steps_delegated, save_steps_delegated,

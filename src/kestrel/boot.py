@@ -62,17 +62,15 @@ def import_app(modules: str) -> dict[str, WorkflowFn]:
 
 
 def check_schema_current(dsn: str, schema: str) -> None:
-    """Raise MigrationError unless *schema* is at the migration this code needs."""
+    """Raise MigrationError unless *schema* is at the migration this code needs and its
+    functions are at least the version this code calls (:func:`kestrel.migrate.behind`)."""
     from kestrel.errors import MigrationError
-    from kestrel.migrate import current_version
-    from kestrel.sql import migrations
+    from kestrel.migrate import behind
 
     with connections.connect(dsn) as conn:
-        have = current_version(conn, schema)
-    want = len(migrations(schema))
-    if have != want:
-        raise MigrationError(f"schema {schema} is at migration {have}, this code needs {want};"
-                             " run `kestrel-runtime migrate` as the schema owner")
+        why = behind(conn, schema)
+    if why is not None:
+        raise MigrationError(f"{why}; run `kestrel-runtime migrate` as the schema owner")
 
 
 def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, int]:

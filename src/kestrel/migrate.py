@@ -21,7 +21,15 @@ import psycopg
 
 from kestrel import connections, db, statements
 from kestrel.errors import MigrationError
-from kestrel.sql import Migration, Queries, functions, migrations, movable_clock, queries
+from kestrel.sql import (
+    Migration,
+    Queries,
+    functions,
+    functions_version,
+    migrations,
+    movable_clock,
+    queries,
+)
 
 log = logging.getLogger("kestrel.migrate")
 
@@ -115,13 +123,12 @@ def readiness(dsn: str, schema: str) -> tuple[bool, str]:
     code's version, and why not."""
     try:
         with connections.connect(dsn, connect_timeout=3) as conn:
-            have = current_version(conn, schema)
+            why = behind(conn, schema)
     except psycopg.Error as exc:
         return False, f"database unreachable: {type(exc).__name__}"
-    want = len(migrations(schema))
-    if have != want:
-        return False, f"schema {schema} is at migration {have}, code needs {want}"
-    return True, f"schema {schema} at migration {have}"
+    if why is not None:
+        return False, why
+    return True, f"schema {schema} at migration {len(migrations(schema))}"
 
 
 def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
@@ -130,3 +137,27 @@ def current_version(conn: psycopg.Connection[tuple[object, ...]], schema: str) -
     if not db.run_sync(conn, statements.migrate.migrations_table_exists(q)):
         return 0
     return db.run_sync(conn, statements.migrate.current_migration(q))
+
+
+def current_functions(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> int:
+    """Return the version of *schema*'s functions (``kestrel_functions_version()``), 0 for
+    functions installed before it existed. *conn* is in autocommit mode."""
+    try:
+        return db.run_sync(conn, statements.migrate.functions_version(queries(schema)))
+    except psycopg.errors.UndefinedFunction:
+        return 0
+
+
+def behind(conn: psycopg.Connection[tuple[object, ...]], schema: str) -> str | None:
+    """Why *schema* cannot serve this code, or None when it can: its migration is not this
+    code's, or its functions are older than this code calls (functions newer than that
+    serve it: a function keeps serving code one version older)."""
+    have, want = current_version(conn, schema), len(migrations(schema))
+    if have != want:
+        return f"schema {schema} is at migration {have}, this code needs {want}"
+    have, want = current_functions(conn, schema), functions_version()
+    if have < want:
+        return (f"schema {schema}'s functions are at version {have}, this code needs {want} "
+                "(the migration is current, but migrate has not run since this code's "
+                "functions changed)")
+    return None

@@ -102,6 +102,7 @@ class Queries:
     lock_test_clock: str
     delegate_functions: str
     distributed_schema: str
+    functions_version: str
     node_lock_timeout: str
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
@@ -345,6 +346,16 @@ def movable_clock(schema: str) -> list[str]:
     each (:func:`split_statements`)."""
     return [statement for body in movable_clock_definitions().values()
             for statement in split_statements(render(body, schema))]
+
+
+def functions_version() -> int:
+    """The version of ``sql/functions`` this code needs (``kestrel_functions_version()``,
+    read from its definition there, its one home)."""
+    body = function_definitions()["kestrel_functions_version"]
+    found = re.search(r"\$\$\s*SELECT\s+(\d+)\s*\$\$", body)
+    if found is None:
+        raise RuntimeError("sql/functions: kestrel_functions_version() must return a number")
+    return int(found.group(1))
 
 
 def functions(schema: str) -> list[str]:

@@ -829,6 +829,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "has_test_clock": Read("reads the catalog"),
     "delegate_functions": Lost((migrate_again,)),
     "distributed_schema": Read("reads the Citus catalog, where there is one"),
+    "functions_version": Read("calls an immutable function that returns a constant"),
     "node_lock_timeout": Read("reads a role setting from the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),

@@ -63,6 +63,41 @@ def test_runtime_role_without_ddl_rights(direct_dsn: str, schema: str, tmp_path:
             conn.execute(pgsql.SQL("DROP ROLE {}").format(r))
 
 
+def test_a_runtime_role_refuses_functions_older_than_its_code(pg_dsn: str,
+                                                               schema: str) -> None:
+    """A role that may not migrate checks the schema at boot: the migration, and the
+    functions (migrate replaces them every run, with no migration, so a schema whose owner
+    has not run this code's migrate has the migration but older functions, which would
+    silently do the old thing: finish_batch() dropping a completion's tail)."""
+    from kestrel import boot
+    from kestrel.errors import MigrationError
+    from kestrel.migrate import readiness
+    from kestrel.sql import functions_version
+
+    want = functions_version()
+    assert want >= 2
+    boot.check_schema_current(pg_dsn, schema)
+    assert readiness(pg_dsn, schema)[0]
+
+    def functions_at(version: int | None) -> None:
+        if version is None:
+            q(pg_dsn, schema, "DROP FUNCTION {s}.kestrel_functions_version()")
+        else:
+            q(pg_dsn, schema, "CREATE OR REPLACE FUNCTION {s}.kestrel_functions_version() "
+              f"RETURNS integer LANGUAGE sql IMMUTABLE AS 'SELECT {version}'")
+
+    for older, shown in ((want - 1, want - 1), (None, 0)):
+        functions_at(older)
+        with pytest.raises(MigrationError, match=rf"functions are at version {shown}, this "
+                           rf"code needs {want}.*run `kestrel-runtime migrate`"):
+            boot.check_schema_current(pg_dsn, schema)
+        ready, why = readiness(pg_dsn, schema)
+        assert not ready and f"functions are at version {shown}" in why
+    functions_at(want + 1)  # newer functions serve code one version older
+    boot.check_schema_current(pg_dsn, schema)
+    assert readiness(pg_dsn, schema)[0]
+
+
 def _tls_files(folder: Path, hostname: str) -> dict[str, Path]:
     """A private CA and a server certificate for *hostname* signed by it (openssl CLI)."""
     ca_key, ca, key, csr, cert = (folder / n for n in

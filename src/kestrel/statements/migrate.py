@@ -74,6 +74,12 @@ def distributed_schema(q: Queries) -> Stmt[bool]:
     return Stmt(q.distributed_schema, None, lambda rows: bool(rows and rows[0][0]))
 
 
+def functions_version(q: Queries) -> Stmt[int]:
+    """The version of the schema's functions (fails with undefined_function on a schema
+    whose functions predate ``kestrel_functions_version()``: version 0)."""
+    return Stmt(q.functions_version, None, lambda rows: int(rows[0][0]))
+
+
 def node_lock_timeout(q: Queries) -> Stmt[str | None]:
     """On a Citus coordinator, the lock_timeout this role gets on the worker nodes ('0':
     none); None elsewhere."""
