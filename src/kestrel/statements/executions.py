@@ -20,7 +20,7 @@ from kestrel import codec
 from kestrel.codec import MAX_HISTORY_BYTES
 from kestrel.errors import HistoryTooLarge, UndecodableInput
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Stmt, json_rows, wrapped
+from kestrel.statements.stmt import Stmt, checkpoint_fields, json_rows, wrapped
 from kestrel.types import Claimed, Finish, RecordedStep
 
 SUSPECT_AFTER = 2
@@ -149,12 +149,8 @@ def complete_batch(q: Queries, finishes: Sequence[Finish], *, delegated: bool = 
 
 def _finish_row(f: Finish, now: float) -> list[Any]:
     row = [f.execution_id, f.epoch, f.status.value, wrapped(f.result), wrapped(f.error)]
-    w = f.tail
-    if w is not None:
-        # As a checkpoint batch's row (statements.steps.save_steps), after the five above.
-        waited = max(0.0, now - w.ended_at)
-        row += [w.step_id, w.name, wrapped(w.output), wrapped(w.error), w.attempt,
-                w.ran_s + waited, waited]
+    if f.tail is not None:
+        row += checkpoint_fields(f.tail, now)  # as a checkpoint batch's, after the five above
     return row
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Stmt, json_rows, wrapped
+from kestrel.statements.stmt import Stmt, checkpoint_fields, json_rows
 from kestrel.types import RecordedStep, SignalTaken, StepSaved, StepWrite
 
 
@@ -28,10 +28,8 @@ def save_steps(q: Queries, writes: Sequence[StepWrite], *, delegated: bool = Fal
     recorded first: a second round trip, on that rare path only.
     """
     now = time.monotonic()
-    params = {"rows": json_rows(
-        [w.execution_id, w.epoch, w.step_id, w.name, wrapped(w.output), wrapped(w.error),
-         w.attempt, w.ran_s + max(0.0, now - w.ended_at), max(0.0, now - w.ended_at)]
-        for w in writes)}
+    params = {"rows": json_rows([w.execution_id, w.epoch, *checkpoint_fields(w, now)]
+                                for w in writes)}
 
     def decode(rows: list[tuple[Any, ...]]) -> list[StepSaved]:
         by_key = {(r[0], r[1]): r for r in rows}

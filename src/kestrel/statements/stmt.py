@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import orjson
+
+if TYPE_CHECKING:
+    from kestrel.types import StepWrite
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -66,6 +69,17 @@ def wrapped(encoded: str | None) -> list[orjson.Fragment] | None:
     """An output or error already encoded as JSON, embedded as is, in a one-element array
     (None stays SQL NULL; a step that returned None is ``[null]``)."""
     return None if encoded is None else [orjson.Fragment(encoded)]
+
+
+def checkpoint_fields(w: StepWrite, now: float) -> list[Any]:
+    """A checkpoint as the batched writes carry it after its execution and epoch: position,
+    step name, output and error (:func:`wrapped`), attempt, and the seconds since its body
+    started and ended at *now* (``time.monotonic()``), which the database subtracts from its
+    own clock. One layout for a checkpoint batch's rows (``save_steps``) and a completion's
+    tail (``complete_batch``)."""
+    waited = max(0.0, now - w.ended_at)
+    return [w.step_id, w.name, wrapped(w.output), wrapped(w.error), w.attempt,
+            w.ran_s + waited, waited]
 
 
 def json_rows(rows: Iterable[list[Any]]) -> str:
