@@ -1118,7 +1118,10 @@ BEGIN
             v_new := v_new || v_key;
         END LOOP;
     END IF;
-    -- 3. What each position records now (ours, or the row recorded first).
+    -- 3. Per position: owned, written by this call, and for one it did not write the row
+    -- recorded first. The plain INSERT above wrote every position it could or failed whole,
+    -- so only the ON CONFLICT form looks for rows recorded first (a pseudo-constant join
+    -- condition: no probe at all in the other); the worker knows what it wrote.
     RETURN QUERY
     SELECT (r->>0)::uuid, (r->>2)::integer,
            (r->>0) || '/' || (r->>1) = ANY (v_owned),
@@ -1127,7 +1130,8 @@ BEGIN
            (r->>0) || '/' || (r->>1) = ANY (v_owned) AND NOT (r->>0)::uuid = ANY (v_writable)
       FROM jsonb_array_elements(p_rows) AS r
       LEFT JOIN __schema__.operation_outputs AS p
-             ON p.execution_id = (r->>0)::uuid AND p.step_id = (r->>2)::integer;
+             ON p_if_recorded AND NOT ((r->>0) || '/' || (r->>2) = ANY (v_new))
+            AND p.execution_id = (r->>0)::uuid AND p.step_id = (r->>2)::integer;
 END;
 $$;
 

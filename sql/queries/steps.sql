@@ -4,7 +4,8 @@
 -- a concurrent claim (which updates the row) wait or be waited for, and READ COMMITTED
 -- re-checks the epoch on the newest row version, so a superseded epoch can never slip in.
 -- ON CONFLICT DO NOTHING keeps the first committed output. Returns, per input row, whether
--- the writer still owns the execution and the output that is now recorded.
+-- the writer still owns the execution, whether this statement wrote the row, and for a
+-- position it did not write the output recorded first.
 --
 -- started_at and finished_at are the database clock less the seconds since the body started
 -- and ended (the worker's monotonic clock): a worker whose wall clock is skewed or jumps
@@ -42,16 +43,17 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
      -- A cancelled execution records nothing more: it stops at this step boundary.
      WHERE NOT o.cancel_requested
         ON CONFLICT (execution_id, step_id) DO NOTHING
-    RETURNING execution_id, step_id, step_name, output, error
+    RETURNING execution_id, step_id
 )
--- The stored value comes back either way: our row as jsonb normalized it (so the live run
--- returns exactly what a replay will), or the row that was recorded first.
+-- A position this statement did not write comes back with the row recorded first (in its
+-- snapshot: one committed after it comes back empty, and the worker reads it then); one it
+-- wrote comes back without its value, which the worker knows (kestrel.codec.stored).
 SELECT i.execution_id, i.step_id,
        (o.id IS NOT NULL) AS owned,
        (ins.step_id IS NOT NULL) AS inserted,
-       coalesce(ins.step_name, prior.step_name),
-       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
-       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       CASE WHEN ins.step_id IS NULL THEN prior.step_name END,
+       CASE WHEN ins.step_id IS NULL THEN prior.output END,
+       CASE WHEN ins.step_id IS NULL THEN prior.error END,
        coalesce(o.cancel_requested, false) AS cancelled
   FROM input AS i
   LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
@@ -101,22 +103,20 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
       JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
      -- A cancelled execution records nothing more: it stops at this step boundary.
      WHERE NOT o.cancel_requested
-    RETURNING execution_id, step_id, step_name, output, error
+    RETURNING execution_id, step_id
 )
--- The stored value comes back either way: our row as jsonb normalized it (so the live run
--- returns exactly what a replay will), or the row that was recorded first.
+-- Once this statement succeeds, every position of an execution owned and not cancelled was
+-- written by it, so no row recorded first is looked for, and none comes back: the worker
+-- knows what it wrote (kestrel.codec.stored gives what jsonb stores). Per checkpoint this
+-- saves an index probe, the RETURNING of the jsonb and the reply's bytes (BENCHMARKS.md).
 SELECT i.execution_id, i.step_id,
        (o.id IS NOT NULL) AS owned,
        (ins.step_id IS NOT NULL) AS inserted,
-       coalesce(ins.step_name, prior.step_name),
-       CASE WHEN ins.step_id IS NOT NULL THEN ins.output ELSE prior.output END,
-       CASE WHEN ins.step_id IS NOT NULL THEN ins.error ELSE prior.error END,
+       NULL::text, NULL::jsonb, NULL::jsonb,
        coalesce(o.cancel_requested, false) AS cancelled
   FROM input AS i
   LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
-  LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
-  LEFT JOIN __schema__.operation_outputs AS prior
-         ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
+  LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id;
 
 -- name: save_new_steps_delegated
 -- save_new_steps_batch in its Citus form: the worker sends this one where its schema is a

@@ -102,7 +102,7 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
             # A conflicting row committed after our snapshot is invisible to the statement
             # (only possible across epochs, which are fenced anyway): read it back.
             for i, (w, s) in enumerate(zip(writes, saved, strict=True)):
-                if s.owned and s.recorded is None and not s.cancelled:
+                if s.owned and not s.inserted and s.recorded is None and not s.cancelled:
                     rec = await db.run(conn, steps.load_step(
                         self._q, execution_id=w.execution_id, step_id=w.step_id))
                     saved[i] = StepSaved(owned=True, inserted=False, recorded=rec)

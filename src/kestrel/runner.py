@@ -463,7 +463,14 @@ class Runner:
         else:
             self.stats.fenced += 1
             m.fenced.labels("completion").inc()
-            log.info("completion of %s was fenced: a newer claim owns it", c.id)
+            if finish.tail is None:
+                log.info("completion of %s was fenced: a newer claim owns it", c.id)
+            else:
+                # The statement cannot tell these apart without another round trip, and
+                # either way this attempt ends here; in the second the execution stays
+                # ours until its lease runs out and the next claim replays the recorded step.
+                log.info("completion of %s not recorded: a newer claim owns it, or an older "
+                         "claim recorded the position of its last step first", c.id)
 
     def _failure(self, c: Claimed, error: BaseException, tail: StepWrite | None = None
                  ) -> Finish:

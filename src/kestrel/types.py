@@ -90,7 +90,8 @@ class StepWrite:
 
 @dataclass(frozen=True, slots=True)
 class StepSaved:
-    """What the database holds for a step after a write: ours, or the first one committed."""
+    """What the database holds for a step after a write: ours (*inserted*; *recorded* is
+    then None, the writer knows what it wrote), or the first one committed (*recorded*)."""
 
     owned: bool
     inserted: bool

@@ -65,7 +65,7 @@ EXPECTED = {
     "claim_batch": (1, 0),  # routed whole
     "heartbeat": (1, 0),
     "save_steps": (1, 0),   # the Citus form: save_steps() delegated to the tenant's node
-    "save_steps as a statement": (6, 2),  # the form plain PostgreSQL gets, for comparison
+    "save_steps as a statement": (5, 2),  # the form plain PostgreSQL gets, for comparison
     "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
     "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
     "complete_batch as a statement": (13, 4),  # the form plain PostgreSQL gets (with a tail)

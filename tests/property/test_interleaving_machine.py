@@ -496,9 +496,15 @@ class InterleavingMachine(RuleBasedStateMachine):
         if not saved.owned:
             L.gone = True
             return
-        assert saved.recorded is not None
-        self.learn(ex.id, k, saved.recorded.output)
-        L.recorded[k] = saved.recorded.output
+        # Written by this try: it comes back without its value, which is what jsonb
+        # stores of what was written; otherwise the row recorded first comes back.
+        if saved.inserted:
+            output = codec.stored(write.output or "null")
+        else:
+            assert saved.recorded is not None
+            output = saved.recorded.output
+        self.learn(ex.id, k, output)
+        L.recorded[k] = output
         L.pos += 1
 
     def learn(self, eid: uuid.UUID, k: int, output: Any) -> None:

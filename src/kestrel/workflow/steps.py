@@ -290,12 +290,14 @@ class StepContext:
         await self._settle()
         write = StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
                           attempt, ran_s)
+        handed = RecordedStep(name, None if output is None else codec.stored(output),
+                              None if error is None else codec.stored(error))
         if defer:
-            handed = RecordedStep(name, None if output is None else codec.stored(output),
-                                  None if error is None else codec.stored(error))
             self._tail = (write, handed)
             return self._replay(step_id, name, handed)
         saved = await self._save(write)
+        if saved.inserted:
+            return self._replay(step_id, name, handed)  # the write comes back without it
         assert saved.recorded is not None
         return self._replay(step_id, name, saved.recorded)
 
