@@ -32,7 +32,7 @@ from hypothesis.stateful import (
 )
 from psycopg import sql as pgsql
 
-from kestrel import connections, db, statements
+from kestrel import codec, connections, db, statements
 from kestrel.client import SyncClient
 from kestrel.errors import IdempotencyConflict
 from kestrel.sql import queries
@@ -211,16 +211,23 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         # I3: a write is accepted only from the current claim's holder.
         assert holds, "a write from a claim that is no longer current was accepted"
-        assert saved.recorded is not None
         key = (w.eid, k)
+        if saved.inserted:
+            # Written by this statement: it comes back without its value, which is what
+            # jsonb stores of what was sent. A position recorded before is never written again.
+            assert key not in self.first, "I1: a recorded checkpoint was written again"
+            output = codec.stored(write.output or "null")
+        else:
+            assert saved.recorded is not None
+            output = saved.recorded.output
         if key in self.first:
-            assert saved.recorded.output == self.first[key]  # I1: the first write wins
+            assert output == self.first[key]  # I1: the first write wins
         else:
             assert saved.inserted
-            self.first[key] = saved.recorded.output
+            self.first[key] = output
         if lose_ack:
             return  # committed, reply lost: the worker retries the same write later
-        w.recorded[k] = saved.recorded.output
+        w.recorded[k] = output
         w.pending = None
 
     @rule(w=workers)
