@@ -10,9 +10,11 @@ one commit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 import psycopg
@@ -55,10 +57,26 @@ class _Commits(Generic[In, Out]):
     def __init__(self, pool: AsyncConnectionPool[Any], q: Queries, leases: Leases, *,
                  in_flight: int) -> None:
         self._pool, self._q = pool, q
+        self._acquiring = 0  # flushes waiting for a pool connection now
         self.writer: GroupCommit[In, Out] = GroupCommit(
             self.kind, self.run_once, size=self.size,
             trusted=lambda item: leases.trusted(item.execution_id, item.epoch),
-            in_flight=in_flight)
+            in_flight=in_flight, acquiring=lambda: self._acquiring > 0)
+
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+        """A pool connection, counted while it is being waited for (the writer's stall
+        reason, FAULTS R3); returned to the pool as ``pool.connection()`` does."""
+        self._acquiring += 1
+        try:
+            conn = await self._pool.getconn()
+        finally:
+            self._acquiring -= 1
+        try:
+            async with conn:
+                yield conn
+        finally:
+            await self._pool.putconn(conn)
 
     async def run(self) -> NoReturn:
         """Flush forever (:meth:`GroupCommit.run`)."""
@@ -88,7 +106,7 @@ class CheckpointCommits(_Commits[StepWrite, StepSaved]):
     async def run_once(self, writes: list[StepWrite]) -> list[StepSaved]:
         """Checkpoint *writes* in one statement; return what each position now records."""
         started = time.monotonic()
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await afailpoint("before_checkpoint_commit")
             delegated = await forms.delegated(conn, self._q)
             saved = await db.run(conn, steps.save_steps(self._q, writes, delegated=delegated))
@@ -128,7 +146,7 @@ class Completions(_Commits[Finish, bool]):
         return, for each, whether it is finished by this claim (by this statement or by an
         earlier try whose reply was lost)."""
         started = time.monotonic()
-        async with self._pool.connection() as conn:
+        async with self._connection() as conn:
             await afailpoint("before_complete")
             delegated = await forms.delegated(conn, self._q)
             done = await db.run(conn, executions.complete_batch(self._q, finishes,

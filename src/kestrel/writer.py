@@ -99,7 +99,9 @@ class GroupCommit(Generic[In, Out]):
     *flush* sends a list of items in one statement and returns one result per item, in
     order. *size* gives an item's encoded size in bytes for the byte bound. *trusted* says
     whether an item's lease is still trusted: contention is retried only for those.
-    *retry_delay* is the base of the backoff between tries.
+    *retry_delay* is the base of the backoff between tries. *acquiring* says whether a
+    flush is waiting for a pool connection right now (before its wait has timed out), for
+    :meth:`stall`'s reason.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class GroupCommit(Generic[In, Out]):
         size: Callable[[In], int] = lambda _: 0,
         trusted: Callable[[In], bool] = lambda _: True,
         retry_delay: float = 0.1, in_flight: int = 1,
+        acquiring: Callable[[], bool] = lambda: False,
     ) -> None:
         self.name = name
         self._flush = flush
@@ -117,6 +120,7 @@ class GroupCommit(Generic[In, Out]):
         self._trusted = trusted
         self._retry_delay = retry_delay
         self._in_flight = max(1, in_flight)
+        self._acquiring = acquiring
         self._flights: set[asyncio.Task[None]] = set()
         self._legs: set[_Leg] = set()
         self._pending: list[tuple[In, asyncio.Future[Out]]] = []
@@ -313,11 +317,15 @@ class GroupCommit(Generic[In, Out]):
         flush on its way (0 when idle or backing off), and why ("no connection" when that
         batch is waiting for a pool connection, else ""); *now* is ``time.monotonic()``
         (safe to call from the heartbeat thread). One stuck batch counts even while others
-        complete: its executions make no progress."""
+        complete: its executions make no progress. A flush waiting for a connection says so
+        before its wait times out: the watchdog's limit and the pool's timeout can be equal,
+        and the first report must name the reason (FAULTS R3)."""
         worst, why = 0.0, ""
         for leg in tuple(self._legs):
             if not leg.backing_off and now - leg.since > worst:
                 worst, why = now - leg.since, "no connection" if leg.no_connection else ""
+        if worst and not why and self._acquiring():
+            why = "no connection"
         busy = self.busy_since
         if busy is not None and now - busy > worst:
             worst, why = now - busy, ""
