@@ -1227,15 +1227,16 @@ DECLARE
     v_error jsonb[];
 BEGIN
     -- Lock every row this call changes, in id order (lock order: see heartbeat).
+    -- Each by its primary key, as complete_batch does (an `IN (…)` planned sequential scans).
     PERFORM 1
        FROM __schema__.workflow_executions AS e
-      WHERE e.id IN (SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
-                     UNION
-                     SELECT c.parent_id
-                       FROM __schema__.workflow_executions AS c
-                      WHERE c.id IN (SELECT (r->>0)::uuid
-                                       FROM jsonb_array_elements(p_rows) AS r)
-                        AND c.parent_id IS NOT NULL)
+      WHERE e.id = ANY (ARRAY(SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
+                              UNION
+                              SELECT c.parent_id
+                                FROM __schema__.workflow_executions AS c
+                               WHERE c.id = ANY (ARRAY(SELECT (r->>0)::uuid
+                                                         FROM jsonb_array_elements(p_rows) AS r))
+                                 AND c.parent_id IS NOT NULL))
       ORDER BY e.id
         FOR UPDATE OF e;
     SELECT coalesce(array_agg(e.id), '{}'), array_agg(r->>2),

@@ -169,13 +169,17 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
 ), locked AS (
     -- Every row this statement will change, the finishing executions and the parents they
     -- tell, locked up front in id order (see heartbeat). text_results: docs/citus.md.
+    -- Each is found by its primary key (`= ANY (ARRAY(…))`, an index scan whatever the
+    -- estimates): written as `IN (…)` of the batch, PostgreSQL 15 planned a hash join over
+    -- two sequential scans of the hot table, live and dead rows (6,832 rows: 6.4 ms of an
+    -- 11 ms statement in the bench; auto_explain, BENCHMARKS.md).
     SELECT e.id, NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
-     WHERE e.id IN (SELECT id FROM finished
-                    UNION
-                    SELECT c.parent_id FROM __schema__.workflow_executions AS c
-                      JOIN finished AS f ON f.id = c.id
-                     WHERE c.parent_id IS NOT NULL)
+     WHERE e.id = ANY (ARRAY(SELECT id FROM finished
+                             UNION
+                             SELECT c.parent_id FROM __schema__.workflow_executions AS c
+                              WHERE c.id = ANY (ARRAY(SELECT id FROM finished))
+                                AND c.parent_id IS NOT NULL))
      ORDER BY e.id
        FOR UPDATE OF e
 ), removed AS (
@@ -184,7 +188,7 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
      WHERE e.id = f.id
        AND e.lease_epoch = f.epoch
        AND e.status = 'running'
-       AND e.id IN (SELECT id FROM locked)
+       AND e.id = ANY (ARRAY(SELECT id FROM locked))  -- by primary key, after the lock
        -- Not with a tail whose position is recorded already (above). A probe per row
        -- driven by `finished`: `e.id NOT IN (…)` read the whole hot table.
        AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
