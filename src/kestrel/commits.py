@@ -66,17 +66,17 @@ class _Commits(Generic[In, Out]):
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A pool connection, counted while it is being waited for (the writer's stall
-        reason, FAULTS R3); returned to the pool as ``pool.connection()`` does."""
+        reason, FAULTS R3): ``pool.connection()``, and nothing else of the pool's."""
         self._acquiring += 1
+        waiting = True
         try:
-            conn = await self._pool.getconn()
-        finally:
-            self._acquiring -= 1
-        try:
-            async with conn:
+            async with self._pool.connection() as conn:
+                self._acquiring -= 1
+                waiting = False
                 yield conn
         finally:
-            await self._pool.putconn(conn)
+            if waiting:
+                self._acquiring -= 1
 
     async def run(self) -> NoReturn:
         """Flush forever (:meth:`GroupCommit.run`)."""
