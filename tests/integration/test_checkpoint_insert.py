@@ -47,7 +47,8 @@ def test_a_batch_with_a_recorded_step_keeps_it_and_records_the_rest(
     ids = [client.submit(app.three_steps, i).id for i in range(3)]
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as conn:
             connections.configure_connection(conn)
             claimed = await db.run(
                 conn,
@@ -107,7 +108,8 @@ def test_several_steps_of_one_execution_in_a_batch_are_written_by_the_plain_inse
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as conn:
             connections.configure_connection(conn)
             (c,) = await db.run(conn, statements.executions.claim_batch(
                 qs, owner="w", queues=["default"], limit=1, lease_s=30))
@@ -131,7 +133,8 @@ def test_a_superseded_epoch_records_nothing_on_either_statement(
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as conn:
             connections.configure_connection(conn)
             (c,) = await db.run(
                 conn,
@@ -174,7 +177,8 @@ def test_values_cross_the_json_batch_exactly_and_none_stays_apart_from_null(
     hs = [client.submit(app.three_steps, i) for i in range(len(OUTPUTS) + 1)]
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as conn:
             connections.configure_connection(conn)
             claimed = await db.run(
                 conn,
@@ -219,7 +223,8 @@ def test_text_the_database_cannot_store_is_a_data_error_of_its_batch(
     h = SyncClient(pg_dsn, schema=schema, pool_size=0).submit(app.three_steps, 1)
 
     async def main() -> None:
-        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:
+        async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True,
+                                                         prepare_threshold=None) as conn:
             connections.configure_connection(conn)
             (c,) = await db.run(
                 conn,

@@ -65,7 +65,7 @@ def _exactly(value: Any) -> bytes:
 
 
 def test_stored_is_what_jsonb_gives_back(pg_dsn: str) -> None:
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+    with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
 
         def through_jsonb(text: str) -> Any:
             row = conn.execute("SELECT %s::jsonb::text", [text]).fetchone()
