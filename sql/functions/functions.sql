@@ -1069,14 +1069,18 @@ DECLARE
     v_key text;
 BEGIN
     -- 1. Lock what this batch writes for, in id order (lock order: see heartbeat).
-    SELECT coalesce(array_agg(o.id::text || '/' || o.lease_epoch), '{}'),
-           coalesce(array_agg(o.id) FILTER (WHERE NOT o.cancel_requested), '{}')
+    -- Each by its primary key; whether it runs is asked of the locked row (FILTER: a
+    -- condition on the status in or over the locked scan lets PostgreSQL read the running
+    -- index instead, every running execution, when its statistics counted few; see
+    -- save_new_steps_batch). The epoch is matched in step 2.
+    SELECT coalesce(array_agg(o.id::text || '/' || o.lease_epoch)
+                        FILTER (WHERE o.status = 'running'), '{}'),
+           coalesce(array_agg(o.id)
+                        FILTER (WHERE o.status = 'running' AND NOT o.cancel_requested), '{}')
       INTO v_owned, v_writable
-      FROM (SELECT e.id, e.lease_epoch, e.cancel_requested
+      FROM (SELECT e.id, e.lease_epoch, e.status, e.cancel_requested
               FROM __schema__.workflow_executions AS e
-             WHERE (e.id, e.lease_epoch) IN (SELECT (r->>0)::uuid, (r->>1)::integer
-                                               FROM jsonb_array_elements(p_rows) AS r)
-               AND e.status = 'running'
+             WHERE e.id = ANY (ARRAY(SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r))
              ORDER BY e.id
                FOR SHARE OF e) AS o;
     -- 2. Write the rows of executions owned under their epoch and not cancelled.
@@ -1152,22 +1156,33 @@ CREATE OR REPLACE FUNCTION __schema__.move_finished(
 ) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    -- The finishing rows are found by primary key first (MATERIALIZED), and only then
+    -- asked for a parent: a test of parent_id in their scan let PostgreSQL read the parent
+    -- index instead, every child's entry, when its statistics counted few
+    -- (test_claim_plans).
+    WITH c AS MATERIALIZED (
+        SELECT c.id, c.parent_id FROM __schema__.workflow_executions AS c
+         WHERE c.id = ANY (p_ids)
+    )
     UPDATE __schema__.workflow_executions AS p
        SET signal_seq = p.signal_seq + t.n,
            wake_at = CASE WHEN p.status = 'waiting' AND p.waiting_for = ANY (t.waits)
                           THEN p_now ELSE p.wake_at END
       FROM (SELECT c.parent_id, count(*) AS n, array_agg('kestrel.child:' || c.id) AS waits
-              FROM __schema__.workflow_executions AS c
-             WHERE c.id = ANY (p_ids)
-               AND c.parent_id IS NOT NULL
+              FROM c
+             WHERE c.parent_id IS NOT NULL
                AND NOT c.parent_id = ANY (p_ids)
              GROUP BY c.parent_id) AS t
      WHERE p.id = t.parent_id;
+    WITH c AS MATERIALIZED (  -- (as above)
+        SELECT c.id, c.parent_id FROM __schema__.workflow_executions AS c
+         WHERE c.id = ANY (p_ids)
+    )
     INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
     SELECT c.parent_id, 'kestrel.child:' || c.id,
            jsonb_build_object('status', f.status, 'result', f.result, 'error', f.error),
            'kestrel.child:' || c.id
-      FROM __schema__.workflow_executions AS c
+      FROM c
       JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
         ON f.id = c.id
      WHERE c.parent_id IS NOT NULL
@@ -1221,6 +1236,9 @@ RETURNS TABLE (id uuid)
 LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
+    v_locked uuid[];     -- the rows locked: the batch's and their parents
+    v_epochs integer[];  -- their epochs and states, as locked
+    v_states text[];
     v_ids uuid[];
     v_status text[];
     v_result jsonb[];
@@ -1228,27 +1246,34 @@ DECLARE
 BEGIN
     -- Lock every row this call changes, in id order (lock order: see heartbeat).
     -- Each by its primary key, as complete_batch does (an `IN (…)` planned sequential scans).
-    PERFORM 1
-       FROM __schema__.workflow_executions AS e
-      WHERE e.id = ANY (ARRAY(SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
-                              UNION
-                              SELECT c.parent_id
-                                FROM __schema__.workflow_executions AS c
-                               WHERE c.id = ANY (ARRAY(SELECT (r->>0)::uuid
-                                                         FROM jsonb_array_elements(p_rows) AS r))
-                                 AND c.parent_id IS NOT NULL))
-      ORDER BY e.id
-        FOR UPDATE OF e;
-    SELECT coalesce(array_agg(e.id), '{}'), array_agg(r->>2),
+    -- Which of them still run under the batch's epoch is asked of the locked rows, not of
+    -- the table again: `e.status = 'running'` in a scan lets PostgreSQL read the running
+    -- index instead, every running execution, when its statistics counted few; so does
+    -- `c.parent_id IS NOT NULL` the parent index (a NULL parent matches nothing).
+    SELECT coalesce(array_agg(l.id), '{}'), coalesce(array_agg(l.lease_epoch), '{}'),
+           coalesce(array_agg(l.status), '{}')
+      INTO v_locked, v_epochs, v_states
+      FROM (SELECT e.id, e.lease_epoch, e.status
+              FROM __schema__.workflow_executions AS e
+             WHERE e.id = ANY (ARRAY(SELECT (r->>0)::uuid FROM jsonb_array_elements(p_rows) AS r
+                                     UNION
+                                     SELECT c.parent_id
+                                       FROM __schema__.workflow_executions AS c
+                                      WHERE c.id = ANY (ARRAY(SELECT (r->>0)::uuid
+                                                                FROM jsonb_array_elements(p_rows)
+                                                                  AS r))))
+             ORDER BY e.id
+               FOR UPDATE OF e) AS l;
+    SELECT coalesce(array_agg(l.id), '{}'), array_agg(r->>2),
            array_agg(CASE WHEN jsonb_typeof(r->3) = 'array' THEN r->3->0 END),
            array_agg(CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END)
       INTO v_ids, v_status, v_result, v_error
-      FROM __schema__.workflow_executions AS e
+      FROM unnest(v_locked, v_epochs, v_states) AS l(id, lease_epoch, status)
       JOIN jsonb_array_elements(p_rows) AS r
-        ON e.id = (r->>0)::uuid AND e.lease_epoch = (r->>1)::integer
-     WHERE e.status = 'running'
+        ON l.id = (r->>0)::uuid AND l.lease_epoch = (r->>1)::integer
+     WHERE l.status = 'running'
        AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
-                        WHERE o.execution_id = e.id AND o.step_id = (r->>5)::integer);
+                        WHERE o.execution_id = l.id AND o.step_id = (r->>5)::integer);
     IF cardinality(v_ids) > 0 THEN
         -- The tails of those finishing (complete_batch: what a tail is, and why one whose
         -- position is recorded already leaves its execution unfinished).

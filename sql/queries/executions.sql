@@ -113,30 +113,40 @@ SELECT set_config('lock_timeout', %(lock_timeout)s, true);
 -- process behind it (FAULTS O4). It comes back with extended = false when it is still ours
 -- in this statement's snapshot (running under our epoch): busy, not lost. Its lease is not
 -- extended this time; the worker neither abandons it nor trusts it longer.
+--
+-- Rows are found by primary key, and whether one runs under our epoch is asked of the row
+-- read or locked, never in the scan: `e.status = 'running'` there let PostgreSQL read the
+-- running index instead, every running execution, when its statistics counted few
+-- (test_claim_plans; the checkpoint batch and the completion do the same).
 WITH held(id, epoch) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
 ), locked AS (
-    SELECT e.id
+    SELECT e.id, e.lease_epoch, e.status
       FROM __schema__.workflow_executions AS e
-      JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
-     WHERE e.status = 'running'
+     WHERE e.id = ANY (%(ids)s::uuid[])
      ORDER BY e.id
        FOR NO KEY UPDATE OF e SKIP LOCKED
 ), extended AS (
     UPDATE __schema__.workflow_executions AS e
        SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-      FROM locked
-     WHERE e.id = locked.id
+      FROM locked AS l
+      JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
+     WHERE e.id = l.id
+       AND l.status = 'running'
     RETURNING e.id, e.cancel_requested
+), seen AS MATERIALIZED (
+    SELECT e.id, e.lease_epoch, e.status
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = ANY (%(ids)s::uuid[])
 )
 SELECT id, cancel_requested, true AS extended
   FROM extended
  UNION ALL
-SELECT e.id, false, false
-  FROM __schema__.workflow_executions AS e
-  JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
- WHERE e.status = 'running'
-   AND e.id NOT IN (SELECT id FROM extended);
+SELECT s.id, false, false
+  FROM seen AS s
+  JOIN held AS h ON h.id = s.id AND h.epoch = s.lease_epoch
+ WHERE s.status = 'running'
+   AND s.id NOT IN (SELECT id FROM extended);
 
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and
@@ -173,13 +183,14 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
     -- estimates): written as `IN (…)` of the batch, PostgreSQL 15 planned a hash join over
     -- two sequential scans of the hot table, live and dead rows (6,832 rows: 6.4 ms of an
     -- 11 ms statement in the bench; auto_explain, BENCHMARKS.md).
-    SELECT e.id, NULL::__schema__.workflow_executions AS text_results
+    SELECT e.id, e.lease_epoch, e.status, NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
      WHERE e.id = ANY (ARRAY(SELECT id FROM finished
                              UNION
+                             -- (a NULL parent matches nothing; `c.parent_id IS NOT NULL`
+                             -- here let PostgreSQL read the parent index, every child)
                              SELECT c.parent_id FROM __schema__.workflow_executions AS c
-                              WHERE c.id = ANY (ARRAY(SELECT id FROM finished))
-                                AND c.parent_id IS NOT NULL))
+                              WHERE c.id = ANY (ARRAY(SELECT id FROM finished))))
      ORDER BY e.id
        FOR UPDATE OF e
 ), removed AS (
@@ -187,8 +198,12 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
      USING finished AS f
      WHERE e.id = f.id
        AND e.lease_epoch = f.epoch
-       AND e.status = 'running'
-       AND e.id = ANY (ARRAY(SELECT id FROM locked))  -- by primary key, after the lock
+       -- By primary key, after the lock; running under the batch's epoch, as the locked
+       -- row says (no status here: PostgreSQL could then read the running index instead,
+       -- every running execution, when its statistics counted few; test_claim_plans).
+       AND e.id = ANY (ARRAY(SELECT l.id FROM locked AS l JOIN finished AS lf
+                                 ON lf.id = l.id AND lf.epoch = l.lease_epoch
+                              WHERE l.status = 'running'))
        -- Not with a tail whose position is recorded already (above). A probe per row
        -- driven by `finished`: `e.id NOT IN (…)` read the whole hot table.
        AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o

@@ -24,11 +24,14 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
     -- (Citus: see docs/citus.md).
-    SELECT e.id, e.lease_epoch, e.cancel_requested,
+    -- Each by its primary key (`= ANY (ARRAY(…))`); whether it is running under the
+    -- batch's epoch is asked of the locked row, in the joins below. With `e.status =
+    -- 'running'` in this scan PostgreSQL could read the running index instead, every
+    -- running execution, when its statistics counted few (test_claim_plans).
+    SELECT e.id, e.lease_epoch, e.status, e.cancel_requested,
            NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
-     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
-       AND e.status = 'running'
+     WHERE e.id = ANY (ARRAY(SELECT execution_id FROM input))
      ORDER BY e.id  -- lock order: see heartbeat
        FOR SHARE OF e
 ), inserted AS (
@@ -39,7 +42,8 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
            __schema__.kestrel_now() - make_interval(secs => i.ran_s),
            __schema__.kestrel_now() - make_interval(secs => i.waited_s)
       FROM input AS i
-      JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+      JOIN owned AS o
+        ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'
      -- A cancelled execution records nothing more: it stops at this step boundary.
      WHERE NOT o.cancel_requested
         ON CONFLICT (execution_id, step_id) DO NOTHING
@@ -56,7 +60,8 @@ SELECT i.execution_id, i.step_id,
        CASE WHEN ins.step_id IS NULL THEN prior.error END,
        coalesce(o.cancel_requested, false) AS cancelled
   FROM input AS i
-  LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+  LEFT JOIN owned AS o
+         ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'
   LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id
   LEFT JOIN __schema__.operation_outputs AS prior
          ON prior.execution_id = i.execution_id AND prior.step_id = i.step_id;
@@ -85,11 +90,14 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
     -- (Citus: see docs/citus.md).
-    SELECT e.id, e.lease_epoch, e.cancel_requested,
+    -- Each by its primary key (`= ANY (ARRAY(…))`); whether it is running under the
+    -- batch's epoch is asked of the locked row, in the joins below. With `e.status =
+    -- 'running'` in this scan PostgreSQL could read the running index instead, every
+    -- running execution, when its statistics counted few (test_claim_plans).
+    SELECT e.id, e.lease_epoch, e.status, e.cancel_requested,
            NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
-     WHERE (e.id, e.lease_epoch) IN (SELECT execution_id, epoch FROM input)
-       AND e.status = 'running'
+     WHERE e.id = ANY (ARRAY(SELECT execution_id FROM input))
      ORDER BY e.id  -- lock order: see heartbeat
        FOR SHARE OF e
 ), inserted AS (
@@ -100,7 +108,8 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
            __schema__.kestrel_now() - make_interval(secs => i.ran_s),
            __schema__.kestrel_now() - make_interval(secs => i.waited_s)
       FROM input AS i
-      JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+      JOIN owned AS o
+        ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'
      -- A cancelled execution records nothing more: it stops at this step boundary.
      WHERE NOT o.cancel_requested
     RETURNING execution_id, step_id
@@ -115,7 +124,8 @@ SELECT i.execution_id, i.step_id,
        NULL::text, NULL::jsonb, NULL::jsonb,
        coalesce(o.cancel_requested, false) AS cancelled
   FROM input AS i
-  LEFT JOIN owned AS o ON o.id = i.execution_id AND o.lease_epoch = i.epoch
+  LEFT JOIN owned AS o
+         ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'
   LEFT JOIN inserted AS ins ON ins.execution_id = i.execution_id AND ins.step_id = i.step_id;
 
 -- name: save_new_steps_delegated
