@@ -166,7 +166,10 @@ def test_slack_slash_command_and_its_replay_window(server: dict[str, Any]) -> No
     before = executions(server)
     replay = api.post("/hooks/slack", body, headers=headers, token=None)
     assert replay.status == 200 and replay.json()["id"] == eid
-    for ts in (int(time.time()) - 301, int(time.time()) + 301):
+    # A minute past the window either way: 301 s ahead was once accepted, when the request
+    # reached the server more than a second after the test truncated its clock (CI, PgBouncer
+    # pass). The window's exact edge is checked against a given clock (tests/unit).
+    for ts in (int(time.time()) - 360, int(time.time()) + 360):
         stale = api.post("/hooks/slack", body, headers=slack(body, ts), token=None)
         assert stale.status == 401 and "5 minutes" in stale.json()["error"]
     bad = api.post("/hooks/slack", body, headers=slack(body, secret="nope"), token=None)
