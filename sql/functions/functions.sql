@@ -1069,10 +1069,9 @@ DECLARE
     v_key text;
 BEGIN
     -- 1. Lock what this batch writes for, in id order (lock order: see heartbeat).
-    -- Each by its primary key; whether it runs is asked of the locked row (FILTER: a
-    -- condition on the status in or over the locked scan lets PostgreSQL read the running
-    -- index instead, every running execution, when its statistics counted few; see
-    -- save_new_steps_batch). The epoch is matched in step 2.
+    -- By primary key; whether each runs is asked of the locked row, in FILTER (a condition
+    -- over the locked subquery is pushed into its scan; the rule for held rows: see the
+    -- heartbeat statement). The epoch is matched in step 2.
     SELECT coalesce(array_agg(o.id::text || '/' || o.lease_epoch)
                         FILTER (WHERE o.status = 'running'), '{}'),
            coalesce(array_agg(o.id)
@@ -1155,39 +1154,41 @@ CREATE OR REPLACE FUNCTION __schema__.move_finished(
     p_ids uuid[], p_status text[], p_result jsonb[], p_error jsonb[], p_now timestamptz
 ) RETURNS void
 LANGUAGE plpgsql AS $$
+DECLARE
+    v_children uuid[];  -- the finishing rows, and their parents (NULL: none)
+    v_parents uuid[];
+    v_live uuid[];      -- of those parents, the ones still live
 BEGIN
-    -- The finishing rows are found by primary key first (MATERIALIZED), and only then
-    -- asked for a parent: a test of parent_id in their scan let PostgreSQL read the parent
-    -- index instead, every child's entry, when its statistics counted few
-    -- (test_claim_plans).
-    WITH c AS MATERIALIZED (
-        SELECT c.id, c.parent_id FROM __schema__.workflow_executions AS c
-         WHERE c.id = ANY (p_ids)
-    )
+    -- Read once, by primary key alone, and only then asked for a parent (the rule for
+    -- held rows: see the heartbeat statement; `parent_id IS NOT NULL` in this scan would
+    -- read the parent index, every child's entry).
+    SELECT coalesce(array_agg(c.id), '{}'), coalesce(array_agg(c.parent_id), '{}')
+      INTO v_children, v_parents
+      FROM __schema__.workflow_executions AS c
+     WHERE c.id = ANY (p_ids);
+    SELECT coalesce(array_agg(p.id), '{}') INTO v_live
+      FROM __schema__.workflow_executions AS p
+     WHERE p.id = ANY (v_parents);
     UPDATE __schema__.workflow_executions AS p
        SET signal_seq = p.signal_seq + t.n,
            wake_at = CASE WHEN p.status = 'waiting' AND p.waiting_for = ANY (t.waits)
                           THEN p_now ELSE p.wake_at END
       FROM (SELECT c.parent_id, count(*) AS n, array_agg('kestrel.child:' || c.id) AS waits
-              FROM c
+              FROM unnest(v_children, v_parents) AS c(id, parent_id)
              WHERE c.parent_id IS NOT NULL
                AND NOT c.parent_id = ANY (p_ids)
              GROUP BY c.parent_id) AS t
      WHERE p.id = t.parent_id;
-    WITH c AS MATERIALIZED (  -- (as above)
-        SELECT c.id, c.parent_id FROM __schema__.workflow_executions AS c
-         WHERE c.id = ANY (p_ids)
-    )
     INSERT INTO __schema__.signals (execution_id, name, payload, idempotency_key)
     SELECT c.parent_id, 'kestrel.child:' || c.id,
            jsonb_build_object('status', f.status, 'result', f.result, 'error', f.error),
            'kestrel.child:' || c.id
-      FROM c
+      FROM unnest(v_children, v_parents) AS c(id, parent_id)
       JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
         ON f.id = c.id
      WHERE c.parent_id IS NOT NULL
        AND NOT c.parent_id = ANY (p_ids)
-       AND EXISTS (SELECT 1 FROM __schema__.workflow_executions AS p WHERE p.id = c.parent_id)
+       AND c.parent_id = ANY (v_live)  -- (Citus: no correlated subquery beside unnest)
         ON CONFLICT (execution_id, idempotency_key) DO NOTHING;
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
@@ -1247,9 +1248,7 @@ BEGIN
     -- Lock every row this call changes, in id order (lock order: see heartbeat).
     -- Each by its primary key, as complete_batch does (an `IN (…)` planned sequential scans).
     -- Which of them still run under the batch's epoch is asked of the locked rows, not of
-    -- the table again: `e.status = 'running'` in a scan lets PostgreSQL read the running
-    -- index instead, every running execution, when its statistics counted few; so does
-    -- `c.parent_id IS NOT NULL` the parent index (a NULL parent matches nothing).
+    -- the table again (the rule for held rows: see the heartbeat statement).
     SELECT coalesce(array_agg(l.id), '{}'), coalesce(array_agg(l.lease_epoch), '{}'),
            coalesce(array_agg(l.status), '{}')
       INTO v_locked, v_epochs, v_states

@@ -114,10 +114,12 @@ SELECT set_config('lock_timeout', %(lock_timeout)s, true);
 -- in this statement's snapshot (running under our epoch): busy, not lost. Its lease is not
 -- extended this time; the worker neither abandons it nor trusts it longer.
 --
--- Rows are found by primary key, and whether one runs under our epoch is asked of the row
--- read or locked, never in the scan: `e.status = 'running'` there let PostgreSQL read the
--- running index instead, every running execution, when its statistics counted few
--- (test_claim_plans; the checkpoint batch and the completion do the same).
+-- The rule for every statement on rows a worker holds (here, the checkpoint batch, the
+-- completion and their Citus forms): find each row by primary key alone, and ask whether it
+-- runs under our epoch of the row as locked or read, never in the scan. `e.status =
+-- 'running'` (or `parent_id IS NOT NULL`) there let PostgreSQL read a partial index
+-- instead, every running execution's (every child's) entry, whenever its statistics had
+-- last counted few (test_claim_plans).
 WITH held(id, epoch) AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
 ), locked AS (
@@ -183,12 +185,11 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
     -- estimates): written as `IN (…)` of the batch, PostgreSQL 15 planned a hash join over
     -- two sequential scans of the hot table, live and dead rows (6,832 rows: 6.4 ms of an
     -- 11 ms statement in the bench; auto_explain, BENCHMARKS.md).
-    SELECT e.id, e.lease_epoch, e.status, NULL::__schema__.workflow_executions AS text_results
+    SELECT e.id, e.status, NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
      WHERE e.id = ANY (ARRAY(SELECT id FROM finished
                              UNION
-                             -- (a NULL parent matches nothing; `c.parent_id IS NOT NULL`
-                             -- here let PostgreSQL read the parent index, every child)
+                             -- (a NULL parent matches nothing; see heartbeat)
                              SELECT c.parent_id FROM __schema__.workflow_executions AS c
                               WHERE c.id = ANY (ARRAY(SELECT id FROM finished))))
      ORDER BY e.id
@@ -198,12 +199,8 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
      USING finished AS f
      WHERE e.id = f.id
        AND e.lease_epoch = f.epoch
-       -- By primary key, after the lock; running under the batch's epoch, as the locked
-       -- row says (no status here: PostgreSQL could then read the running index instead,
-       -- every running execution, when its statistics counted few; test_claim_plans).
-       AND e.id = ANY (ARRAY(SELECT l.id FROM locked AS l JOIN finished AS lf
-                                 ON lf.id = l.id AND lf.epoch = l.lease_epoch
-                              WHERE l.status = 'running'))
+       -- By primary key, after the lock; running, as the locked row says (see heartbeat)
+       AND e.id = ANY (ARRAY(SELECT id FROM locked WHERE status = 'running'))
        -- Not with a tail whose position is recorded already (above). A probe per row
        -- driven by `finished`: `e.id NOT IN (…)` read the whole hot table.
        AND NOT EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o

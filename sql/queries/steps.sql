@@ -24,10 +24,8 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
     -- (Citus: see docs/citus.md).
-    -- Each by its primary key (`= ANY (ARRAY(…))`); whether it is running under the
-    -- batch's epoch is asked of the locked row, in the joins below. With `e.status =
-    -- 'running'` in this scan PostgreSQL could read the running index instead, every
-    -- running execution, when its statistics counted few (test_claim_plans).
+    -- By primary key; running under the batch's epoch is asked of the locked row, in the
+    -- joins below (the rule for held rows: see heartbeat).
     SELECT e.id, e.lease_epoch, e.status, e.cancel_requested,
            NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
@@ -90,10 +88,8 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
     -- (Citus: see docs/citus.md).
-    -- Each by its primary key (`= ANY (ARRAY(…))`); whether it is running under the
-    -- batch's epoch is asked of the locked row, in the joins below. With `e.status =
-    -- 'running'` in this scan PostgreSQL could read the running index instead, every
-    -- running execution, when its statistics counted few (test_claim_plans).
+    -- By primary key; running under the batch's epoch is asked of the locked row, in the
+    -- joins below (the rule for held rows: see heartbeat).
     SELECT e.id, e.lease_epoch, e.status, e.cancel_requested,
            NULL::__schema__.workflow_executions AS text_results
       FROM __schema__.workflow_executions AS e
