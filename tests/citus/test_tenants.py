@@ -313,7 +313,7 @@ def test_a_tenant_moved_to_another_node_under_load_loses_nothing(
     from tests.apps import ledger_app as app
     from tests.helpers import submit_many
 
-    n = 400
+    n = 1600
     submit_many(citus_dsn, tenant, "three_steps", "jsonb_build_array(i)", n)
     workers = {int(r[0]) for r in q(citus_dsn, tenant, "SELECT nodeport FROM pg_dist_node "
                                     "WHERE shouldhaveshards AND groupid <> 0")}
