@@ -217,8 +217,40 @@ def prepare_multiprocess(directory: str | None = None) -> str:
     path = directory or tempfile.mkdtemp(prefix="kestrel-metrics-")
     shutil.rmtree(path, ignore_errors=True)  # stale files of an earlier run would add up
     os.makedirs(path, exist_ok=True)
+    first = "prometheus_client" not in sys.modules
     os.environ[MULTIPROC_ENV] = path
+    if first:
+        _multiprocess_values_with_cached_pid()
     return path
+
+
+_pid = os.getpid()
+
+
+def _fork_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_fork_child)
+
+
+def _cached_pid() -> int:
+    return _pid
+
+
+def _multiprocess_values_with_cached_pid() -> None:
+    """Multiprocess values that learn of a fork from a pid kept current at fork, not from a
+    getpid() system call on every increment (prometheus_client's default): at a few metric
+    updates a step, that call was 8-9% of a worker's CPU (py-spy --native, BENCHMARKS.md).
+
+    Only where nothing has made a value yet (prometheus_client imported just now, under the
+    directory): each value class keeps its own open files, and two of them writing one
+    process's file would corrupt it."""
+    from prometheus_client import values
+
+    values.ValueClass = values.MultiProcessValue(  # type: ignore[no-untyped-call]
+        process_identifier=_cached_pid)
 
 
 def step_label(name: str) -> str:
