@@ -455,17 +455,15 @@ CREATE INDEX ui_sessions_expires_idx ON __schema__.ui_sessions USING btree (expi
 
 CREATE INDEX workflow_executions_claim_idx ON __schema__.workflow_executions USING btree (queue, priority DESC, created_at) WHERE (status = 'queued'::text);
 
-CREATE INDEX workflow_executions_created_idx ON __schema__.workflow_executions USING btree (created_at DESC, id DESC);
+CREATE INDEX workflow_executions_created_idx ON __schema__.workflow_executions USING btree (created_at DESC, id DESC) WHERE (status <> 'running'::text);
 
 CREATE INDEX workflow_executions_deadline_idx ON __schema__.workflow_executions USING btree (deadline) WHERE (deadline IS NOT NULL);
 
 CREATE UNIQUE INDEX workflow_executions_dedup_idx ON __schema__.workflow_executions USING btree (queue, dedup_key) WHERE (dedup_key IS NOT NULL);
 
-CREATE INDEX workflow_executions_lease_idx ON __schema__.workflow_executions USING btree (lease_expires_at) WHERE (status = 'running'::text);
-
 CREATE INDEX workflow_executions_parent_idx ON __schema__.workflow_executions USING btree (parent_id) WHERE (parent_id IS NOT NULL);
 
-CREATE INDEX workflow_executions_running_queue_idx ON __schema__.workflow_executions USING btree (queue) WHERE (status = 'running'::text);
+CREATE INDEX workflow_executions_running_queue_idx ON __schema__.workflow_executions USING btree (queue, lease_expires_at) WHERE (status = 'running'::text);
 
 CREATE INDEX workflow_executions_suspect_idx ON __schema__.workflow_executions USING btree (queue, priority DESC, created_at) WHERE ((status = 'queued'::text) AND (attempts >= 2));
 

@@ -71,12 +71,31 @@ DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
 -- name: page_executions
 -- Newest first, live and finished, filtered (NULL = any), after a keyset cursor
 -- (created_at, id): each branch reads its (created_at DESC, id DESC) index and stops after
--- %(limit)s rows, so a page costs the same on the thousandth page as on the first.
+-- %(limit)s rows, so a page costs the same on the thousandth page as on the first. Running
+-- rows have no entry in the hot table's index (a claim would write one, migration 0020):
+-- their branch sorts them, a set as small as the work in flight. (One branch over a
+-- UNION ALL of both halves of the hot table reads nothing in order: PostgreSQL 15 sorts
+-- the whole union.)
 SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version
   FROM ((SELECT id, workflow, queue, status, attempts, created_at,
                 NULL::timestamptz AS finished_at, parent_id, app_version
            FROM __schema__.workflow_executions
-          WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+          WHERE status <> 'running'
+            AND (%(status)s::text IS NULL OR status = %(status)s::text)
+            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
+            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+            AND (%(after_at)s::timestamptz IS NULL
+                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+          ORDER BY created_at DESC, id DESC
+          LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id, workflow, queue, status, attempts, created_at,
+                NULL::timestamptz AS finished_at, parent_id, app_version
+           FROM __schema__.workflow_executions
+          WHERE status = 'running'
+            AND (%(status)s::text IS NULL OR status = %(status)s::text)
             AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
             AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
             AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)

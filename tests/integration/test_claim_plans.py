@@ -58,6 +58,12 @@ def on_hot_table(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [n for n in nodes if n.get("Relation Name") == "workflow_executions"]
 
 
+def hot_indexes(nodes: list[dict[str, Any]]) -> set[str]:
+    """The hot table's indexes a plan reads (a bitmap's index scan names no relation)."""
+    return {n["Index Name"] for n in nodes
+            if n.get("Index Name", "").startswith("workflow_executions_")}
+
+
 CLAIM = {"owner": "w", "queues": ["default", "other"], "limit": 32, "lease_s": 30.0,
          "take_suspect": True, "workflows": ["wf"], "any_workflow": False,
          "max_history_bytes": 1 << 27, "app_version": "v1"}
@@ -119,6 +125,70 @@ def test_complete_batch_finds_its_rows_by_primary_key_never_by_reading_the_queue
     assert stmt.params is not None
     hot = on_hot_table(explain(pg_dsn, stmt.query, dict(stmt.params), generic=generic))
     assert hot and [n for n in hot if "Seq" in n["Node Type"]] == []
+
+
+@pytest.fixture
+def in_flight(backlog: str, pg_dsn: str) -> str:
+    """The backlog with 500 of its rows running, among the others in the list's order (one
+    created_at, ids spread), leases due at spread times, some expired."""
+    q(pg_dsn, backlog, """
+        UPDATE {s}.workflow_executions
+           SET status = 'running', lease_epoch = 1, lease_owner = 'w',
+               lease_expires_at = now() + ((i.n % 40) - 5) * interval '1 second'
+          FROM (SELECT id, row_number() OVER (ORDER BY id DESC) AS n
+                  FROM {s}.workflow_executions WHERE status = 'queued') AS i
+         WHERE workflow_executions.id = i.id AND i.n % 30 = 0 AND i.n <= 15000""")
+    q(pg_dsn, backlog, "ANALYZE {s}.workflow_executions")
+    return backlog
+
+
+PAGE = {"status": None, "workflow": None, "queue": None, "since": None, "until": None,
+        "after_at": None, "after_id": None, "limit": 50}
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_a_page_of_executions_reads_indexes_in_order_running_rows_included(
+    pg_dsn: str, in_flight: str, generic: bool
+) -> None:
+    """Running rows have no entry in the list's index (migration 0020: a claim would write
+    one): the page merges that index, read in order, with the running rows, read from their
+    own index; never the whole queue. And the page is the right one: newest first, running
+    rows in their place, page after page."""
+    nodes = explain(pg_dsn, queries(in_flight).page_executions, PAGE, generic=generic)
+    hot = on_hot_table(nodes)
+    assert [n for n in hot if "Seq" in n["Node Type"]] == []
+    assert hot_indexes(nodes) == {"workflow_executions_created_idx",
+                                  "workflow_executions_running_queue_idx"}
+    # What is sorted of the hot table is its running rows only.
+    for sort in (n for n in nodes if n["Node Type"] == "Sort"):
+        assert hot_indexes(plan_nodes(sort)) <= {"workflow_executions_running_queue_idx"}, sort
+
+    every = [(r[0], r[1]) for r in q(pg_dsn, in_flight, """
+        SELECT created_at, id FROM {s}.workflow_executions
+         ORDER BY created_at DESC, id DESC""")]
+    running = {r[0] for r in q(pg_dsn, in_flight, """
+        SELECT id FROM {s}.workflow_executions WHERE status = 'running'""")}
+    paged: list[tuple[Any, Any]] = []
+    params = dict(PAGE, limit=700)
+    with psycopg.connect(pg_dsn, prepare_threshold=None) as conn:
+        while len(paged) < 3_500:
+            rows = conn.execute(pgsql.SQL(queries(in_flight).page_executions),  # type: ignore[arg-type]
+                                params).fetchall()
+            paged += [(r[5], r[0]) for r in rows]
+            params = dict(params, after_at=rows[-1][5], after_id=rows[-1][0])
+    assert paged == every[:3_500]
+    assert 50 < len(running & {i for _, i in paged}) < 500
+
+
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_the_sweeper_reads_running_rows_only(pg_dsn: str, in_flight: str,
+                                             generic: bool) -> None:
+    """lease_idx is gone (migration 0020): the sweeper finds expired leases among the running
+    rows' entries of running_queue_idx, never among the queue."""
+    stmt = statements.sweeper.reenqueue_expired(queries(in_flight), limit=100, max_attempts=5)
+    hot = on_hot_table(explain(pg_dsn, stmt.query, dict(stmt.params or {}), generic=generic))
+    assert [n for n in hot if "Seq" in n["Node Type"]] == []
+    assert "workflow_executions_running_queue_idx" in hot_indexes(hot)
 
 
 RUNNING = 4_000  # what --procs 16 at 256 a process holds running

@@ -196,7 +196,7 @@ def test_migration_0019_keeps_every_checkpoint_once(pg_dsn: str) -> None:
           "output, attempt, lease_epoch, started_at, finished_at, execution_finished_at) "
           "SELECT %s, s, 'add', to_jsonb(10 + s), 1, 1, now(), now(), now() "
           "FROM generate_series(0, 2) AS s", [done])
-        assert migrate(pg_dsn, schema, test_clock=True) == [19]
+        assert migrate(pg_dsn, schema, test_clock=True)[:1] == [19]  # and any later
         assert q(pg_dsn, schema, "SELECT execution_id, step_id, output FROM "
                  "{s}.operation_outputs ORDER BY execution_id = %s, step_id", [live]) == [
             (done, 0, 10), (done, 1, 11), (done, 2, 12), (live, 0, 120), (live, 1, 121)]
