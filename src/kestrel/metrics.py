@@ -242,7 +242,8 @@ def _cached_pid() -> int:
 def _multiprocess_values_with_cached_pid() -> None:
     """Multiprocess values that learn of a fork from a pid kept current at fork, not from a
     getpid() system call on every increment (prometheus_client's default): at a few metric
-    updates a step, that call was 8-9% of a worker's CPU (py-spy --native, BENCHMARKS.md).
+    updates a step, that call was 8-9% of a worker's samples (py-spy --native) and its
+    removal -4% of a worker's CPU per workflow (BENCHMARKS.md).
 
     Only where nothing has made a value yet (prometheus_client imported just now, under the
     directory): each value class keeps its own open files, and two of them writing one
