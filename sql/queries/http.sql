@@ -75,19 +75,13 @@ DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
 -- rows have no entry in the hot table's index (a claim would write one, migration 0020):
 -- their branch sorts them, a set as small as the work in flight. (One branch over a
 -- UNION ALL of both halves of the hot table reads nothing in order: PostgreSQL 15 sorts
--- the whole union.)
+-- the whole union.) The filters: sql/fragments/list.sql.
 SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version
   FROM ((SELECT id, workflow, queue, status, attempts, created_at,
                 NULL::timestamptz AS finished_at, parent_id, app_version
            FROM __schema__.workflow_executions
           WHERE status <> 'running'
-            AND (%(status)s::text IS NULL OR status = %(status)s::text)
-            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
-            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
-            AND (%(after_at)s::timestamptz IS NULL
-                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+            -- include: page_filter
           ORDER BY created_at DESC, id DESC
           LIMIT %(limit)s)
         UNION ALL
@@ -95,26 +89,15 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
                 NULL::timestamptz AS finished_at, parent_id, app_version
            FROM __schema__.workflow_executions
           WHERE status = 'running'
-            AND (%(status)s::text IS NULL OR status = %(status)s::text)
-            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
-            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
-            AND (%(after_at)s::timestamptz IS NULL
-                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+            -- include: page_filter
           ORDER BY created_at DESC, id DESC
           LIMIT %(limit)s)
         UNION ALL
         (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
                 app_version
            FROM __schema__.workflow_history
-          WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
-            AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
-            AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-            AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
-            AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
-            AND (%(after_at)s::timestamptz IS NULL
-                 OR (created_at, id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+          WHERE true
+            -- include: page_filter
           ORDER BY created_at DESC, id DESC
           LIMIT %(limit)s)) AS page
  ORDER BY created_at DESC, id DESC
