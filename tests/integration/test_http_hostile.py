@@ -411,3 +411,35 @@ def _toml(folder: Path, text: str) -> Path:
     path.write_text(text)
     return path
 
+
+
+def test_the_list_refuses_hostile_filters_and_reads_sql_looking_ones_as_text(
+        server: dict[str, Any]) -> None:
+    """GET /executions (page_executions, migration 0020's three branches): a filter that is
+    not text, not a status, not a queue name, not a time or not a cursor is a 400 naming
+    the parameter; text that looks like SQL is a filter like any other; nothing is written."""
+    api: Api = server["api"]
+    before = executions(server)
+    quote = urllib.request.quote
+    refused = {
+        "status": ["%00", quote("running' OR '1'='1"), "Running", quote("\u202e")],
+        "workflow": ["a%00b", "%ED%A0%80", "%FF", "a" * 2000, "a" * 5000],
+        "queue": ["%00", quote("q; DROP TABLE x"), "q" * 129, quote("é")],
+        "since": ["1e-400", str(2 ** 64), "%00", quote("2026-13-01T00:00")],
+        "until": ["NaN", quote("-infinity")],
+        "cursor": ["%00", "A" * 300, quote("' OR 1=1 --")],
+        "limit": [str(2 ** 64), "1e3"],
+        "nope": ["1"],
+    }
+    for name, values in refused.items():
+        for value in values:
+            reply = api.get(f"{API}/executions?{name}={value}")
+            assert reply.status == 400, (name, value[:40], reply.status, reply.body[:200])
+            error = reply.json()["error"]
+            assert name in error or "UTF-8" in error or "NUL" in error, (name, error)
+    for sql_like in ("x'); DROP TABLE executions; --", "%' OR '1'='1", "\\x00", "a" * 1024):
+        reply = api.get(f"{API}/executions?workflow={quote(sql_like)}&queue=default"
+                        f"&status=running&since={quote('0001-01-01T00:00:00+14:00')}")
+        assert reply.status == 200, (sql_like[:40], reply.status, reply.body[:200])
+        assert reply.json() == {"executions": [], "next_cursor": None}
+    assert executions(server) == before

@@ -164,11 +164,13 @@ def test_hostile_ids_signals_and_listings_are_refused(server: dict[str, Any]) ->
     for query in ("status=exploded", "limit=0", "limit=abc", "limit=100000", "cursor=zzz",
                   "cursor=" + "A" * 300, "since=yesterday", "queue=%00",
                   "workflow=%00", f"queue={quote(SQLISH)}",
-                  "colour=red"):
+                  "colour=red",
+                  # a surrogate's UTF-8 bytes (Starlette decodes them to U+FFFD): refused,
+                  # as the web UI refuses them, not read as a name
+                  "workflow=%ED%A0%80"):
         refused(api.get(f"{API}/executions?{query}"), 400)
     # An SQL-looking filter that is a valid name is just a name: no rows, nothing run.
-    # A surrogate's UTF-8 bytes in a query decode to U+FFFD (Starlette): a name, no rows.
-    for query in ("workflow=x%27%3B%20DROP%20TABLE%20y%3B%20--", "workflow=%ED%A0%80"):
+    for query in ("workflow=x%27%3B%20DROP%20TABLE%20y%3B%20--",):
         odd = api.get(f"{API}/executions?{query}")
         assert odd.status == 200 and odd.json()["executions"] == [], query
     assert written(server) == before

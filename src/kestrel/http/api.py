@@ -32,6 +32,7 @@ from kestrel.http import auth
 from kestrel.http.refusals import Refusal
 from kestrel.http.requests import (
     DIGITS,
+    check_query_text,
     decode_cursor,
     encode_cursor,
     read_json,
@@ -252,6 +253,7 @@ LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor
 async def list_executions(request: Request) -> Response:
     """Executions newest first, live and finished, filtered, one keyset page at a time."""
     await require(request, "read")
+    check_query_text(request)  # its length: the header cap, and each parameter's own
     params = request.query_params
     unknown = sorted(set(params) - set(LIST_PARAMS))
     if unknown:

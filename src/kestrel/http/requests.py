@@ -1,7 +1,7 @@
-"""Request parts both doors read the same way: bodies under a cap (announced or streamed),
-exact JSON, the web UI's forms, the list's opaque cursors, ISO times and the W3C trace
-context. Each refuses with a :class:`~kestrel.http.refusals.Refusal` (400 or 413) before
-anything is written.
+"""Request parts both doors read the same way: query strings (strict UTF-8, capped),
+bodies under a cap (announced or streamed), exact JSON, the web UI's forms, the list's
+opaque cursors, ISO times and the W3C trace context. Each refuses with a
+:class:`~kestrel.http.refusals.Refusal` (400, 413 or 414) before anything is written.
 """
 
 from __future__ import annotations
@@ -23,6 +23,25 @@ from kestrel.http.refusals import Refusal
 # ASCII digits, few enough for int(): str.isdigit() also takes "²" and "①", which int()
 # refuses, and int() refuses more than 4300 digits (both were a 500).
 DIGITS = re.compile(r"[0-9]{1,18}")
+MAX_QUERY_BYTES = 4096
+
+
+def check_query(request: Request) -> None:
+    """Refuse a query string over :data:`MAX_QUERY_BYTES` (414), or one holding NUL or
+    bytes that are not UTF-8 (400: :func:`check_query_text`)."""
+    raw = request.scope.get("query_string", b"")
+    if len(raw) > MAX_QUERY_BYTES:
+        raise Refusal(414, f"query string over {MAX_QUERY_BYTES} bytes")
+    check_query_text(request)
+
+
+def check_query_text(request: Request) -> None:
+    """Refuse a query string holding NUL or bytes that are not UTF-8 (400): Starlette
+    decodes such bytes to U+FFFD, which would otherwise be read as a name."""
+    for name, value in request.query_params.multi_items():
+        for text in (name, value):
+            if "\x00" in text or "\ufffd" in text:
+                raise Refusal(400, "a query parameter holds NUL or bytes that are not UTF-8")
 
 
 async def read_capped(request: Request, cap: int) -> bytes | None:

@@ -25,7 +25,7 @@ from kestrel import codec, statements
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import KestrelError
 from kestrel.http.refusals import Refusal, classify
-from kestrel.http.requests import decode_cursor, encode_cursor, time_param
+from kestrel.http.requests import check_query, decode_cursor, encode_cursor, time_param
 from kestrel.http.sessions import Session, current_session
 from kestrel.http.ui.render import error_page, failure_view, render, wait_view
 from kestrel.sql import Queries
@@ -33,7 +33,6 @@ from kestrel.statements import Stmt
 from kestrel.types import Status
 
 PAGE = 50
-MAX_QUERY_BYTES = 4096
 FINISHED_WINDOW = timedelta(hours=24)
 SEARCH_DAYS = 30
 TREE_NODES = 200
@@ -80,18 +79,6 @@ def refusal_page(request: Request, exc: Exception, session: Session | None) -> R
     page (:func:`~kestrel.http.refusals.classify`)."""
     refusal = classify(exc, request, internal="internal error; the server log names it")
     return error_page(request, refusal.status, refusal.reason, session)
-
-
-def check_query(request: Request) -> None:
-    """Refuse a query string over :data:`MAX_QUERY_BYTES` (414), or one holding NUL or
-    bytes that are not UTF-8 (400)."""
-    raw = request.scope.get("query_string", b"")
-    if len(raw) > MAX_QUERY_BYTES:
-        raise Refusal(414, f"query string over {MAX_QUERY_BYTES} bytes")
-    for name, value in request.query_params.multi_items():
-        for text in (name, value):
-            if "\x00" in text or "\ufffd" in text:
-                raise Refusal(400, "a query parameter holds NUL or bytes that are not UTF-8")
 
 
 def query_params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
