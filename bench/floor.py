@@ -28,6 +28,7 @@ import asyncio
 import multiprocessing
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -128,9 +129,13 @@ def _proc(dsn: str, schema: str, concurrency: int, mode: str) -> None:
 
 
 def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: int,
-        mode: str = "group") -> dict[str, Any]:
+        mode: str = "group", profile: bool = False,
+        py_spy: Path | None = None) -> dict[str, Any]:
     """Run one floor; return workflows/s measured on the database clock, commits, WAL bytes
-    and CPU seconds (the loops' processes and the server's) per workflow."""
+    and CPU seconds (the loops' processes and the server's) per workflow, and with
+    *profile* its statements (bench/statements.py), with *py_spy* (a folder) its loop
+    processes sampled (bench/profiles.py)."""
+    from bench import profiles, statements
     from bench.common import DbCounters
 
     if mode not in MODES:
@@ -138,7 +143,12 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
     prepare(dsn, schema, n, steps)
     with psycopg.connect(dsn, autocommit=True) as mon:
         before = DbCounters.read(mon)
+        if profile:
+            statements.reset(mon)
         children = _children_cpu()
+        # The bench's own main thread only waits in join(): py-spy samples no idle thread.
+        spy = (profiles.Recorder(os.getpid(), py_spy / f"{mode}-{concurrency}.raw")
+               if py_spy else None)
         ctx = multiprocessing.get_context("fork")
         started = time.monotonic()
         workers = [ctx.Process(target=_proc, args=(dsn, schema, concurrency, mode))
@@ -148,6 +158,7 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
         for w in workers:
             w.join()
         wall = time.monotonic() - started
+        raw = spy.stop() if spy else None
         client_cpu = _children_cpu() - children  # the joined loop processes
         # A backend publishes its counters when it exits: wait for the loops' backends.
         deadline = time.monotonic() + 10
@@ -156,6 +167,7 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
                 [APP_NAME]).fetchone() or [0])[0]:
             time.sleep(0.05)
         after = DbCounters.read(mon)
+        stmts = statements.read(mon, n) if profile else []
         row = mon.execute(_q(
             "SELECT count(*) FILTER (WHERE status = 'done'), "
             "extract(epoch FROM max(finished_at) - min(started_at)) FROM {s}.floor_job",
@@ -172,7 +184,9 @@ def run(dsn: str, schema: str, *, n: int, steps: int, procs: int, concurrency: i
             "commits_per_workflow": (after.commits - before.commits) / n,
             "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes) / n,
             "worker_cpu_s_per_workflow": client_cpu / n,
-            "postgres_cpu_s_per_workflow": (after.pg_cpu_s - before.pg_cpu_s) / n}
+            "postgres_cpu_s_per_workflow": (after.pg_cpu_s - before.pg_cpu_s) / n,
+            **({"statements": stmts} if stmts else {}),
+            **({"py_spy": str(raw)} if raw else {})}
 
 
 def _children_cpu() -> float:
@@ -181,10 +195,12 @@ def _children_cpu() -> float:
 
 
 def run_best(dsn: str, schema: str, *, n: int, steps: int, procs: int, mode: str = "group",
-             concurrencies: tuple[int, ...] = CONCURRENCIES) -> dict[str, Any]:
-    """Run a floor at each number of loops per process; return the fastest run, with every
-    run under ``tried``."""
-    tried = [run(dsn, schema, n=n, steps=steps, procs=procs, concurrency=c, mode=mode)
+             concurrencies: tuple[int, ...] = CONCURRENCIES,
+             profile: bool = False, py_spy: Path | None = None) -> dict[str, Any]:
+    """Run a floor at each number of loops per process; return the fastest run (with its
+    statements, under *profile*), with every run under ``tried``."""
+    tried = [run(dsn, schema, n=n, steps=steps, procs=procs, concurrency=c, mode=mode,
+                 profile=profile, py_spy=py_spy)
              for c in concurrencies]
     best = max(tried, key=lambda r: r["workflows_per_s"])
     return {**best, "tried": [{"concurrency": r["concurrency"],

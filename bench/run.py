@@ -18,7 +18,8 @@ single-client commit latency is measured and printed at the start of every invoc
 With ``--backlog N``, N more executions are queued through SQL before the runtime starts;
 throughput is then measured over the first ``--workflows`` to finish while the rest wait,
 and the claim statement's latency (p50/p99, from the runtime's kestrel_claim_seconds
-histogram) is reported.
+histogram) is reported. ``--statements`` profiles each side's statements on the server
+(pg_stat_statements, on a server given by ``--dsn``; bench/statements.py).
 Results go to bench/results/<stamp>.json (and .png with --plot).
 """
 
@@ -40,7 +41,7 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from bench import floor
+from bench import floor, profiles, statements
 from bench.common import (
     ROOT,
     DbCounters,
@@ -100,6 +101,8 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             _submit_up_front(dsn, schema, p["backlog"], args)
             mon.execute(_s("ANALYZE {s}.workflow_executions", schema))
         before = DbCounters.read(mon)
+        if p.get("statements"):
+            statements.reset(mon)
         polls = 0
         # The runtime runs this checkout's code (src/ first), whichever environment's
         # Python runs the bench: an A/B of two checkouts can share one virtualenv.
@@ -122,6 +125,9 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             cmd += ["--prepare", p["prepare"]]
         runtime = subprocess.Popen(cmd, env=env, cwd=ROOT)
         cpu = TreeCpu(runtime.pid)
+        spy = (profiles.Recorder(runtime.pid, Path(p["py_spy"]) / "kestrel.raw")
+               if p.get("py_spy") else None)
+        raw = None
         if submitter:
             submitter.start()
         started = time.monotonic()
@@ -141,10 +147,14 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                 if time.monotonic() - started > p["timeout"]:
                     raise RuntimeError(f"only {done}/{n} finished in {p['timeout']}s")
             after = DbCounters.read(mon)
+            raw = spy.stop() if spy else None
+            stmts = statements.read(mon, n) if p.get("statements") else []
             claim_ms, limit = _runtime_metrics(metrics_port)
             wal_rel = (wal_by_relation(mon, before.lsn, after.lsn, schema)
                        if p.get("wal_by_relation") else {})
         finally:
+            if spy:
+                spy.stop()
             stop.set()
             cpu.sample()
             runtime.send_signal(signal.SIGTERM)
@@ -200,6 +210,10 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         # (--concurrency 0) settled (kestrel_concurrency_limit_executions).
         "concurrency_limit_at_end": limit,
     }
+    if stmts:
+        result["statements"] = stmts
+    if raw:
+        result["py_spy"] = str(raw)
     if wal_rel:
         result["wal_bytes_per_workflow_by_relation"] = {k: round(v / n) for k, v in
                                                         wal_rel.items()}
@@ -272,7 +286,8 @@ def run_floor(dsn: str, p: dict[str, Any], mode: str, quiet: bool = False) -> di
         print(f"  {name}: {p['procs']} procs × {floor.CONCURRENCIES} loops, best kept …",
               flush=True)
     best = floor.run_best(dsn, f"bench_floor_{mode}", n=p["workflows"], steps=p["steps"],
-                          procs=p["procs"], mode=mode)
+                          procs=p["procs"], mode=mode, profile=bool(p.get("statements")),
+                          py_spy=Path(p["py_spy"]) if p.get("py_spy") else None)
     if not quiet:
         print(f"  {name}: " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
                                         for t in best["tried"]), flush=True)
@@ -408,6 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wal-by-relation", action="store_true",
                     help="attribute the run's WAL to the schema's tables and indexes "
                          "(pg_waldump on the embedded server's pg_wal)")
+    ap.add_argument("--statements", action="store_true",
+                    help="profile each side's statements on the server (pg_stat_statements: "
+                         "calls, execution time and WAL per workflow); needs --dsn to a "
+                         "server that preloads it (bench/statements.py)")
+    ap.add_argument("--py-spy", action="store_true",
+                    help="sample each side's client processes with py-spy while its "
+                         "workflows run; raw profiles next to the results, their top "
+                         "functions printed (bench/profiles.py)")
     ap.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -428,10 +451,25 @@ def main(argv: list[str] | None = None) -> int:
                  "with the shim); a server given by --dsn was started by someone else")
     if ns.flush_delay_us is not None and ns.flush_delay_us < 0:
         ap.error("--flush-delay-us must be 0 or more")
+    if ns.statements and not ns.dsn:
+        ap.error("--statements needs --dsn: a server that preloads pg_stat_statements (the "
+                 "embedded one is built without it)")
+    if ns.statements and ns.pgbouncer:
+        ap.error("--statements reads the server directly; run it without --pgbouncer")
+    if ns.py_spy:
+        try:
+            profiles.check()
+        except profiles.NotAvailable as exc:
+            ap.error(str(exc))
     delay = ns.flush_delay_us or 0
     dsn, server = database(ns.dsn, ns.data_dir, delay)
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         sync_method = (conn.execute("SHOW wal_sync_method").fetchone() or ["?"])[0]
+        if ns.statements:
+            try:
+                statements.check(conn)
+            except statements.NotAvailable as exc:
+                ap.error(str(exc))
     latency = commit_latency_ms(dsn)
     server_note = (f"flush delay {delay} µs" if not ns.dsn else "server given by --dsn")
     print(f"PostgreSQL: {server_note}, wal_sync_method {sync_method}; single-client commit "
@@ -439,8 +477,10 @@ def main(argv: list[str] | None = None) -> int:
     base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
                                         "concurrency", "batch_size", "lease", "heartbeat",
                                         "rate", "timeout", "with_limited", "prepare",
-                                        "backlog", "wal_by_relation")}
+                                        "backlog", "wal_by_relation", "statements")}
     base["connection_mode"] = "direct"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    base["py_spy"] = str(Path(ns.out) / f"{ns.label}-{stamp}-py-spy") if ns.py_spy else ""
     bouncer = None
     if ns.pgbouncer:
         from tests.pgbouncer import PgBouncer
@@ -453,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kestrel bench on {machine()}, commit {git_rev()}")
     rows: list[dict[str, Any]] = []
     floors: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
-    for point in points:
+    for i, point in enumerate(points):
         p = {**base, **point}
+        if p["py_spy"]:
+            p["py_spy"] = str(Path(base["py_spy"]) / f"point-{i}")
         print(f"- {json.dumps(point) if point else 'run'}")
         r = run_kestrel(dsn, p)
         if not ns.no_floor:
@@ -472,9 +514,18 @@ def main(argv: list[str] | None = None) -> int:
         print(side_by_side(r))
         for rel, size in r.get("wal_bytes_per_workflow_by_relation", {}).items():
             print(f"  WAL B/workflow {size:6d}  {rel}")
+        sides = [("kestrel", r)] + [(f"{FLOOR_NAMES[m]} ({f['concurrency']} loops/proc)", f)
+                                    for m, f in r.get("floors", {}).items()]
+        for name, side in sides:
+            if side.get("statements"):
+                print()
+                print(statements.table(name, side["statements"]))
+        for name, side in sides:
+            if side.get("py_spy"):
+                print()
+                print(profiles.summary(f"{name}, client processes", Path(side["py_spy"])))
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out / f"{ns.label}-{stamp}.json"
     path.write_text(json.dumps({"machine": machine(), "commit": git_rev(), "date": stamp,
                                 "flush_delay_us": None if ns.dsn else delay,
