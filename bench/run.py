@@ -8,7 +8,9 @@
 Each run reports workflows/s and steps/s (first start to last finish, database clock);
 submit→start and submit→finish latency p50/p95/p99; CPU seconds per workflow for the workers
 and for PostgreSQL; commits and WAL bytes per workflow (pg_stat_database, pg_current_wal_lsn;
-the workflows' submissions excluded); the hot tables' size and dead tuples at the end; and
+the workflows' submissions excluded). The workflows are queued once the runtime's workers
+are up, so its start (imports, pools: a cost per process) is reported apart, not per
+workflow; with --rate or --backlog they are queued as before and the start is included; the hot tables' size and dead tuples at the end; and
 both floors (bench/floor.py: the group-commit loop, one transaction per pipeline, and the
 per-step loop, one transaction per checkpoint), each swept to its best loops per process in
 the same invocation, with the same figures and kestrel's ratio to each (``--no-floor``
@@ -34,6 +36,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ from bench.common import (
     fresh_schema,
     git_rev,
     machine,
+    postgres_cpu_seconds,
     progress,
     wal_by_relation,
 )
@@ -84,6 +88,54 @@ def _submit_at_rate(dsn: str, schema: str, n: int, args: str, rate: float,
             time.sleep(0.01)
 
 
+@dataclass(frozen=True)
+class Submission:
+    """What queueing the workflows cost the server, to leave out of kestrel's figures."""
+
+    wal_bytes: int
+    pg_cpu_s: float
+    commits: int
+    end_lsn: str | None = None
+    """Where its WAL ended (before its commit record), for --wal-by-relation."""
+
+
+def _wait_for_workers(mon: psycopg.Connection[Any], schema: str, procs: int,
+                      runtime: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
+    """Wait until each of the runtime's *procs* worker processes has registered (its pool
+    is open and it claims), then a moment for the first, empty claims."""
+    deadline = time.monotonic() + timeout
+    query = _s("SELECT count(*) FROM {s}.workers", schema)
+    while (mon.execute(query).fetchone() or [0])[0] < procs:
+        if runtime.poll() is not None:
+            raise RuntimeError(f"kestrel-runtime exited with {runtime.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"kestrel-runtime's {procs} workers did not start in "
+                               f"{timeout:.0f}s")
+        time.sleep(0.1)
+    time.sleep(0.5)
+
+
+def _submit_counted(mon: psycopg.Connection[Any], schema: str, n: int, args: str, *,
+                    reset_statements: bool) -> tuple[DbCounters, Submission]:
+    """Queue *n* workflows in one transaction on *mon* while the runtime waits for work;
+    return the counters from just before and what the submission itself cost (its WAL and
+    the server's CPU, read inside the transaction, so no claim's work is in them; its
+    commit, one, is counted by the caller's window and left out). With *reset_statements*,
+    the statement profile starts there too, before any worker can see the rows."""
+    before = DbCounters.read(mon)
+    with mon.transaction():
+        mon.execute(_s("SELECT {s}.submit('bench', %s::jsonb) FROM generate_series(1, %s)",
+                       schema), [args, n])
+        row = mon.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), "
+                          "%s::pg_lsn)::bigint, pg_current_wal_insert_lsn()::text",
+                          [before.lsn]).fetchone()
+        pg_cpu = postgres_cpu_seconds(mon.info.backend_pid)
+        if reset_statements:
+            statements.reset(mon)
+    assert row is not None
+    return before, Submission(int(row[0]), pg_cpu - before.pg_cpu_s, 1, str(row[1]))
+
+
 def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str, Any]:
     schema = "bench_kestrel"
     fresh_schema(dsn, schema)
@@ -92,16 +144,23 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as mon:
         stop = threading.Event()
         submitter = None
+        # Submitted once the runtime is up (the usual run): its start, the imports and the
+        # pool's connections of each process, is a cost per process, not per workflow, and
+        # is reported apart; the floors' loops fork from the bench, already started. With
+        # a rate the submissions run alongside; with a backlog everything is queued first
+        # (the claims must meet it), and the start is in the figures.
+        after_start = not p["rate"] and not p["backlog"]
         if p["rate"]:
             submitter = threading.Thread(target=_submit_at_rate,
                                          args=(dsn, schema, n, args, p["rate"], stop))
-        else:
+        elif not after_start:
             _submit_up_front(dsn, schema, n, args)
         if p["backlog"]:
             _submit_up_front(dsn, schema, p["backlog"], args)
             mon.execute(_s("ANALYZE {s}.workflow_executions", schema))
         before = DbCounters.read(mon)
-        if p.get("statements"):
+        submission = Submission(0, 0.0, 0)
+        if p.get("statements") and not after_start:
             statements.reset(mon)
         polls = 0
         # The runtime runs this checkout's code (src/ first), whichever environment's
@@ -128,6 +187,13 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
         spy = (profiles.Recorder(runtime.pid, Path(p["py_spy"]) / "kestrel.raw")
                if p.get("py_spy") else None)
         raw = None
+        start_cpu = 0.0
+        if after_start:
+            _wait_for_workers(mon, schema, p["procs"], runtime)
+            cpu.sample()
+            start_cpu = cpu.seconds
+            before, submission = _submit_counted(mon, schema, n, args,
+                                                 reset_statements=bool(p.get("statements")))
         if submitter:
             submitter.start()
         started = time.monotonic()
@@ -150,7 +216,8 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
             raw = spy.stop() if spy else None
             stmts = statements.read(mon, n) if p.get("statements") else []
             claim_ms, limit = _runtime_metrics(metrics_port)
-            wal_rel = (wal_by_relation(mon, before.lsn, after.lsn, schema)
+            wal_rel = (wal_by_relation(mon, submission.end_lsn or before.lsn, after.lsn,
+                                       schema)
                        if p.get("wal_by_relation") else {})
         finally:
             if spy:
@@ -190,7 +257,7 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
     # The harness's own read-only commits on mon are not kestrel's: the two counter reads
     # (3 statements each), the progress polls and the waits for backends. Those of the last
     # second may not be published yet, so this is exact to a few commits (of thousands).
-    commits = commits_after - before.commits - polls - gone - 6
+    commits = commits_after - before.commits - polls - gone - 6 - submission.commits
     result = {
         "params": p,
         "workflows_per_s": n / span,
@@ -200,10 +267,15 @@ def run_kestrel(dsn: str, p: dict[str, Any], *, quiet: bool = False) -> dict[str
                                        (round(x * 1000, 1) for x in stats[2]), strict=True)),
         "submit_to_finish_ms": dict(zip(("p50", "p95", "p99"),
                                         (round(x * 1000, 1) for x in stats[3]), strict=True)),
-        "worker_cpu_s_per_workflow": cpu.seconds / n,
-        "postgres_cpu_s_per_workflow": (after.pg_cpu_s - before.pg_cpu_s) / n,
+        "worker_cpu_s_per_workflow": (cpu.seconds - start_cpu) / n,
+        "postgres_cpu_s_per_workflow": (after.pg_cpu_s - before.pg_cpu_s
+                                        - submission.pg_cpu_s) / n,
         "commits_per_workflow": commits / n,
-        "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes) / n,
+        "wal_bytes_per_workflow": (after.wal_bytes - before.wal_bytes
+                                   - submission.wal_bytes) / n,
+        # The runtime's start (imports, migrations checked, pools), left out of the
+        # workers' figure above; 0 where the workflows were queued before it started.
+        "runtime_start_cpu_s": start_cpu,
         "hot_tables": {r[0]: {"bytes": r[1], "live": r[2], "dead": r[3]} for r in tables},
         "claim_ms": claim_ms,
         # The processes' concurrency limits at the end, summed: where an adaptive limit
