@@ -8,9 +8,7 @@
 Each run reports workflows/s and steps/s (first start to last finish, database clock);
 submit→start and submit→finish latency p50/p95/p99; CPU seconds per workflow for the workers
 and for PostgreSQL; commits and WAL bytes per workflow (pg_stat_database, pg_current_wal_lsn;
-the workflows' submissions excluded). The workflows are queued once the runtime's workers
-are up, so its start (imports, pools: a cost per process) is reported apart, not per
-workflow; with --rate or --backlog they are queued as before and the start is included; the hot tables' size and dead tuples at the end; and
+the workflows' submissions excluded); the hot tables' size and dead tuples at the end; and
 both floors (bench/floor.py: the group-commit loop, one transaction per pipeline, and the
 per-step loop, one transaction per checkpoint), each swept to its best loops per process in
 the same invocation, with the same figures and kestrel's ratio to each (``--no-floor``
@@ -20,8 +18,12 @@ single-client commit latency is measured and printed at the start of every invoc
 With ``--backlog N``, N more executions are queued through SQL before the runtime starts;
 throughput is then measured over the first ``--workflows`` to finish while the rest wait,
 and the claim statement's latency (p50/p99, from the runtime's kestrel_claim_seconds
-histogram) is reported. ``--statements`` profiles each side's statements on the server
-(pg_stat_statements, on a server given by ``--dsn``; bench/statements.py).
+histogram) is reported. Otherwise the workflows are queued once the runtime's workers are
+up, so its start (imports, pools: a cost per process, not per workflow) is reported apart;
+with ``--rate`` or ``--backlog`` the start is in the figures. ``--statements`` profiles
+each side's statements on the server (pg_stat_statements, on a server given by ``--dsn``;
+bench/statements.py), ``--py-spy`` samples each side's client processes
+(bench/profiles.py).
 Results go to bench/results/<stamp>.json (and .png with --plot).
 """
 
