@@ -84,8 +84,8 @@ def test_the_claims_change_and_result_are_written_once() -> None:
     statements = sql.named_statements()
     parts = sql.fragments()
     for name in ("claim_batch", "claim_limited"):
-        assert parts["claim_flip"] in statements[name]
-        assert parts["claim_result"] in statements[name]
+        assert sql.strip_comments(parts["claim_flip"]) in statements[name]
+        assert sql.strip_comments(parts["claim_result"]) in statements[name]
         assert "-- include:" not in statements[name]
     from kestrel.statements.executions import _CLAIMED
     from kestrel.types import Claimed
@@ -160,3 +160,44 @@ def test_every_migration_splits_into_whole_statements() -> None:
     for text in sql.functions("unit_schema"):
         assert len(sql.split_statements(text)) == 1
     assert len(sql.movable_clock("unit_schema")) == 4
+
+
+# -- what a statement sends: its SQL, not its comments ---------------------------------------
+
+def test_strip_comments_drops_comments_and_keeps_every_quoted_byte() -> None:
+    text = """-- a header line
+    SELECT 'a -- not a comment', "b /* not */ c",  -- after code
+           E'it\\'s -- still text', 'x''--y',
+           $q$ -- kept
+    /* kept too */ $q$,
+      /* a /* nested */ block */ 1
+    -- a line of its own;
+    FROM t /* inline */ WHERE a = '
+    -- a line inside a string
+    '"""
+    assert sql.strip_comments(text) == """SELECT 'a -- not a comment', "b /* not */ c",
+           E'it\\'s -- still text', 'x''--y',
+           $q$ -- kept
+    /* kept too */ $q$,
+       1
+    FROM t  WHERE a = '
+    -- a line inside a string
+    '"""
+    # Stripping is idempotent, and the statements split as before.
+    assert sql.strip_comments(sql.strip_comments(text)) == sql.strip_comments(text)
+    assert len(sql.split_statements(text)) == 1
+
+
+def test_statements_send_only_their_name_and_the_hot_ones_fit_psycopgs_query_cache() -> None:
+    from psycopg import _queries
+
+    named = sql.named_statements()
+    for name, text in named.items():
+        comments = [text[a:b] for kind, a, b in sql._lex(text) if kind == "comment"]
+        assert comments == [f"/* kestrel {name} */"], name
+        assert text.startswith(comments[0])
+    q = sql.queries("kestrel")
+    # psycopg converts a text longer than this for its placeholders at every execution.
+    for text in (q.claim_batch, q.complete_batch, q.save_steps_batch,
+                 q.save_new_steps_batch, q.heartbeat):
+        assert len(text.encode()) <= _queries.MAX_CACHED_STATEMENT_LENGTH
