@@ -6,6 +6,14 @@
 -- in sql/functions/functions.sql (applied on every migrate), not here; dated history
 -- partitions (*_pYYYYMMDD) are created at run time, ahead of the day.
 
+CREATE TABLE __schema__.bucket (
+    one boolean DEFAULT true NOT NULL,
+    bucket integer NOT NULL,
+    buckets integer NOT NULL,
+    CONSTRAINT bucket_check CHECK ((((buckets >= 2) AND (buckets <= 256)) AND (bucket >= 0) AND (bucket < buckets))),
+    CONSTRAINT bucket_one_check CHECK (one)
+);
+
 CREATE TABLE __schema__.event_history (
     execution_id uuid NOT NULL,
     key text NOT NULL,
@@ -14,7 +22,6 @@ CREATE TABLE __schema__.event_history (
     execution_finished_at timestamp with time zone NOT NULL
 )
 PARTITION BY RANGE (execution_finished_at);
-
 
 CREATE TABLE __schema__.event_history_default (
     execution_id uuid NOT NULL,
@@ -391,6 +398,9 @@ ALTER TABLE ONLY __schema__.signal_history ATTACH PARTITION __schema__.signal_hi
 ALTER TABLE ONLY __schema__.workflow_history ATTACH PARTITION __schema__.workflow_history_default DEFAULT;
 
 ALTER TABLE ONLY __schema__.signals ALTER COLUMN id SET DEFAULT nextval('__schema__.signals_id_seq'::regclass);
+
+ALTER TABLE ONLY __schema__.bucket
+    ADD CONSTRAINT bucket_pkey PRIMARY KEY (one);
 
 ALTER TABLE ONLY __schema__.events
     ADD CONSTRAINT events_pkey PRIMARY KEY (execution_id, key);

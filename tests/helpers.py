@@ -192,3 +192,11 @@ def audit(dsn: str, schema: str, n: int, ledger: Path) -> int:
     runs = len([e for e in app.read_ledger(ledger) if e["kind"] == "body"])
     assert runs >= recorded
     return int(runs - recorded)
+
+
+def drop_schemas(dsn: str, names: list[str]) -> None:
+    """Drop the schemas *names* (a namespace's buckets, say) and what they hold."""
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        for name in names:
+            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                pgsql.Identifier(name)))

@@ -30,14 +30,28 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT now()
 $$;
 
+-- name: kestrel_bucket
+-- The bucket this schema is of a namespace spread over several schemas (kestrel.buckets), or
+-- NULL for an ordinary schema. migrate replaces it, in a bucket's schema, with one that
+-- returns the number the schema's bucket table records (an immutable constant, so every
+-- statement inlines it and no statement reads a table for it).
+CREATE OR REPLACE FUNCTION __schema__.kestrel_bucket() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT NULL::integer
+$$;
+
 -- name: new_execution_id
 -- A new execution's id: a UUIDv7 (RFC 9562) of the database clock, its first 48 bits the
--- milliseconds since 1970, the rest random. operation_outputs is range-partitioned by
--- execution id (migration 0019), so a period's executions keep their checkpoints in that
--- period's partition; kestrel.ids.new_id() makes the same ids in Python.
+-- milliseconds since 1970, the rest random but, in a bucket's schema, its eighth byte: the
+-- bucket (kestrel_bucket()), which is how any id says which schema holds its execution.
+-- operation_outputs is range-partitioned by execution id (migration 0019), so a period's
+-- executions keep their checkpoints in that period's partition; kestrel.ids.new_id() makes
+-- the same ids in Python.
 CREATE OR REPLACE FUNCTION __schema__.new_execution_id() RETURNS uuid
 LANGUAGE sql VOLATILE AS $$
-    SELECT encode(set_byte(r.b, 6, (get_byte(r.b, 6) & 15) | 112), 'hex')::uuid
+    SELECT encode(set_byte(set_byte(r.b, 6, (get_byte(r.b, 6) & 15) | 112), 7,
+                           coalesce(__schema__.kestrel_bucket(), get_byte(r.b, 7))),
+                  'hex')::uuid
       FROM (SELECT overlay(uuid_send(gen_random_uuid())
                            PLACING substring(int8send(floor(extract(epoch FROM
                                __schema__.kestrel_now()) * 1000)::bigint) FROM 3)

@@ -63,6 +63,31 @@ BEGIN
 END
 $$;
 
+-- name: bucket_table_exists
+-- Whether the schema has the bucket table (migration 0021): a schema that does not exist
+-- yet, or is older, has none and is no bucket.
+SELECT to_regclass('__schema__.bucket') IS NOT NULL;
+
+-- name: read_bucket
+-- The bucket this schema is of its namespace, and the namespace's bucket count (migration
+-- 0021); no row for an ordinary schema.
+SELECT bucket, buckets FROM __schema__.bucket;
+
+-- name: record_bucket
+-- Make this schema bucket %(bucket)s of %(buckets)s, once: a schema that is already a bucket
+-- keeps its row (migrate compares it first and refuses another).
+INSERT INTO __schema__.bucket (bucket, buckets) VALUES (%(bucket)s, %(buckets)s)
+ON CONFLICT (one) DO NOTHING;
+
+-- name: set_bucket
+-- kestrel_bucket() of a bucket's schema: the bucket's number as an immutable constant
+-- (migrate writes the number in place of __bucket__, an integer it has checked; a DDL body
+-- takes no parameters).
+CREATE OR REPLACE FUNCTION __schema__.kestrel_bucket() RETURNS integer
+LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
+    SELECT __bucket__
+$$;
+
 -- name: functions_version
 -- The version of the schema's functions (kestrel_functions_version(), sql/functions); the
 -- caller takes a schema without that function (installed before it existed) for version 0.

@@ -8,6 +8,10 @@ VALUES (%(queue)s, %(concurrency)s, %(rate)s, make_interval(secs => %(period_s)s
    SET concurrency = excluded.concurrency, rate = excluded.rate, period = excluded.period,
        updated_at = excluded.updated_at;  -- the clock of the row offered (docs/citus.md)
 
+-- name: limited_queues
+-- The queues with limits (a namespace's client pins each to one bucket, kestrel.buckets).
+SELECT queue FROM __schema__.queue_limits;
+
 -- name: lock_queue_limit
 -- First statement of a limited claim's transaction: take the queue's row, or skip the queue
 -- for now if another process is claiming from it at this moment.

@@ -10,6 +10,11 @@ data. Without ``conn`` it commits before ``submit`` returns. ``signal``, ``cance
 behave alike. ``result`` and ``get_event`` wait on LISTEN/NOTIFY with a polling fallback.
 A submit made while an OpenTelemetry span is current carries that span's trace context, so
 the execution's spans continue the caller's trace (:mod:`kestrel.tracing`).
+
+A namespace spread over buckets (:mod:`kestrel.buckets`) is one client's too: its first call
+reads the namespace's bucket count, a submit goes to the bucket :func:`kestrel.buckets.choose`
+picks, a call about one execution to the bucket its id names, and the calls that read
+everything (counts, list, stats, workers, unclaimable, patches) read every bucket and merge.
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from kestrel import codec, metrics, statements, tracing
+from kestrel import buckets, codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
-from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE, queries
+from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE, Queries, queries
 from kestrel.types import Execution, Status
 from kestrel.workflow import WorkflowFn, workflow_name
 
@@ -32,6 +37,9 @@ log = logging.getLogger("kestrel.client")
 
 MAX_SECONDS = 3_155_760_000
 """Longest timeout or delay accepted (100 years), as in the SQL function."""
+
+LIMITS_TTL_S = 10.0
+"""How long a namespace's client trusts the list of queues with limits it read."""
 
 POLL_CAP_S = 1.0
 """Longest gap between checks while waiting, in case a notification is lost."""
@@ -72,6 +80,13 @@ class ClientBase:
         self.dsn = dsn
         self.schema = schema
         self._q = queries(schema)
+        # The schemas of the namespace, by bucket (kestrel.buckets): [self._q] for an
+        # ordinary schema; None until the first call reads it.
+        self._qs: list[Queries] | None = None
+        # A namespace's queues with limits, each pinned to one bucket, and when to read
+        # them again (a limit declared later pins its queue from then on).
+        self._limited: set[str] = set()
+        self._limited_due = 0.0
         self._max_bytes = max_payload_bytes
         self._pool_size = pool_size
         self._pooler = mode == "pgbouncer"
@@ -81,6 +96,28 @@ class ClientBase:
         self._conn_kwargs: dict[str, Any] = {"autocommit": True}
         if self._pooler:
             self._conn_kwargs["prepare_threshold"] = None
+
+    def _namespace_of(self, made: tuple[int, int] | None) -> list[Queries]:
+        """The schemas by bucket, from what the schema's bucket table says (*made*): a
+        namespace's bucket 0 names them all; any other schema (a bucket's own, addressed
+        directly, or an ordinary one) is one schema."""
+        if made is None or made[0] != 0:
+            return [self._q]
+        return [queries(name) for name in buckets.schemas(self.schema, made[1])]
+
+    @staticmethod
+    def _by_id(qs: list[Queries], execution_id: uuid.UUID) -> Queries:
+        """The schema of *execution_id*'s bucket."""
+        return qs[buckets.bucket_of(execution_id, len(qs))] if len(qs) > 1 else qs[0]
+
+    def _for_submit(self, qs: list[Queries], params: dict[str, Any]) -> Queries:
+        """The schema a top-level submit with *params* goes to (:func:`buckets.choose`)."""
+        if len(qs) == 1:
+            return qs[0]
+        return qs[buckets.choose(len(qs), queue=params["queue"],
+                                 idempotency_key=params["idempotency_key"],
+                                 dedup_key=params["dedup_key"],
+                                 pinned=params["queue"] in self._limited)]
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None,

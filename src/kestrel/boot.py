@@ -84,17 +84,20 @@ def upkeep(dsn: str, cfg: Config, *, detach: bool = False) -> tuple[bool, int, i
             retention_days=cfg.history_retention_days, detach=detach))
 
 
-def migrate(cfg: Config, *, create: bool = True) -> tuple[str, Any, list[int]]:
-    """Resolve the database and bring *cfg.schema* up to date (``kestrel-runtime migrate``).
+def migrate(cfg: Config, *, create: bool = True,
+            ) -> tuple[str, Any, dict[str, list[int]]]:
+    """Resolve the database and bring *cfg.schema* up to date, every bucket of it
+    (``kestrel-runtime migrate``).
 
     Returns the DSN, the embedded server's handle (None for a DSN) to keep alive, and the
-    migration versions applied.
+    migration versions applied, by schema.
     """
-    from kestrel.migrate import migrate as apply
+    from kestrel.migrate import migrate_namespace
 
     dsn, server = resolve_dsn(cfg, create=create)
-    applied = apply(dsn, cfg.schema, history_interval=cfg.history_interval,
-                    history_ahead=cfg.history_ahead)
+    applied = migrate_namespace(dsn, cfg.schema, buckets=cfg.buckets,
+                                history_interval=cfg.history_interval,
+                                history_ahead=cfg.history_ahead)
     return dsn, server, applied
 
 
@@ -111,16 +114,34 @@ def _migrate_or_check(dsn: str, cfg: Config) -> None:
     """Migrate the schema; where this role may not run DDL, check that it is current."""
     from psycopg.errors import InsufficientPrivilege
 
-    from kestrel.migrate import migrate as apply
+    from kestrel.migrate import migrate_namespace
 
     try:
-        apply(dsn, cfg.schema, history_interval=cfg.history_interval,
-              history_ahead=cfg.history_ahead)
+        migrate_namespace(dsn, cfg.schema, buckets=cfg.buckets,
+                          history_interval=cfg.history_interval,
+                          history_ahead=cfg.history_ahead)
     except InsufficientPrivilege:
         # A least-privilege runtime role: fine if the owner has migrated already.
-        check_schema_current(dsn, cfg.schema)
+        for schema in namespace_schemas(dsn, cfg.schema):
+            check_schema_current(dsn, schema)
         log.info("schema %s is current; not migrating (this role may not run DDL)",
                  cfg.schema)
+
+
+_NO_HTTP_ON_BUCKETS = (
+    "invalid setting --schema={schema}: it is a namespace of {n} buckets, and the HTTP door "
+    "and the web UI serve one schema; they do not serve a namespace of buckets yet (the "
+    "Python client, the CLI and the runtime do; docs/citus.md)")
+
+
+def namespace_schemas(dsn: str, namespace: str) -> list[str]:
+    """The schemas of *namespace*: its buckets' (kestrel.buckets), bucket 0 first, or
+    *namespace* alone for an ordinary schema."""
+    from kestrel.buckets import schemas
+    from kestrel.migrate import namespace_buckets
+
+    count = namespace_buckets(dsn, namespace)
+    return [namespace] if count == 1 else schemas(namespace, count)
 
 
 def _check_node_lock_timeout(dsn: str, cfg: Config) -> None:
@@ -224,6 +245,9 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
              f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
              "off: polling every --poll-interval")
     _migrate_or_check(dsn, cfg)
+    schemas = namespace_schemas(dsn, cfg.schema)
+    if len(schemas) > 1 and cfg.http_port:
+        raise ConfigError(_NO_HTTP_ON_BUCKETS.format(schema=cfg.schema, n=len(schemas)))
     _check_node_lock_timeout(dsn, cfg)
     _first_upkeep(dsn, cfg)
     http = None
@@ -234,7 +258,7 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
                                  hooks=_hooks(config_file))
     try:
         observe(cfg, dsn)
-        code = Supervisor(cfg, workflows, dsn=dsn, http=http).run()
+        code = Supervisor(cfg, workflows, dsn=dsn, http=http, schemas=schemas).run()
     finally:
         if metrics_dir:
             import shutil
@@ -265,6 +289,8 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     hooks = _hooks(config_file)
     dsn, server = _database(cfg)
     _migrate_or_check(dsn, cfg)
+    if len(buckets := namespace_schemas(dsn, cfg.schema)) > 1:
+        raise ConfigError(_NO_HTTP_ON_BUCKETS.format(schema=cfg.schema, n=len(buckets)))
     observe(cfg, dsn)
     serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     del server

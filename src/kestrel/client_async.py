@@ -19,8 +19,9 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import codec, connections, db, ids, statements
+from kestrel import buckets, codec, connections, db, ids, statements
 from kestrel._client_common import (
+    LIMITS_TTL_S,
     POLL_CAP_S,
     RECONNECT_FIRST_S,
     ClientBase,
@@ -32,6 +33,7 @@ from kestrel._client_common import (
 )
 from kestrel.errors import ConfigError, ExecutionNotFound
 from kestrel.outage import reason
+from kestrel.sql import Queries
 from kestrel.types import (
     Execution,
     ExecutionSummary,
@@ -104,6 +106,25 @@ class Client(ClientBase):
         async with self._borrow() as own:
             return await db.run(own, stmt)
 
+    async def _namespace(self) -> list[Queries]:
+        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)."""
+        if self._qs is None:
+            async with self._borrow() as conn:
+                try:
+                    made = await db.run(conn, statements.migrate.read_bucket(self._q))
+                except psycopg.errors.UndefinedTable:
+                    made = None  # a schema older than buckets, or not made yet
+            self._qs = self._namespace_of(made)
+        return self._qs
+
+    async def _of(self, execution_id: uuid.UUID) -> Queries:
+        """The schema holding *execution_id*."""
+        return self._by_id(await self._namespace(), execution_id)
+
+    async def _every(self, make: Any) -> list[Any]:
+        """What the statement *make(q)* returns in each bucket's schema, bucket 0 first."""
+        return [await self._run(make(q)) for q in await self._namespace()]
+
     async def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
         idempotency_key: str | None = None, timeout: float | None = None,
@@ -134,7 +155,12 @@ class Client(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        eid = await self._run(statements.client.submit(self._q, params), conn)
+        qs = await self._namespace()
+        if len(qs) > 1 and time.monotonic() >= self._limited_due:
+            self._limited = await self._run(statements.queues.limited_queues(qs[0]))
+            self._limited_due = time.monotonic() + LIMITS_TTL_S
+        eid = await self._run(statements.client.submit(self._for_submit(qs, params), params),
+                              conn)
         count_submitted(params["workflow"])
         return Handle(self, eid)
 
@@ -150,13 +176,15 @@ class Client(ClientBase):
             InvalidState: it has already finished.
         """
         params = self._signal_params(execution_id, name, payload, idempotency_key)
-        return await self._run(statements.client.signal(self._q, **params), conn)
+        q = await self._of(params["id"])
+        return await self._run(statements.client.signal(q, **params), conn)
 
     async def cancel(self, execution_id: uuid.UUID | str, *,
                      conn: psycopg.AsyncConnection[Any] | None = None) -> str:
         """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
         stops at its next step boundary) or the terminal status it already had."""
-        return await self._run(statements.client.cancel(self._q, id=ident(execution_id)), conn)
+        eid = ident(execution_id)
+        return await self._run(statements.client.cancel(await self._of(eid), id=eid), conn)
 
     async def retry(self, execution_id: uuid.UUID | str, *,
                     idempotency_key: str | None = None,
@@ -179,8 +207,8 @@ class Client(ClientBase):
         eid = ident(execution_id)
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        await self._run(statements.client.retry(self._q, id=eid, idempotency_key=idempotency_key),
-                        conn)
+        await self._run(statements.client.retry(await self._of(eid), id=eid,
+                                                idempotency_key=idempotency_key), conn)
         return Handle(self, eid)
 
     async def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
@@ -203,17 +231,22 @@ class Client(ClientBase):
         """
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
+        eid = ident(execution_id)
+        qs = await self._namespace()
+        # In the source's bucket, where its checkpoints are.
+        bucket = buckets.bucket_of(eid, len(qs)) if len(qs) > 1 else None
         new = await self._run(statements.client.fork(
-            self._q, id=ident(execution_id), from_step=from_step, new_id=ids.new_id(),
-            idempotency_key=idempotency_key))
+            self._by_id(qs, eid), id=eid, from_step=from_step,
+            new_id=ids.new_id(bucket=bucket), idempotency_key=idempotency_key))
         return Handle(self, new)
 
     async def forked_from(self, execution_id: uuid.UUID | str
                           ) -> tuple[uuid.UUID, int] | None:
         """The execution this one was forked from and the step the fork started at, or None
         when it was not made by :meth:`fork`."""
+        eid = ident(execution_id)
         source: tuple[uuid.UUID, int] | None = await self._run(
-            statements.client.fork_source(self._q, id=ident(execution_id)))
+            statements.client.fork_source(await self._of(eid), id=eid))
         return source
 
     async def get(self, execution_id: uuid.UUID | str) -> Execution:
@@ -223,43 +256,42 @@ class Client(ClientBase):
             ExecutionNotFound: no execution has that id.
         """
         eid = ident(execution_id)
-        ex: Execution | None = await self._run(statements.client.get_execution(self._q, id=eid))
+        ex: Execution | None = await self._run(statements.client.get_execution(
+            await self._of(eid), id=eid))
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     async def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         """The execution's checkpoints in step order, live or finished."""
+        eid = ident(execution_id)
         rows: list[StepRow] = await self._run(statements.client.list_steps(
-            self._q, id=ident(execution_id)))
+            await self._of(eid), id=eid))
         return rows
 
     async def counts(self) -> dict[str, int]:
         """Executions by status, live and finished."""
-        counts: dict[str, int] = await self._run(statements.client.count_by_status(self._q))
-        return counts
+        return buckets.merge_counts(await self._every(statements.client.count_by_status))
 
     async def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
         """Live executions that no live worker can claim (no worker registers their workflow
         and queue), by workflow and queue, the most first, at most *limit* lines. They wait
         for a worker that knows them; none is ever failed for it."""
-        rows: list[Unclaimable] = await self._run(statements.versions.unclaimable_by_workflow(
-            self._q, limit=limit))
-        return rows
+        return buckets.merge_unclaimable(await self._every(
+            lambda q: statements.versions.unclaimable_by_workflow(q, limit=limit)), limit)
 
     async def workers(self) -> list[LiveWorker]:
         """The live workers: what each claims, and its app version."""
-        rows: list[LiveWorker] = await self._run(statements.versions.live_workers(self._q))
-        return rows
+        parts: list[list[LiveWorker]] = await self._every(statements.versions.live_workers)
+        return [w for part in parts for w in part]
 
     async def patches(self, patch: str | None = None) -> list[PatchUse]:
         """Every recorded patch (or only *patch*) by workflow: executions with its marker,
         and live executions without it, which may still need the old code path."""
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[PatchUse] = await self._run(statements.versions.patch_summary(
-            self._q, patch=patch))
-        return rows
+        return buckets.merge_patches(await self._every(
+            lambda q: statements.versions.patch_summary(q, patch=patch)))
 
     async def list(self, *, status: str | None = None, workflow: str | None = None,
                    since: datetime | None = None, limit: int = 50,
@@ -278,15 +310,18 @@ class Client(ClientBase):
             check_app_version(app_version)
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[ExecutionSummary] = await self._run(statements.client.list_executions(
-            self._q, status=status, workflow=workflow, since=since, limit=limit,
-            app_version=app_version, patch=patch, with_patch=with_patch))
-        return rows
+        return buckets.merge_list(await self._every(
+            lambda q: statements.client.list_executions(
+                q, status=status, workflow=workflow, since=since, limit=limit,
+                app_version=app_version, patch=patch, with_patch=with_patch)), limit)
 
     async def stats(self) -> Stats:
         """Live work by queue and status, running by worker, totals by status."""
-        async with self._borrow() as conn:
-            return await db.run_script(conn, statements.client.stats(self._q))
+        parts = []
+        for q in await self._namespace():
+            async with self._borrow() as conn:
+                parts.append(await db.run_script(conn, statements.client.stats(q)))
+        return parts[0] if len(parts) == 1 else buckets.merge_stats(parts)
 
     async def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
@@ -299,14 +334,15 @@ class Client(ClientBase):
                 database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
+        q = await self._of(eid)
 
         async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
-            ex = await db.run(conn, statements.client.get_execution(self._q, id=eid))
+            ex = await db.run(conn, statements.client.get_execution(q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = await self._wait(check, statements.client.listen_done(self._q), timeout,
+        ex = await self._wait(check, statements.client.listen_done(q), timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -318,11 +354,12 @@ class Client(ClientBase):
             TimeoutError: no value was published in time.
         """
         eid = ident(execution_id)
+        q = await self._of(eid)
 
         async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
-            return await db.run(conn, statements.client.get_event(self._q, id=eid, key=key))
+            return await db.run(conn, statements.client.get_event(q, id=eid, key=key))
 
-        return await self._wait(check, statements.client.listen_events(self._q), timeout,
+        return await self._wait(check, statements.client.listen_events(q), timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
     async def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from kestrel import codec, connections, db, ids, statements
+from kestrel import buckets, codec, connections, db, ids, statements
 from kestrel._client_common import (
+    LIMITS_TTL_S,
     POLL_CAP_S,
     RECONNECT_FIRST_S,
     ClientBase,
@@ -31,6 +32,7 @@ from kestrel._client_common import (
 )
 from kestrel.errors import ConfigError, ExecutionNotFound
 from kestrel.outage import reason
+from kestrel.sql import Queries
 from kestrel.types import (
     Execution,
     ExecutionSummary,
@@ -103,6 +105,25 @@ class SyncClient(ClientBase):
         with self._borrow() as own:
             return db.run_sync(own, stmt)
 
+    def _namespace(self) -> list[Queries]:
+        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)."""
+        if self._qs is None:
+            with self._borrow() as conn:
+                try:
+                    made = db.run_sync(conn, statements.migrate.read_bucket(self._q))
+                except psycopg.errors.UndefinedTable:
+                    made = None  # a schema older than buckets, or not made yet
+            self._qs = self._namespace_of(made)
+        return self._qs
+
+    def _of(self, execution_id: uuid.UUID) -> Queries:
+        """The schema holding *execution_id*."""
+        return self._by_id(self._namespace(), execution_id)
+
+    def _every(self, make: Any) -> list[Any]:
+        """What the statement *make(q)* returns in each bucket's schema, bucket 0 first."""
+        return [self._run(make(q)) for q in self._namespace()]
+
     def submit(
         self, wf: WorkflowFn | str, *args: Any, queue: str = "default", priority: int = 0,
         idempotency_key: str | None = None, timeout: float | None = None,
@@ -133,7 +154,12 @@ class SyncClient(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        eid = self._run(statements.client.submit(self._q, params), conn)
+        qs = self._namespace()
+        if len(qs) > 1 and time.monotonic() >= self._limited_due:
+            self._limited = self._run(statements.queues.limited_queues(qs[0]))
+            self._limited_due = time.monotonic() + LIMITS_TTL_S
+        eid = self._run(statements.client.submit(self._for_submit(qs, params), params),
+                              conn)
         count_submitted(params["workflow"])
         return SyncHandle(self, eid)
 
@@ -149,13 +175,15 @@ class SyncClient(ClientBase):
             InvalidState: it has already finished.
         """
         params = self._signal_params(execution_id, name, payload, idempotency_key)
-        return self._run(statements.client.signal(self._q, **params), conn)
+        q = self._of(params["id"])
+        return self._run(statements.client.signal(q, **params), conn)
 
     def cancel(self, execution_id: uuid.UUID | str, *,
                      conn: psycopg.Connection[Any] | None = None) -> str:
         """Cancel it and its live children; return ``cancelled``, ``cancelling`` (running:
         stops at its next step boundary) or the terminal status it already had."""
-        return self._run(statements.client.cancel(self._q, id=ident(execution_id)), conn)
+        eid = ident(execution_id)
+        return self._run(statements.client.cancel(self._of(eid), id=eid), conn)
 
     def retry(self, execution_id: uuid.UUID | str, *,
                     idempotency_key: str | None = None,
@@ -178,8 +206,8 @@ class SyncClient(ClientBase):
         eid = ident(execution_id)
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
-        self._run(statements.client.retry(self._q, id=eid, idempotency_key=idempotency_key),
-                        conn)
+        self._run(statements.client.retry(self._of(eid), id=eid,
+                                                idempotency_key=idempotency_key), conn)
         return SyncHandle(self, eid)
 
     def fork(self, execution_id: uuid.UUID | str, from_step: int, *,
@@ -202,17 +230,22 @@ class SyncClient(ClientBase):
         """
         if idempotency_key is not None:
             codec.check_text(idempotency_key, what="idempotency key")
+        eid = ident(execution_id)
+        qs = self._namespace()
+        # In the source's bucket, where its checkpoints are.
+        bucket = buckets.bucket_of(eid, len(qs)) if len(qs) > 1 else None
         new = self._run(statements.client.fork(
-            self._q, id=ident(execution_id), from_step=from_step, new_id=ids.new_id(),
-            idempotency_key=idempotency_key))
+            self._by_id(qs, eid), id=eid, from_step=from_step,
+            new_id=ids.new_id(bucket=bucket), idempotency_key=idempotency_key))
         return SyncHandle(self, new)
 
     def forked_from(self, execution_id: uuid.UUID | str
                           ) -> tuple[uuid.UUID, int] | None:
         """The execution this one was forked from and the step the fork started at, or None
         when it was not made by :meth:`fork`."""
+        eid = ident(execution_id)
         source: tuple[uuid.UUID, int] | None = self._run(
-            statements.client.fork_source(self._q, id=ident(execution_id)))
+            statements.client.fork_source(self._of(eid), id=eid))
         return source
 
     def get(self, execution_id: uuid.UUID | str) -> Execution:
@@ -222,43 +255,42 @@ class SyncClient(ClientBase):
             ExecutionNotFound: no execution has that id.
         """
         eid = ident(execution_id)
-        ex: Execution | None = self._run(statements.client.get_execution(self._q, id=eid))
+        ex: Execution | None = self._run(statements.client.get_execution(
+            self._of(eid), id=eid))
         if ex is None:
             raise ExecutionNotFound(f"no execution {eid}")
         return ex
 
     def steps(self, execution_id: uuid.UUID | str) -> list[StepRow]:
         """The execution's checkpoints in step order, live or finished."""
+        eid = ident(execution_id)
         rows: list[StepRow] = self._run(statements.client.list_steps(
-            self._q, id=ident(execution_id)))
+            self._of(eid), id=eid))
         return rows
 
     def counts(self) -> dict[str, int]:
         """Executions by status, live and finished."""
-        counts: dict[str, int] = self._run(statements.client.count_by_status(self._q))
-        return counts
+        return buckets.merge_counts(self._every(statements.client.count_by_status))
 
     def unclaimable(self, *, limit: int = 100) -> list[Unclaimable]:
         """Live executions that no live worker can claim (no worker registers their workflow
         and queue), by workflow and queue, the most first, at most *limit* lines. They wait
         for a worker that knows them; none is ever failed for it."""
-        rows: list[Unclaimable] = self._run(statements.versions.unclaimable_by_workflow(
-            self._q, limit=limit))
-        return rows
+        return buckets.merge_unclaimable(self._every(
+            lambda q: statements.versions.unclaimable_by_workflow(q, limit=limit)), limit)
 
     def workers(self) -> list[LiveWorker]:
         """The live workers: what each claims, and its app version."""
-        rows: list[LiveWorker] = self._run(statements.versions.live_workers(self._q))
-        return rows
+        parts: list[list[LiveWorker]] = self._every(statements.versions.live_workers)
+        return [w for part in parts for w in part]
 
     def patches(self, patch: str | None = None) -> list[PatchUse]:
         """Every recorded patch (or only *patch*) by workflow: executions with its marker,
         and live executions without it, which may still need the old code path."""
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[PatchUse] = self._run(statements.versions.patch_summary(
-            self._q, patch=patch))
-        return rows
+        return buckets.merge_patches(self._every(
+            lambda q: statements.versions.patch_summary(q, patch=patch)))
 
     def list(self, *, status: str | None = None, workflow: str | None = None,
                    since: datetime | None = None, limit: int = 50,
@@ -277,15 +309,18 @@ class SyncClient(ClientBase):
             check_app_version(app_version)
         if patch is not None:
             codec.check_text(patch, what="patch id")
-        rows: list[ExecutionSummary] = self._run(statements.client.list_executions(
-            self._q, status=status, workflow=workflow, since=since, limit=limit,
-            app_version=app_version, patch=patch, with_patch=with_patch))
-        return rows
+        return buckets.merge_list(self._every(
+            lambda q: statements.client.list_executions(
+                q, status=status, workflow=workflow, since=since, limit=limit,
+                app_version=app_version, patch=patch, with_patch=with_patch)), limit)
 
     def stats(self) -> Stats:
         """Live work by queue and status, running by worker, totals by status."""
-        with self._borrow() as conn:
-            return db.run_script_sync(conn, statements.client.stats(self._q))
+        parts = []
+        for q in self._namespace():
+            with self._borrow() as conn:
+                parts.append(db.run_script_sync(conn, statements.client.stats(q)))
+        return parts[0] if len(parts) == 1 else buckets.merge_stats(parts)
 
     def result(self, execution_id: uuid.UUID | str, timeout: float | None = None) -> Any:
         """Wait for the execution to finish and return its result.
@@ -298,14 +333,15 @@ class SyncClient(ClientBase):
                 database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
+        q = self._of(eid)
 
         def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
-            ex = db.run_sync(conn, statements.client.get_execution(self._q, id=eid))
+            ex = db.run_sync(conn, statements.client.get_execution(q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = self._wait(check, statements.client.listen_done(self._q), timeout,
+        ex = self._wait(check, statements.client.listen_done(q), timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -317,11 +353,12 @@ class SyncClient(ClientBase):
             TimeoutError: no value was published in time.
         """
         eid = ident(execution_id)
+        q = self._of(eid)
 
         def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
-            return db.run_sync(conn, statements.client.get_event(self._q, id=eid, key=key))
+            return db.run_sync(conn, statements.client.get_event(q, id=eid, key=key))
 
-        return self._wait(check, statements.client.listen_events(self._q), timeout,
+        return self._wait(check, statements.client.listen_events(q), timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
     def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,

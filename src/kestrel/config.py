@@ -71,7 +71,13 @@ class Knob:
 KNOBS: tuple[Knob, ...] = (
     Knob("dsn", str, "PostgreSQL connection string. Without one (and without PG* variables) "
          "an embedded PostgreSQL is started in --data-dir.", "DSN"),
-    Knob("schema", str, "Schema holding every kestrel table and function.", "NAME"),
+    Knob("schema", str, "Schema holding every kestrel table and function; of a namespace "
+         "spread over buckets (migrate --buckets), its name, which is bucket 0's schema.",
+         "NAME"),
+    Knob("buckets", int, "migrate: make --schema a namespace of N buckets, N schemas "
+         "(2-256; on Citus with schema-based sharding each one a distributed schema, "
+         "spread over the nodes), or check that it has N. 0 (the default): as it was made "
+         "(an ordinary schema: 1).", "N"),
     Knob("app", str, "Comma-separated modules to import; they register the workflows.",
          "MODULES"),
     Knob("procs", int, "Worker processes forked by the supervisor.", "N"),
@@ -165,6 +171,7 @@ class Config:
 
     dsn: str | None = None
     schema: str = "kestrel"
+    buckets: int = 0
     app: str = ""
     procs: int = 1
     concurrency: int = 0
@@ -215,6 +222,8 @@ class Config:
         for name in ("procs", "batch_size", "max_attempts"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be at least 1")
+        if self.buckets and not 1 <= self.buckets <= 256:
+            _bad("buckets", self.buckets, "must be 0 (as the namespace was made) or 1-256")
         if self.concurrency < 0:
             _bad("concurrency", self.concurrency, "must be 0 (adaptive) or at least 1")
         for name in ("lease", "heartbeat", "poll_interval", "sweep_interval"):

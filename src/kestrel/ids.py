@@ -14,13 +14,16 @@ import time
 import uuid
 
 
-def new_id(now_ms: int | None = None) -> uuid.UUID:
-    """A new UUIDv7 of *now_ms* (default: the wall clock)."""
+def new_id(now_ms: int | None = None, *, bucket: int | None = None) -> uuid.UUID:
+    """A new UUIDv7 of *now_ms* (default: the wall clock); for a *bucket* of a namespace
+    (:mod:`kestrel.buckets`), its eighth byte is the bucket."""
     ms = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     rand = int.from_bytes(os.urandom(10), "big")
     value = (ms & 0xFFFF_FFFF_FFFF) << 80 | rand
     value = (value & ~(0xF << 76)) | (0x7 << 76)  # version 7
     value = (value & ~(0x3 << 62)) | (0x2 << 62)  # variant 10
+    if bucket is not None:
+        value = (value & ~(0xFF << 64)) | (bucket & 0xFF) << 64  # byte 7
     return uuid.UUID(int=value)
 
 

@@ -38,8 +38,14 @@ CLOCK_MIGRATION = 16
 
 
 def migrate(dsn: str, schema: str, *, history_interval: str = "day",
-            history_ahead: int = 3, test_clock: bool = False) -> list[int]:
+            history_ahead: int = 3, test_clock: bool = False,
+            bucket: tuple[int, int] | None = None) -> list[int]:
     """Bring *schema* up to date; return the versions applied now (empty if none).
+
+    *bucket*, ``(k, n)``, makes the schema bucket *k* of a namespace of *n*
+    (:mod:`kestrel.buckets`; :func:`migrate_namespace` migrates them all); a schema that is
+    a bucket stays the one it was made as, and its ``kestrel_bucket()`` is reinstalled
+    with the functions every time.
 
     Also creates the history partitions of the next *history_ahead* periods, and on install
     or upgrade the current period's (the runtime's upkeep only ever adds future ones).
@@ -50,7 +56,8 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
 
     Raises:
         MigrationError: the database has migrations newer than this code knows, or
-            *test_clock* was asked of a production schema.
+            *test_clock* was asked of a production schema, or *bucket* of a schema that
+            is another bucket already.
     """
     pending = migrations(schema)
     q = queries(schema)
@@ -61,14 +68,14 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     with connections.connect(dsn, prepare_threshold=None) as conn:
         with conn.transaction():
             done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent,
-                          test_clock)
+                          test_clock, bucket)
         db.committed_sync(conn, sent)
     return done
 
 
 def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list[Migration],
            history_interval: str, history_ahead: int, sent: list[statements.Stmt[Any]],
-           test_clock: bool) -> list[int]:
+           test_clock: bool, bucket: tuple[int, int] | None) -> list[int]:
     """The body of :func:`migrate`'s transaction; *sent* collects the named statements."""
 
     def run(stmt: statements.Stmt[Any]) -> Any:
@@ -102,6 +109,21 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
         run(statements.migrate.record_migration(q, version=m.version, name=m.name))
         done.append(m.version)
         log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+    made = run(statements.migrate.read_bucket(q))
+    if bucket is not None and made is None:
+        if applied:
+            # Its ids do not name a bucket: they would be looked for in the wrong schemas.
+            raise MigrationError(
+                f"schema {schema!r} is an ordinary kestrel schema already; a namespace's "
+                "buckets are schemas made as such (choose a namespace whose schemas do "
+                "not exist yet)")
+        run(statements.migrate.record_bucket(q, bucket=bucket[0], buckets=bucket[1]))
+        made = bucket
+    elif bucket is not None and made != bucket:
+        raise MigrationError(
+            f"schema {schema!r} is bucket {made[0]} of a namespace of {made[1]}, not bucket "
+            f"{bucket[0]} of {bucket[1]}: a namespace keeps the bucket count it was made "
+            "with (every id names its bucket by it)")
     for_tests = run(statements.migrate.has_test_clock(q))
     if for_tests:
         run(statements.migrate.lock_test_clock(q))
@@ -112,10 +134,57 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     if for_tests:
         for statement in movable_clock(schema):
             run(statements.migrate.apply(statement))
+    if made is not None:
+        run(statements.migrate.set_bucket(q, made[0]))
     run(statements.migrate.delegate_functions(q))
     run(statements.migrate.ensure_current_partitions(
         q, interval=history_interval, ahead=history_ahead, current=bool(done)))
     return done
+
+
+def namespace_buckets(dsn: str, namespace: str) -> int:
+    """How many buckets *namespace* has: the count its bucket 0 records, or 1 for an
+    ordinary schema (or one not made yet)."""
+    q = queries(namespace)
+    with connections.connect(dsn, prepare_threshold=None) as conn:
+        if not db.run_sync(conn, statements.migrate.bucket_table_exists(q)):
+            return 1
+        made = db.run_sync(conn, statements.migrate.read_bucket(q))
+    return 1 if made is None else made[1]
+
+
+def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
+                      history_interval: str = "day", history_ahead: int = 3,
+                      test_clock: bool = False) -> dict[str, list[int]]:
+    """Bring every schema of *namespace* up to date, bucket 0 first; return the versions
+    applied now to each.
+
+    *buckets* (2 or more) makes a namespace of that many buckets, or checks that the
+    namespace has that many; 0 takes the count it was made with (1: an ordinary schema,
+    which :func:`migrate` alone brings up to date).
+
+    Raises:
+        MigrationError: *buckets* is not the namespace's count, or a schema a bucket needs
+            is another one's.
+    """
+    have = namespace_buckets(dsn, namespace)
+    if buckets and have > 1 and buckets != have:
+        raise MigrationError(
+            f"namespace {namespace!r} has {have} buckets, not {buckets}: a namespace keeps "
+            "the bucket count it was made with (every id names its bucket by it)")
+    if buckets == 1 and have > 1:
+        raise MigrationError(f"namespace {namespace!r} has {have} buckets; it cannot become "
+                             "an ordinary schema")
+    count = buckets or have
+    kw: dict[str, Any] = {"history_interval": history_interval,
+                          "history_ahead": history_ahead, "test_clock": test_clock}
+    if count == 1:
+        return {namespace: migrate(dsn, namespace, **kw)}
+    from kestrel.buckets import check_count, schemas
+
+    check_count(count)
+    return {name: migrate(dsn, name, bucket=(k, count), **kw)
+            for k, name in enumerate(schemas(namespace, count))}
 
 
 def readiness(dsn: str, schema: str) -> tuple[bool, str]:

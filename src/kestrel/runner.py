@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from psycopg_pool import AsyncConnectionPool
 
 from kestrel import codec, connections, db, metrics, tracing
+from kestrel.buckets import bucket_of
 from kestrel.commits import CheckpointCommits, Completions
 from kestrel.config import Config
 from kestrel.db import AnyConn
@@ -94,12 +95,16 @@ class Runner:
     def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *,
                  pool: AsyncConnectionPool[Any], q: Queries, leases: Leases,
                  executor: Executor, stats: WorkerStats, worker_id: str,
-                 stopping: asyncio.Event, slot_freed: asyncio.Event) -> None:
+                 stopping: asyncio.Event, slot_freed: asyncio.Event,
+                 namespace: list[Queries] | None = None) -> None:
         self.cfg = cfg
         self.id = worker_id
         self._workflows = workflows
         self._pool = pool
         self._q = q
+        # The schemas of this worker's namespace by bucket (kestrel.buckets): a signal to
+        # another execution goes to the bucket its id names. [q] for an ordinary schema.
+        self._namespace = namespace or [q]
         self.leases = leases
         self._executor = executor
         self.stats = stats
@@ -253,8 +258,10 @@ class Runner:
 
         Returns False if that key was used already. Retried as :meth:`park` is.
         """
+        ns = self._namespace
+        q = ns[bucket_of(execution_id, len(ns))] if len(ns) > 1 else self._q
         return await self._with_retries(lease, lambda conn: db.run(conn, client.signal(
-            self._q, id=execution_id, name=name, payload=payload, idempotency_key=key)))
+            q, id=execution_id, name=name, payload=payload, idempotency_key=key)))
 
     # -- running one execution ----------------------------------------------------------------
 

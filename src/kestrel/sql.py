@@ -105,12 +105,17 @@ class Queries:
     distributed_schema: str
     functions_version: str
     node_lock_timeout: str
+    bucket_table_exists: str
+    read_bucket: str
+    record_bucket: str
+    set_bucket: str
     # sql/queries/notify.sql (kestrel/statements/notify.py)
     listen: str
     wake_workers: str
     notify_done: str
     # sql/queries/queues.sql (kestrel/statements/queues.py)
     upsert_queue_limit: str
+    limited_queues: str
     lock_queue_limit: str
     claim_limited: str
     db_now: str

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kestrel.config import Config, incarnation_id
+from kestrel.errors import ConfigError
 from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.supervisor")
@@ -162,6 +163,7 @@ class RestartPlanner:
 @dataclass
 class _Slot:
     index: int
+    schema: str = ""
     pid: int = 0
     started: float = 0.0
     worker_id: str = ""
@@ -178,11 +180,22 @@ def _set_parent_death_signal(expected_parent: int) -> None:
 
 
 class Supervisor:
-    """Fork and watch *cfg.procs* workers running *workflows* against *dsn*."""
+    """Fork and watch *cfg.procs* workers running *workflows* against *dsn*.
+
+    *schemas*: the schemas the workers serve, one each, in turn (slot *i* serves
+    ``schemas[i % len(schemas)]``): a namespace's buckets, bucket 0 first (kestrel.buckets);
+    by default *cfg.schema* alone. Only bucket 0's workers start cron ticks."""
 
     def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
-                 http: Callable[[], None] | None = None) -> None:
+                 http: Callable[[], None] | None = None,
+                 schemas: list[str] | None = None) -> None:
         self.cfg = cfg
+        self.schemas = schemas or [cfg.schema]
+        if len(self.schemas) > cfg.procs:
+            raise ConfigError(
+                f"invalid setting --procs={cfg.procs}: namespace {cfg.schema} has "
+                f"{len(self.schemas)} buckets, and each needs a worker process of its own; "
+                f"use --procs {len(self.schemas)} or more (a multiple spreads them evenly)")
         # The HTTP door (--http-port) runs in a child of its own, restarted if it dies; the
         # workers never share a process, a loop or a pool with it.
         self.http = http
@@ -191,7 +204,7 @@ class Supervisor:
         self._http_failures = 0
         self.dsn = dsn
         self.workflows = workflows
-        self.slots = [_Slot(i) for i in range(cfg.procs)]
+        self.slots = [_Slot(i, self.schemas[i % len(self.schemas)]) for i in range(cfg.procs)]
         self.planner = RestartPlanner(cfg.procs)
         self.restarts = 0
         self._stopping = False
@@ -258,7 +271,7 @@ class Supervisor:
 
             metrics.mark_dead(pid)
             code = os.waitstatus_to_exitcode(status)
-            self._release(slot.worker_id, pid)
+            self._release(slot.worker_id, pid, slot.schema)
             if self._stopping:
                 log.info("worker %d exited (%s)", pid, _describe(code))
                 continue
@@ -274,7 +287,7 @@ class Supervisor:
                             "of %d workers running", other.slot, other.delay,
                             self.planner.policy.floor, len(self.slots))
 
-    def _release(self, worker_id: str, pid: int) -> None:
+    def _release(self, worker_id: str, pid: int, schema: str) -> None:
         """Re-queue the executions the dead worker *worker_id* still held (FAULTS O8).
 
         Runs before its slot is restarted. A worker that drained released its own; what it
@@ -293,7 +306,7 @@ class Supervisor:
                                      application_name="kestrel-supervisor",
                                      connect_timeout=RELEASE_CONNECT_TIMEOUT_S) as conn:
                 done = db.run_script_sync(conn, statements.sweeper.recover_dead_worker(
-                    queries(self.cfg.schema), worker_id=worker_id,
+                    queries(schema), worker_id=worker_id,
                     max_attempts=self.cfg.max_attempts))
         except psycopg.Error as exc:
             log.warning("could not release the leases of worker %d (%s); they will be "
@@ -343,9 +356,11 @@ class Supervisor:
                 from kestrel.worker import run_worker
 
                 # One process reads fleet-wide queue depth for the metrics; not all of them.
-                cfg = replace(self.cfg, worker_id=incarnation_id(os.getpid(), nonce))
+                cfg = replace(self.cfg, schema=slot.schema,
+                              worker_id=incarnation_id(os.getpid(), nonce))
                 run_worker(cfg, self.workflows, dsn=self.dsn,
-                           collect_queue_stats=slot.index == 0)
+                           collect_queue_stats=slot.index == 0,
+                           cron=slot.schema == self.schemas[0], namespace=self.schemas)
                 code = 0
             except BaseException:
                 log.exception("worker crashed")
@@ -359,7 +374,8 @@ class Supervisor:
             log.info("started HTTP server %d", pid)
             return
         self.planner.started(slot.index, slot.started)
-        log.info("started worker %d (slot %d)", pid, slot.index)
+        log.info("started worker %d (slot %d%s)", pid, slot.index,
+                 f", schema {slot.schema}" if len(self.schemas) > 1 else "")
 
 
 def _kill(pid: int, sig: int) -> None:

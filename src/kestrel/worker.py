@@ -69,10 +69,14 @@ class Ticker:
 
 
 class Worker:
-    """Claim and run executions until :meth:`stop`; then drain."""
+    """Claim and run executions until :meth:`stop`; then drain. *cron*: whether it starts
+    the app's cron ticks (a namespace's bucket 0 only, kestrel.buckets). *namespace*: the
+    schemas of the namespace *cfg.schema* is a bucket of, by bucket (a workflow's signal to
+    another execution goes to that one's bucket); by default *cfg.schema* alone."""
 
     def __init__(self, cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
-                 collect_queue_stats: bool = False, stats_interval: float = 5.0) -> None:
+                 collect_queue_stats: bool = False, stats_interval: float = 5.0,
+                 cron: bool = True, namespace: list[str] | None = None) -> None:
         cfg = resolve_app_version(cfg, workflows)  # recorded by this worker's first claims
         self.cfg = cfg
         self.dsn = dsn
@@ -94,10 +98,14 @@ class Worker:
                                            session=cfg.connection_mode == "direct")
         self._listen_dsn = cfg.notify_dsn(dsn)
         self._executor = ThreadPoolExecutor(cfg.max_concurrency, thread_name_prefix="kestrel-step")
-        self._schedules = [s for s in schedules().values() if s.workflow in workflows]
+        # Cron ticks start in one schema of a namespace (bucket 0's), or each tick would
+        # start once per bucket.
+        self._schedules = [s for s in schedules().values()
+                           if cron and s.workflow in workflows]
         self.runner = Runner(cfg, workflows, pool=self._pool, q=self._q, leases=self.leases,
                              executor=self._executor, stats=self.stats, worker_id=self.id,
-                             stopping=self._stopping, slot_freed=self._slot_freed)
+                             stopping=self._stopping, slot_freed=self._slot_freed,
+                             namespace=[queries(n) for n in namespace or [cfg.schema]])
         self.checkpoints = self.runner.checkpoints
         self.completions = self.runner.completions
         self.claimer = Claimer(cfg, self.runner, pool=self._pool, workflows=sorted(workflows),
@@ -262,15 +270,18 @@ async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
 
 
 def run_worker(cfg: Config, workflows: dict[str, WorkflowFn], *, dsn: str,
-               install_signals: bool = True, collect_queue_stats: bool = False) -> WorkerStats:
-    """Run a worker on a fresh uvloop event loop until SIGTERM/SIGINT; return its stats."""
+               install_signals: bool = True, collect_queue_stats: bool = False,
+               cron: bool = True, namespace: list[str] | None = None) -> WorkerStats:
+    """Run a worker on a fresh uvloop event loop until SIGTERM/SIGINT; return its stats.
+    *cron* and *namespace*: as :class:`Worker` takes them."""
     import gc
     import signal
 
     import uvloop
 
     async def main() -> WorkerStats:
-        worker = Worker(cfg, workflows, dsn=dsn, collect_queue_stats=collect_queue_stats)
+        worker = Worker(cfg, workflows, dsn=dsn, collect_queue_stats=collect_queue_stats,
+                        cron=cron, namespace=namespace)
         if install_signals:
             loop = asyncio.get_running_loop()
             loop.add_signal_handler(signal.SIGTERM, worker.stop)

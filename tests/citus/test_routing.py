@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql as pgsql
 
-from kestrel import connections, db, statements
+from kestrel import buckets, connections, db, statements
+from kestrel.migrate import migrate_namespace
 from kestrel.sql import queries
 from kestrel.types import Finish, RecordedStep, Status, StepWrite
+from tests.citus.conftest import sharding_dsn
 from tests.citus.test_tenants import node_of
 
 _SERVER = re.compile(r"on server \S+@[\d.]+:(\d+)")
@@ -81,6 +85,25 @@ EXPECTED = {
 
 def test_each_hot_statement_touches_only_the_tenant_node(citus_dsn: str, tenant: str,
                                                          conn: psycopg.Connection[Any]) -> None:
+    _each_hot_statement_on_one_node(citus_dsn, tenant, conn)
+
+
+def test_each_hot_statement_of_a_bucket_touches_only_its_node(
+        citus_dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Step 2: a namespace's bucket is a distributed schema like a tenant, so its hot
+    statements are routed to its node alone, in the same commands (issue 24)."""
+    name = f"cr_{uuid.uuid4().hex[:12]}"
+    migrate_namespace(sharding_dsn(citus_dsn), name, buckets=2)
+    try:
+        _each_hot_statement_on_one_node(citus_dsn, buckets.schema_of(name, 1), conn)
+    finally:
+        for schema in buckets.schemas(name, 2):
+            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                pgsql.Identifier(schema)))
+
+
+def _each_hot_statement_on_one_node(citus_dsn: str, tenant: str,
+                                    conn: psycopg.Connection[Any]) -> None:
     q = queries(tenant)
     node = node_of(citus_dsn, tenant)
     seen = Commands(conn)

@@ -38,9 +38,11 @@ def cmd_serve(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_migrate(cfg: Config, ns: argparse.Namespace) -> int:
-    """``kestrel-runtime migrate``: bring the schema up to date; print the versions applied."""
+    """``kestrel-runtime migrate``: bring the schema (each bucket's, for a namespace of
+    several) up to date; print the versions applied to each."""
     _dsn, server, applied = boot.migrate(cfg)
-    print(f"schema {cfg.schema}: " + (f"applied {', '.join(map(str, applied))}" if applied
+    for schema, versions in applied.items():
+        print(f"schema {schema}: " + (f"applied {', '.join(map(str, versions))}" if versions
                                       else "up to date"))
     del server
     return 0

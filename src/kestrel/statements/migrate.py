@@ -84,3 +84,27 @@ def node_lock_timeout(q: Queries) -> Stmt[str | None]:
     """On a Citus coordinator, the lock_timeout this role gets on the worker nodes ('0':
     none); None elsewhere."""
     return Stmt(q.node_lock_timeout, None, first)
+
+
+def bucket_table_exists(q: Queries) -> Stmt[bool]:
+    """Whether the schema has the bucket table (migration 0021)."""
+    return Stmt(q.bucket_table_exists, None, lambda rows: bool(first(rows)))
+
+
+def read_bucket(q: Queries) -> Stmt[tuple[int, int] | None]:
+    """``(bucket, buckets)`` of a bucket's schema; None for an ordinary schema."""
+    return Stmt(q.read_bucket, None,
+                lambda rows: (int(rows[0][0]), int(rows[0][1])) if rows else None)
+
+
+def record_bucket(q: Queries, *, bucket: int, buckets: int) -> Stmt[None]:
+    """Make the schema bucket *bucket* of *buckets* unless it is a bucket already."""
+    return command(q.record_bucket, {"bucket": bucket, "buckets": buckets})
+
+
+def set_bucket(q: Queries, bucket: int) -> Stmt[None]:
+    """Give the schema's ``kestrel_bucket()`` the number *bucket* (an ``int``, checked here:
+    it is written into the function's body)."""
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < 256:
+        raise ValueError(f"not a bucket: {bucket!r}")
+    return command(q.set_bucket.replace("__bucket__", str(bucket)))

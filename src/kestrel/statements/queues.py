@@ -23,6 +23,11 @@ def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate:
                                        "rate": rate, "period_s": period_s}, nothing)
 
 
+def limited_queues(q: Queries) -> Stmt[set[str]]:
+    """The queues that have limits."""
+    return Stmt(q.limited_queues, None, lambda rows: {str(r[0]) for r in rows})
+
+
 def claim_limited(
     q: Queries, *, queue: str, owner: str, limit: int, lease_s: float,
     workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
