@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import secrets
 import uuid
+from datetime import datetime
+from typing import Any
 
 from kestrel.errors import ConfigError
 from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE
@@ -113,6 +115,23 @@ def merge_list(parts: list[list[ExecutionSummary]], limit: int) -> list[Executio
     """The newest *limit* of the buckets' pages (each newest first, at most *limit* long)."""
     rows = [row for part in parts for row in part]
     rows.sort(key=lambda r: r.created_at, reverse=True)
+    return rows[:limit]
+
+
+def merge_pages(parts: list[list[tuple[dict[str, Any], datetime]]],
+                limit: int) -> list[tuple[dict[str, Any], datetime]]:
+    """The first *limit* of the buckets' keyset pages (each newest first by creation time,
+    then id, after one cursor): the HTTP door's list and the web UI's."""
+    rows = [row for part in parts for row in part]
+    rows.sort(key=lambda r: (r[1], r[0]["id"]), reverse=True)
+    return rows[:limit]
+
+
+def merge_finished(parts: list[list[dict[str, Any]]], limit: int) -> list[dict[str, Any]]:
+    """The first *limit* of the buckets' finished executions (each newest finished first,
+    then id): the web UI's search."""
+    rows = [row for part in parts for row in part]
+    rows.sort(key=lambda r: (r["finished_at"], r["id"]), reverse=True)
     return rows[:limit]
 
 

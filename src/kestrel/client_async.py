@@ -117,6 +117,16 @@ class Client(ClientBase):
             self._qs = self._namespace_of(made)
         return self._qs
 
+    async def _submit_to(self, params: dict[str, Any]) -> Queries:
+        """The schema a top-level submit with *params* goes to: in a namespace, the bucket
+        :func:`kestrel.buckets.choose` picks (its queues with limits read again every
+        :data:`LIMITS_TTL_S`)."""
+        qs = await self._namespace()
+        if len(qs) > 1 and time.monotonic() >= self._limited_due:
+            self._limited = await self._run(statements.queues.limited_queues(qs[0]))
+            self._limited_due = time.monotonic() + LIMITS_TTL_S
+        return self._for_submit(qs, params)
+
     async def _of(self, execution_id: uuid.UUID) -> Queries:
         """The schema holding *execution_id*."""
         return self._by_id(await self._namespace(), execution_id)
@@ -155,11 +165,7 @@ class Client(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        qs = await self._namespace()
-        if len(qs) > 1 and time.monotonic() >= self._limited_due:
-            self._limited = await self._run(statements.queues.limited_queues(qs[0]))
-            self._limited_due = time.monotonic() + LIMITS_TTL_S
-        eid = await self._run(statements.client.submit(self._for_submit(qs, params), params),
+        eid = await self._run(statements.client.submit(await self._submit_to(params), params),
                               conn)
         count_submitted(params["workflow"])
         return Handle(self, eid)

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kestrel import codec, statements
+from kestrel import buckets, codec, statements
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import (
     IdempotencyConflict,
@@ -167,8 +167,9 @@ async def send_signal(app: Starlette, eid: uuid.UUID | str, name: str, payload: 
     try:
         return bool(await app.state.client.signal(eid, name, payload, idempotency_key=key))
     except InvalidState:
-        if key is not None and await app.state.client.read(
-                statements.http.signal_sent(app.state.q, id=uuid.UUID(str(eid)), key=key)):
+        sent_to = uuid.UUID(str(eid))
+        if key is not None and await app.state.client.read_of(
+                sent_to, lambda q: statements.http.signal_sent(q, id=sent_to, key=key)):
             return False
         raise
 
@@ -220,10 +221,11 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
     Raises:
         Refusal: 409 when the key was used for a fork of another execution or step.
     """
-    new = uuid.uuid5(FORK_KEYS, key)
+    new = await app.state.client.in_bucket_of(eid, uuid.uuid5(FORK_KEYS, key))
 
     async def made_before() -> bool:
-        source = await app.state.client.read(statements.client.fork_source(app.state.q, id=new))
+        source = await app.state.client.read_of(
+            new, lambda q: statements.client.fork_source(q, id=new))
         if source is None:
             return False
         if source != (eid, step):
@@ -235,8 +237,8 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
         return new, False
     try:
         # fork() with a caller-chosen id (the statement the client's fork() runs).
-        await app.state.client.read(statements.client.fork(
-            app.state.q, id=eid, from_step=step, new_id=new, idempotency_key=None))
+        await app.state.client.read_of(eid, lambda q: statements.client.fork(
+            q, id=eid, from_step=step, new_id=new, idempotency_key=None))
     except (IdempotencyConflict, psycopg.errors.UniqueViolation):
         # The same key sent twice at once: the other request made the fork first.
         if await made_before():
@@ -274,9 +276,11 @@ async def list_executions(request: Request) -> Response:
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
     state = request.app.state
-    rows = await state.client.read(statements.http.page_executions(
-        state.q, status=status, workflow=workflow, queue=queue, since=time_param(params, "since"),
-        until=time_param(params, "until"), after=after, limit=limit + 1))
+    since, until = time_param(params, "since"), time_param(params, "until")
+    rows = buckets.merge_pages(await state.client.read_each(
+        lambda q: statements.http.page_executions(
+            q, status=status, workflow=workflow, queue=queue, since=since, until=until,
+            after=after, limit=limit + 1)), limit + 1)
     page = rows[:limit]
     more = len(rows) > limit
     next_cursor = encode_cursor(page[-1][1], page[-1][0]["id"]) if more and page else None
@@ -299,7 +303,7 @@ async def get_execution(request: Request) -> Response:
     state = request.app.state
     ex = await state.client.get(eid)
     steps = await state.client.steps(eid)
-    wait = await state.client.read(statements.http.get_wait(state.q, id=eid)) or {}
+    wait = await state.client.read_of(eid, lambda q: statements.http.get_wait(q, id=eid)) or {}
     return ok({
         "id": str(ex.id), "workflow": ex.workflow, "queue": ex.queue, "priority": ex.priority,
         "status": ex.status.value, "claims": ex.attempts, "args": ex.args,
@@ -309,10 +313,12 @@ async def get_execution(request: Request) -> Response:
         "finished_at": ex.finished_at.isoformat() if ex.finished_at else None,
         **wait,
         "steps": [_step(s, ex.created_at) for s in steps],
-        "events": await state.client.read(statements.http.list_events(state.q, id=eid)),
-        "pending_signals": await state.client.read(statements.http.pending_signals(
-            state.q, id=eid)),
-        "children": await state.client.read(statements.http.list_children(state.q, id=eid)),
+        "events": await state.client.read_of(
+            eid, lambda q: statements.http.list_events(q, id=eid)),
+        "pending_signals": await state.client.read_of(
+            eid, lambda q: statements.http.pending_signals(q, id=eid)),
+        "children": await state.client.read_of(
+            eid, lambda q: statements.http.list_children(q, id=eid)),
     })
 
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from starlette.applications import Starlette
@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import codec, ids, statements, tracing
+from kestrel import buckets, codec, ids, statements, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -63,9 +63,11 @@ from kestrel.http.openapi import document
 from kestrel.http.refusals import Refusal, classify, template
 from kestrel.http.requests import read_json
 from kestrel.http.webhooks import hook
-from kestrel.sql import queries
+from kestrel.sql import Queries, queries
 
 log = logging.getLogger("kestrel.http")
+
+T = TypeVar("T")
 
 
 BEARER_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kestrel"'}
@@ -224,8 +226,44 @@ class HttpClient(Client):
         self._hooks = Client(*args, **{**kwargs, "pool_size": hook_pool_size})
 
     async def read(self, stmt: statements.Stmt[Any]) -> Any:
-        """Run one read statement of :mod:`kestrel.statements.http` on a pooled connection."""
+        """Run one read statement of :mod:`kestrel.statements.http` on a pooled connection.
+        Its schema is the one served (bucket 0 of a namespace: tokens, sessions, schedules,
+        the queues' limits)."""
         return await self._run(stmt)
+
+    async def read_of(self, execution_id: uuid.UUID,
+                      make: Callable[[Queries], statements.Stmt[T]]) -> T:
+        """Run the read *make(q)* in the schema holding *execution_id* (its bucket's, in a
+        namespace spread over buckets; kestrel.buckets)."""
+        return await self._run(make(await self._of(execution_id)))
+
+    async def in_bucket_of(self, execution_id: uuid.UUID, made: uuid.UUID) -> uuid.UUID:
+        """*made*, an id made for an execution that lives with *execution_id* (a fork), in
+        that one's bucket: unchanged outside a namespace."""
+        qs = await self._namespace()
+        if len(qs) == 1:
+            return made
+        return buckets.with_bucket(made, buckets.bucket_of(execution_id, len(qs)))
+
+    async def read_each(self, make: Callable[[Queries], statements.Stmt[T]]) -> list[T]:
+        """The read *make(q)* in every schema served (each bucket's), bucket 0 first."""
+        parts: list[T] = await self._every(make)
+        return parts
+
+    async def read_by_bucket(self, ids: Sequence[uuid.UUID],
+                             make: Callable[[Queries, list[uuid.UUID]],
+                                            statements.Stmt[dict[str, Any]]],
+                             ) -> dict[str, Any]:
+        """The read *make(q, ids)* of the *ids* in each bucket's schema, merged by id."""
+        qs = await self._namespace()
+        groups: dict[int, list[uuid.UUID]] = {}
+        for eid in ids:
+            groups.setdefault(buckets.bucket_of(eid, len(qs)) if len(qs) > 1 else 0,
+                              []).append(eid)
+        found: dict[str, Any] = {}
+        for k, group in groups.items():
+            found.update(await self._run(make(qs[k], group)))
+        return found
 
     @asynccontextmanager
     async def _borrow(self, timeout: float | None = None,
@@ -258,8 +296,11 @@ class HttpClient(Client):
                                      delay, None, dedup_key, "return")
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
-        params["id"] = chosen = ids.new_id()
-        eid = await self._run(statements.client.submit(self._q, params))
+        q = await self._submit_to(params)
+        qs = await self._namespace()
+        # In a namespace, the id names the bucket chosen (kestrel.buckets).
+        params["id"] = chosen = ids.new_id(bucket=qs.index(q) if len(qs) > 1 else None)
+        eid = await self._run(statements.client.submit(q, params))
         if eid == chosen:
             count_submitted(params["workflow"])
         return eid, eid == chosen

@@ -27,9 +27,8 @@ from kestrel.http.ui.pages import (
     check_query,
     checked,
     execution_id,
-    queries_of,
     query_params,
-    read,
+    read_of,
     refusal_page,
 )
 from kestrel.http.ui.render import error_page, render
@@ -133,9 +132,12 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
         if action != "signal":
             waited = await _waited_for(request, eid, str(name))
             if waited is None:
-                if form_key and await read(request, statements.http.signal_sent(
-                        queries_of(request), id=eid, key=form_key)):
-                    return "duplicate"
+                if form_key:
+                    key_used = form_key
+                    sent: bool = await read_of(request, eid, lambda q: statements.http.signal_sent(
+                        q, id=eid, key=key_used))
+                    if sent:
+                        return "duplicate"
                 raise Refusal(409, f"this execution is not waiting for signal "
                               f"{codec.printable(str(name), 80)!r}: nothing was sent")
             name = waited
@@ -166,7 +168,7 @@ async def _waited_for(request: Request, eid: uuid.UUID, name: str) -> str | None
     Raises:
         ExecutionNotFound: no such execution.
     """
-    wait = await read(request, statements.http.get_wait(queries_of(request), id=eid))
+    wait = await read_of(request, eid, lambda q: statements.http.get_wait(q, id=eid))
     if wait is None:
         raise ExecutionNotFound(f"no execution {eid}")
     waiting = wait.get("waiting") or {}

@@ -15,13 +15,13 @@ import secrets
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from kestrel import codec, statements
+from kestrel import buckets, codec, statements
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import KestrelError
 from kestrel.http.refusals import Refusal, classify
@@ -31,6 +31,8 @@ from kestrel.http.ui.render import error_page, failure_view, render, wait_view
 from kestrel.sql import Queries
 from kestrel.statements import Stmt
 from kestrel.types import Status
+
+T = TypeVar("T")
 
 PAGE = 50
 FINISHED_WINDOW = timedelta(hours=24)
@@ -120,8 +122,15 @@ def execution_id(text: str) -> uuid.UUID:
 
 
 async def read(request: Request, stmt: Stmt[Any]) -> Any:
-    """Run *stmt*, a read, with the door's client."""
+    """Run *stmt*, a read, with the door's client, in the schema served (a namespace's
+    bucket 0)."""
     return await request.app.state.client.read(stmt)
+
+
+async def read_of(request: Request, eid: uuid.UUID, make: Callable[[Queries], Stmt[T]]) -> T:
+    """Run the read *make(q)* in the schema holding execution *eid* (its bucket's)."""
+    found: T = await request.app.state.client.read_of(eid, make)
+    return found
 
 
 def queries_of(request: Request) -> Queries:
@@ -144,19 +153,20 @@ def _status(params: Mapping[str, str], allowed: tuple[str, ...]) -> str | None:
 
 async def counts(request: Request) -> dict[str, Any]:
     """Live executions by status and those finished in the last 24 hours by status."""
-    rows = await read(request, statements.ui.ui_counts(queries_of(request),
-                                                       finished_window=FINISHED_WINDOW))
+    parts = await request.app.state.client.read_each(
+        lambda q: statements.ui.ui_counts(q, finished_window=FINISHED_WINDOW))
     live = {s.value: 0 for s in Status if not s.terminal}
     finished = dict.fromkeys(TERMINAL, 0)
-    for status, n, is_live in rows:
-        (live if is_live else finished)[status] = int(n)
+    for status, n, is_live in (row for part in parts for row in part):
+        (live if is_live else finished)[status] += int(n)
     return {"live": live, "finished_24h": finished}
 
 
 async def _waits(request: Request, ids: list[uuid.UUID]) -> dict[str, dict[str, Any]]:
     """What each waiting execution of *ids* waits for and since when, by id."""
-    return {eid: wait_view(row) for eid, row in (await read(request, statements.ui.ui_waits(
-        queries_of(request), ids=ids))).items()}
+    rows = await request.app.state.client.read_by_bucket(
+        ids, lambda q, group: statements.ui.ui_waits(q, ids=group))
+    return {eid: wait_view(row) for eid, row in rows.items()}
 
 
 async def executions(request: Request, session: Session) -> Response:
@@ -171,10 +181,11 @@ async def executions(request: Request, session: Session) -> Response:
         raise Refusal(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
-    rows = await read(request, statements.http.page_executions(
-        queries_of(request), status=status, workflow=workflow, queue=queue,
-        since=time_param(params, "since"), until=time_param(params, "until"), after=after,
-        limit=PAGE + 1))
+    since, until = time_param(params, "since"), time_param(params, "until")
+    rows = buckets.merge_pages(await request.app.state.client.read_each(
+        lambda q: statements.http.page_executions(
+            q, status=status, workflow=workflow, queue=queue, since=since, until=until,
+            after=after, limit=PAGE + 1)), PAGE + 1)
     page_rows = rows[:PAGE]
     waiting = [uuid.UUID(r["id"]) for r, _ in page_rows if r["status"] == "waiting"]
     waits = await _waits(request, waiting) if waiting else {}
@@ -202,8 +213,8 @@ async def _tree(request: Request, root: uuid.UUID) -> list[dict[str, Any]]:
     async def walk(eid: uuid.UUID, depth: int) -> None:
         if depth > TREE_DEPTH or len(found) >= TREE_NODES:
             return
-        for child in await read(request, statements.http.list_children(
-                queries_of(request), id=eid)):
+        for child in await read_of(request, eid, lambda q: statements.http.list_children(
+                q, id=eid)):
             if len(found) >= TREE_NODES:
                 return
             found.append({**child, "depth": depth})
@@ -221,7 +232,7 @@ async def execution(request: Request, session: Session) -> Response:
     ex = await client.get(eid)
     notice = await _notice(request, eid, params)
     steps = await client.steps(eid)
-    wait = await read(request, statements.http.get_wait(queries_of(request), id=eid)) or {}
+    wait = await read_of(request, eid, lambda q: statements.http.get_wait(q, id=eid)) or {}
     waits = await _waits(request, [eid]) if ex.status.value == "waiting" else {}
     end = ex.finished_at or max([s.finished_at for s in steps], default=ex.created_at)
     span_ms = max((end - ex.created_at).total_seconds() * 1000, 1.0)
@@ -240,8 +251,9 @@ async def execution(request: Request, session: Session) -> Response:
         waits=waits.get(str(eid)), failure=failure_view(ex.error, steps)
         if ex.status.value in ("failed", "quarantined") else None,
         state=None if ex.status.terminal else _state(ex, waits.get(str(eid))),
-        events=await read(request, statements.http.list_events(queries_of(request), id=eid)),
-        signals=await read(request, statements.http.pending_signals(queries_of(request), id=eid)),
+        events=await read_of(request, eid, lambda q: statements.http.list_events(q, id=eid)),
+        signals=await read_of(request, eid,
+                              lambda q: statements.http.pending_signals(q, id=eid)),
         tree=await _tree(request, eid), notice=notice, form_key=secrets.token_hex(16),
         forked=await client.forked_from(eid),
         hidden_steps=max(len(steps) - TIMELINE_STEPS, 0))
@@ -272,8 +284,8 @@ async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str],
     notice: dict[str, Any] = {"text": NOTICES[done], "signal": None}
     sent = checked(params, "sent", what="sent", max_chars=80, required=False)
     if sent and sent.partition(":")[0] in SIGNAL_ACTIONS:
-        notice["signal"] = await read(request, statements.ui.ui_sent_signal(
-            queries_of(request), id=eid, key=f"ui:{sent}"))
+        notice["signal"] = await read_of(request, eid, lambda q: statements.ui.ui_sent_signal(
+            q, id=eid, key=f"ui:{sent}"))
     return notice
 
 
@@ -344,9 +356,10 @@ async def search(request: Request, session: Session) -> Response:
     now = datetime.now(UTC)
     since = time_param(params, "since") or now - timedelta(days=SEARCH_DAYS)
     until = time_param(params, "until") or now + timedelta(days=1)
-    rows = await read(request, statements.ui.search_history(
-        queries_of(request), since=since, until=until, status=status,
-        pattern=like_pattern(text), limit=PAGE))
+    rows = buckets.merge_finished(await request.app.state.client.read_each(
+        lambda q: statements.ui.search_history(
+            q, since=since, until=until, status=status, pattern=like_pattern(text),
+            limit=PAGE)), PAGE)
     return render(request, "search.html", session=session, q=text, filters=params,
                   since=since, until=until, rows=rows, limit=PAGE)
 
@@ -373,5 +386,6 @@ __all__ = [
     "queries_of",
     "query_params",
     "read",
+    "read_of",
     "refusal_page",
 ]
