@@ -74,7 +74,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("schema", str, "Schema holding every kestrel table and function; of a namespace "
          "spread over buckets (migrate --buckets), its name, which is bucket 0's schema.",
          "NAME"),
-    Knob("buckets", int, "migrate: make --schema a namespace of N buckets, N schemas "
+    Knob("buckets", int, "migrate (and run, which migrates): make --schema a namespace of "
+         "N buckets, N schemas "
          "(2-256; on Citus with schema-based sharding each one a distributed schema, "
          "spread over the nodes), or check that it has N. 0 (the default): as it was made "
          "(an ordinary schema: 1).", "N"),

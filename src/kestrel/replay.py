@@ -35,7 +35,7 @@ from typing import IO, Any
 import orjson
 import psycopg
 
-from kestrel import codec, connections, db, statements
+from kestrel import buckets, codec, connections, db, statements
 from kestrel.definitions import WorkflowFn, retired_patches
 from kestrel.errors import (
     CodeTooOld,
@@ -368,15 +368,23 @@ def histories_from_db(dsn: str, schema: str, sel: Selection, *,
         conn.read_only = True
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         try:
+            # A namespace spread over buckets (kestrel.buckets) is read in every bucket's
+            # schema, in the same snapshot; each execution in the bucket its id names.
+            made = (db.run_sync(conn, statements.migrate.read_bucket(q))
+                    if db.run_sync(conn, statements.migrate.bucket_table_exists(q)) else None)
+            qs = ([queries(s) for s in buckets.schemas(schema, made[1])]
+                  if made is not None and made[0] == 0 else [q])
             ids: Sequence[uuid.UUID] = sel.ids
             if not ids:
-                rows = db.run_sync(conn, statements.client.list_executions(
-                    q, status=sel.status, workflow=sel.workflow, since=sel.since,
-                    limit=sel.limit or DEFAULT_LIMIT))
+                limit = sel.limit or DEFAULT_LIMIT
+                rows = buckets.merge_list([db.run_sync(conn, statements.client.list_executions(
+                    one, status=sel.status, workflow=sel.workflow, since=sel.since,
+                    limit=limit)) for one in qs], limit)
                 ids = [r.id for r in rows]
             for eid in ids:
+                home = qs[buckets.bucket_of(eid, len(qs))] if len(qs) > 1 else q
                 row = db.run_sync(conn, statements.versions.replay_history(
-                    q, id=eid, max_history_bytes=max_history_bytes))
+                    home, id=eid, max_history_bytes=max_history_bytes))
                 if row is None:
                     raise ExecutionNotFound(f"no execution {eid} in schema {schema}")
                 yield history_from_row(row)

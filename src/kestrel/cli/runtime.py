@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
+from typing import Any
 
 from kestrel import boot
 from kestrel import log as kestrel_log
@@ -57,12 +59,19 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
     from kestrel.sql import queries
 
     dsn, _server = resolve_dsn(cfg, create=False)
-    ran, created, dropped = upkeep_patiently(dsn, cfg, detach=ns.detach)
-    with connections.connect(dsn) as conn:
-        parts = db.run_sync(conn, statements.history.list_partitions(queries(cfg.schema)))
+    ran, created, dropped = True, 0, 0
+    parts: list[tuple[str, Any]] = []
+    # Each schema of the namespace: its buckets' (kestrel.buckets), or the schema alone.
+    for schema in boot.namespace_schemas(dsn, cfg.schema):
+        one = replace(cfg, schema=schema)
+        done, made, gone = upkeep_patiently(dsn, one, detach=ns.detach)
+        ran, created, dropped = ran and done, created + made, dropped + gone
+        with connections.connect(dsn) as conn:
+            parts += [(schema, p) for p in db.run_sync(
+                conn, statements.history.list_partitions(queries(schema)))]
     data = {"ran": ran, "created": created, "dropped" if not ns.detach else "detached": dropped,
-            "partitions": [{"table": p[0], "partition": p[1], "bounds": p[2],
-                            "estimated_rows": p[3], "bytes": p[4]} for p in parts]}
+            "partitions": [{"schema": s, "table": p[0], "partition": p[1], "bounds": p[2],
+                            "estimated_rows": p[3], "bytes": p[4]} for s, p in parts]}
 
     def table() -> None:
         if not ran:
@@ -72,9 +81,12 @@ def cmd_partitions(cfg: Config, ns: argparse.Namespace) -> int:
             print(f"created {created} partitions, {verb} {dropped} "
                   f"(interval {cfg.history_interval}, {cfg.history_ahead} ahead, retention "
                   f"{cfg.history_retention_days:g} days)")
-        print(f"\n{'table':<18} {'partition':<30} {'rows':>10} {'size':>10}  bounds")
-        for p in parts:
-            print(f"{p[0]:<18} {p[1]:<30} {p[3]:>10} {p[4] / 1024:>8.0f}kB  {p[2]}")
+        several = len({s for s, _ in parts}) > 1
+        print(f"\n{'schema  ' if several else ''}{'table':<18} {'partition':<30} {'rows':>10} "
+              f"{'size':>10}  bounds")
+        for s, p in parts:
+            print(f"{s + '  ' if several else ''}{p[0]:<18} {p[1]:<30} {p[3]:>10} "
+                  f"{p[4] / 1024:>8.0f}kB  {p[2]}")
 
     return emit(ns, data, table)
 
@@ -162,8 +174,11 @@ RUN = Command(
               "KESTREL_APP=myapp.workflows kestrel-runtime --http-port 8080"))
 MIGRATE = Command(
     "migrate", "Create or upgrade the schema (as its owner), then exit.", cmd_migrate,
-    settings=CONNECTION + HISTORY,
-    examples=("kestrel-runtime migrate --dsn postgresql://owner@db/app",))
+    settings=CONNECTION + HISTORY + ("buckets",),
+    examples=("kestrel-runtime migrate --dsn postgresql://owner@db/app",
+              "kestrel-runtime migrate --schema acme --buckets 16 --dsn "
+              "'postgresql://owner@coordinator/app?options=-c%20citus.enable_schema_based_"
+              "sharding%3Don'"))
 DSN = Command(
     "dsn", "Print the DSN the commands use (with no --dsn: the embedded database in "
            "--data-dir, while `kestrel-runtime run` keeps it up), for psql or Python.",
