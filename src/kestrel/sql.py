@@ -220,6 +220,14 @@ def statement_name(text: str) -> str | None:
     return _NAMES.get(text)
 
 
+def derived(name: str, text: str) -> str:
+    """*text*, made from the statement *name* by writing a checked value in place of a
+    marker (a DDL body takes no parameters), known by that name from now on (to the
+    lost-reply failpoints, as its rendered text is)."""
+    _NAMES[text] = name
+    return text
+
+
 @functools.cache
 def queries(schema: str) -> Queries:
     """Return the statements for *schema*, loaded and rendered once per process."""

@@ -3,7 +3,7 @@ transaction by :mod:`kestrel.migrate`; the advisory lock is transaction-level.""
 
 from __future__ import annotations
 
-from kestrel.sql import Queries
+from kestrel.sql import Queries, derived
 from kestrel.statements.stmt import Stmt, command, first
 
 
@@ -107,4 +107,4 @@ def set_bucket(q: Queries, bucket: int) -> Stmt[None]:
     it is written into the function's body)."""
     if isinstance(bucket, bool) or not isinstance(bucket, int) or not 0 <= bucket < 256:
         raise ValueError(f"not a bucket: {bucket!r}")
-    return command(q.set_bucket.replace("__bucket__", str(bucket)))
+    return command(derived("set_bucket", q.set_bucket.replace("__bucket__", str(bucket))))
