@@ -1,7 +1,9 @@
-"""kestrel on a Citus cluster (issue 24, step 1): tenants on one worker node, then on two.
+"""kestrel on a Citus cluster (issue 24): tenants on one worker node, then on two (step 1);
+with ``--buckets N``, one namespace of N buckets on one worker node, then spread (step 2).
 
     python -m bench.run --citus postgresql://postgres@127.0.0.1:5440/postgres --workflows 2000
     python -m bench.citus --dsn postgresql://postgres@127.0.0.1:5440/postgres
+    python -m bench.citus --buckets 4 --workflows 4000
 
 Each layout has T tenants (T = 1, then one per worker node), each a distributed schema on a
 worker node of its own, each with ``--workflows`` 3-step no-op workflows submitted up front
@@ -101,86 +103,132 @@ def _counters(dsn: str) -> tuple[int, int]:
     return (int(row[0] or 0), int(row[1] or 0)) if row else (0, 0)
 
 
+def _place(dsn: str, schema: str, port: int) -> None:
+    """Move the distributed schema *schema* to the worker node at *port* unless it is there."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        at = conn.execute("SELECT DISTINCT nodeport FROM citus_shards "
+                          "WHERE table_name::text LIKE %s || '.%%'", [schema]).fetchall()
+        if [r[0] for r in at] != [port]:
+            host = conninfo_to_dict(dsn).get("host") or "127.0.0.1"
+            conn.execute("SELECT citus_schema_move(%s::regnamespace, %s, %s, 'block_writes')",
+                         [schema, host, port])
+
+
+def _sharding(dsn: str) -> str:
+    return make_conninfo(dsn, options="-c citus.enable_schema_based_sharding=on")
+
+
 def _tenant(dsn: str, port: int) -> str:
     """A fresh tenant schema living on the worker node at *port*."""
     from kestrel.migrate import migrate
 
     name = f"bench_citus_{uuid.uuid4().hex[:8]}"
-    migrate(make_conninfo(dsn, options="-c citus.enable_schema_based_sharding=on"), name)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        at = conn.execute("SELECT DISTINCT nodeport FROM citus_shards "
-                          "WHERE table_name::text LIKE %s || '.%%'", [name]).fetchall()
-        if [r[0] for r in at] != [port]:
-            host = conninfo_to_dict(dsn).get("host") or "127.0.0.1"
-            conn.execute("SELECT citus_schema_move(%s::regnamespace, %s, %s, 'block_writes')",
-                         [name, host, port])
+    migrate(_sharding(dsn), name)
+    _place(dsn, name, port)
     return name
 
 
+def _namespace(dsn: str, buckets: int, ports: list[int]) -> tuple[str, list[str]]:
+    """A fresh namespace of *buckets*, bucket k on the worker node ``ports[k % len]``."""
+    from kestrel import buckets as b
+    from kestrel.migrate import migrate_namespace
+
+    name = f"bench_ns_{uuid.uuid4().hex[:8]}"
+    migrate_namespace(_sharding(dsn), name, buckets=buckets)
+    schemas = b.schemas(name, buckets)
+    for k, schema in enumerate(schemas):
+        _place(dsn, schema, ports[k % len(ports)])
+    return name, schemas
+
+
 def run_layout(dsn: str, ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
-    """One tenant per port in *ports*, all running at once; the figures."""
-    nodes = _nodes(dsn)
+    """Step 1: one tenant per port in *ports*, all running at once; the figures."""
     tenants = [_tenant(dsn, port) for port in ports]
-    n = p["workflows"]
     try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for t in tenants:
-                conn.execute(pgsql.SQL("SELECT {}.submit('bench', '[3, \"noop\", 0]'::jsonb) "
-                                       "FROM generate_series(1, %s)").format(
-                    pgsql.Identifier(t)), [n])
-        commits = {role: _commits(dsn, port) for role, port in nodes.items()}
-        counters = _counters(dsn)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
-        counting = make_conninfo(dsn, options="-c citus.enable_stat_counters=on")
-        runtimes = [subprocess.Popen(
-            [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", counting,
-             "--schema", t, "--procs", str(p["procs"]), "--concurrency", str(p["concurrency"]),
-             "--log-level", "warning", "--metrics-port", "0"], env=env, cwd=ROOT)
-            for t in tenants]
-        started = time.monotonic()
-        cpu = NodeCpu(dsn, nodes)
-        try:
-            with psycopg.connect(dsn, autocommit=True) as mon:
-                while True:
-                    time.sleep(0.25)
-                    cpu.sample()
-                    done = sum(int((mon.execute(pgsql.SQL(
-                        "SELECT count(*) FROM {}.workflow_history").format(
-                        pgsql.Identifier(t))).fetchone() or [0])[0]) for t in tenants)
-                    if done >= n * len(tenants):
-                        break
-                    if any(r.poll() is not None for r in runtimes):
-                        raise RuntimeError("a kestrel-runtime exited")
-                    if time.monotonic() - started > p["timeout"]:
-                        raise RuntimeError(f"only {done}/{n * len(tenants)} finished")
-                spans = [mon.execute(pgsql.SQL(
-                    "SELECT min(started_at), max(finished_at) FROM {}.workflow_history").format(
-                    pgsql.Identifier(t))).fetchone() for t in tenants]
-        finally:
-            for r in runtimes:
-                r.terminate()
-            for r in runtimes:
-                r.wait(timeout=60)
-        first = min(s[0] for s in spans if s)
-        last = max(s[1] for s in spans if s)
-        total = n * len(tenants)
-        after = {role: _commits(dsn, port) for role, port in nodes.items()}
-        single, multi = (a - b for a, b in zip(_counters(dsn), counters, strict=True))
-        return {
-            "tenants": len(tenants), "worker_nodes": sorted(ports),
-            "workflows_per_s": total / (last - first).total_seconds(),
-            "commits_per_workflow": {role: round((after[role] - commits[role]) / total, 3)
-                                     for role in nodes},
-            "postgres_cpu_ms_per_workflow": {role: round(sec * 1000 / total, 3)
-                                             for role, sec in cpu.seconds().items()},
-            "single_shard_statements_per_workflow": round(single / total, 3),
-            "multi_shard_statements_per_workflow": round(multi / total, 3),
-        }
+        r = _measure(dsn, tenants, [(t, p["procs"]) for t in tenants], p["workflows"], p)
+        return {"tenants": len(tenants), "worker_nodes": sorted(ports), **r}
     finally:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            for t in tenants:
-                conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
-                    pgsql.Identifier(t)))
+        _drop(dsn, tenants)
+
+
+def run_namespace_layout(dsn: str, ports: list[int], p: dict[str, Any]) -> dict[str, Any]:
+    """Step 2: one namespace of ``p["buckets"]`` buckets spread over *ports*, one runtime
+    with a process per bucket (or ``p["procs"]``, when more), ``p["workflows"]`` in all,
+    the same count in each bucket; the figures."""
+    name, schemas = _namespace(dsn, p["buckets"], ports)
+    try:
+        n = p["workflows"] // len(schemas)
+        r = _measure(dsn, schemas, [(name, max(p["procs"], len(schemas)))], n, p)
+        return {"buckets": len(schemas), "worker_nodes": sorted(ports), **r}
+    finally:
+        _drop(dsn, schemas)
+
+
+def _drop(dsn: str, schemas: list[str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for t in schemas:
+            conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
+                pgsql.Identifier(t)))
+
+
+def _measure(dsn: str, schemas: list[str], runs: list[tuple[str, int]], n: int,
+             p: dict[str, Any]) -> dict[str, Any]:
+    """*n* workflows submitted up front into each of *schemas* (by its own ``submit()``, so
+    a bucket's ids name it), then one ``kestrel-runtime --schema S --procs P`` for each
+    ``(S, P)`` of *runs* until all have finished; the figures."""
+    nodes = _nodes(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for t in schemas:
+            conn.execute(pgsql.SQL("SELECT {}.submit('bench', '[3, \"noop\", 0]'::jsonb) "
+                                   "FROM generate_series(1, %s)").format(
+                pgsql.Identifier(t)), [n])
+    commits = {role: _commits(dsn, port) for role, port in nodes.items()}
+    counters = _counters(dsn)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
+    counting = make_conninfo(dsn, options="-c citus.enable_stat_counters=on")
+    runtimes = [subprocess.Popen(
+        [sys.executable, "-m", "kestrel", "--app", "bench.workloads", "--dsn", counting,
+         "--schema", schema, "--procs", str(procs), "--concurrency", str(p["concurrency"]),
+         "--log-level", "warning", "--metrics-port", "0"], env=env, cwd=ROOT)
+        for schema, procs in runs]
+    started = time.monotonic()
+    cpu = NodeCpu(dsn, nodes)
+    total = n * len(schemas)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as mon:
+            while True:
+                time.sleep(0.25)
+                cpu.sample()
+                done = sum(int((mon.execute(pgsql.SQL(
+                    "SELECT count(*) FROM {}.workflow_history").format(
+                    pgsql.Identifier(t))).fetchone() or [0])[0]) for t in schemas)
+                if done >= total:
+                    break
+                if any(r.poll() is not None for r in runtimes):
+                    raise RuntimeError("a kestrel-runtime exited")
+                if time.monotonic() - started > p["timeout"]:
+                    raise RuntimeError(f"only {done}/{total} finished")
+            spans = [mon.execute(pgsql.SQL(
+                "SELECT min(started_at), max(finished_at) FROM {}.workflow_history").format(
+                pgsql.Identifier(t))).fetchone() for t in schemas]
+    finally:
+        for r in runtimes:
+            r.terminate()
+        for r in runtimes:
+            r.wait(timeout=60)
+    first = min(s[0] for s in spans if s)
+    last = max(s[1] for s in spans if s)
+    after = {role: _commits(dsn, port) for role, port in nodes.items()}
+    single, multi = (a - b for a, b in zip(_counters(dsn), counters, strict=True))
+    return {
+        "workflows_per_s": total / (last - first).total_seconds(),
+        "commits_per_workflow": {role: round((after[role] - commits[role]) / total, 3)
+                                 for role in nodes},
+        "postgres_cpu_ms_per_workflow": {role: round(sec * 1000 / total, 3)
+                                         for role, sec in cpu.seconds().items()},
+        "single_shard_statements_per_workflow": round(single / total, 3),
+        "multi_shard_statements_per_workflow": round(multi / total, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,8 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dsn", default=os.environ.get(
         "KESTREL_CITUS_DSN", "postgresql://postgres@127.0.0.1:5440/postgres"),
         help="the Citus coordinator (default: the local one, or KESTREL_CITUS_DSN)")
-    ap.add_argument("--workflows", type=int, default=2000, help="per tenant")
-    ap.add_argument("--procs", type=int, default=1, help="worker processes per tenant")
+    ap.add_argument("--workflows", type=int, default=2000,
+                    help="per tenant; with --buckets, in all")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="worker processes per tenant; with --buckets, of the runtime (at "
+                         "least one per bucket)")
+    ap.add_argument("--buckets", type=int, default=0,
+                    help="step 2: one namespace of N buckets (2-256), on one worker node and "
+                         "then spread over all of them, instead of a tenant per node")
     ap.add_argument("--concurrency", type=int, default=0,
                     help="per process; 0 (the runtime's default): its adaptive limit")
     ap.add_argument("--timeout", type=float, default=600.0)
@@ -203,9 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Citus at {args.dsn}: worker nodes {workers}; {machine()}")
     results = []
     for layout in ([workers[0]], workers):
-        r = run_layout(args.dsn, layout, p)
+        if args.buckets:
+            r = run_namespace_layout(args.dsn, layout, p)
+            what = f"{r['buckets']} buckets"
+        else:
+            r = run_layout(args.dsn, layout, p)
+            what = f"{r['tenants']} tenant(s)"
         results.append(r)
-        print(f"  {r['tenants']} tenant(s) on {r['worker_nodes']}: "
+        print(f"  {what} on {r['worker_nodes']}: "
               f"{r['workflows_per_s']:.0f} wf/s; per workflow: commits "
               + ", ".join(f"{k} {v}" for k, v in r["commits_per_workflow"].items())
               + "; PostgreSQL CPU ms "

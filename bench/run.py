@@ -512,12 +512,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--citus", metavar="DSN",
                     help="a Citus coordinator: tenants on one worker node, then on two "
                          "(bench/citus.py; --workflows per tenant, --procs, --concurrency)")
+    ap.add_argument("--buckets", type=int, default=0,
+                    help="with --citus: one namespace of N buckets on one worker node, then "
+                         "spread over all (--workflows in all)")
     ns = ap.parse_args(argv)
+    if ns.buckets and not ns.citus:
+        ap.error("--buckets measures a namespace on Citus: give --citus DSN")
     if ns.citus:
         from bench import citus
 
         return citus.main(["--dsn", ns.citus, "--workflows", str(ns.workflows),
                            "--procs", str(ns.procs), "--concurrency", str(ns.concurrency),
+                           "--buckets", str(ns.buckets),
                            "--timeout", str(ns.timeout), "--out", ns.out])
 
     if ns.dsn and ns.flush_delay_us is not None:

@@ -128,12 +128,6 @@ def _migrate_or_check(dsn: str, cfg: Config) -> None:
                  cfg.schema)
 
 
-_NO_HTTP_ON_BUCKETS = (
-    "invalid setting --schema={schema}: it is a namespace of {n} buckets, and the HTTP door "
-    "and the web UI serve one schema; they do not serve a namespace of buckets yet (the "
-    "Python client, the CLI and the runtime do; docs/citus.md)")
-
-
 def namespace_schemas(dsn: str, namespace: str) -> list[str]:
     """The schemas of *namespace*: its buckets' (kestrel.buckets), bucket 0 first, or
     *namespace* alone for an ordinary schema."""
@@ -246,8 +240,6 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
              "off: polling every --poll-interval")
     _migrate_or_check(dsn, cfg)
     schemas = namespace_schemas(dsn, cfg.schema)
-    if len(schemas) > 1 and cfg.http_port:
-        raise ConfigError(_NO_HTTP_ON_BUCKETS.format(schema=cfg.schema, n=len(schemas)))
     _check_node_lock_timeout(dsn, cfg)
     _first_upkeep(dsn, cfg)
     http = None
@@ -289,8 +281,6 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     hooks = _hooks(config_file)
     dsn, server = _database(cfg)
     _migrate_or_check(dsn, cfg)
-    if len(buckets := namespace_schemas(dsn, cfg.schema)) > 1:
-        raise ConfigError(_NO_HTTP_ON_BUCKETS.format(schema=cfg.schema, n=len(buckets)))
     observe(cfg, dsn)
     serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     del server

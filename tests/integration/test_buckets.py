@@ -4,8 +4,10 @@ bucket, the client routing by id and merging what it reads from all of them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +146,200 @@ def test_fewer_processes_than_buckets_is_refused_with_the_count_to_use(
     assert f"use --procs {N} or more" in done.stderr
     for name in buckets.schemas(namespace, N):
         assert q1(pg_dsn, name, "SELECT count(*) FROM {s}.workers") == 0
+
+
+def test_operator_actions_and_cron_on_a_namespace(pg_dsn: str, namespace: str,
+                                                  tmp_path: Path) -> None:
+    """cancel, retry and fork reach each execution in its bucket (a fork stays in its
+    source's, where the checkpoints it copies are); a schedule ticks once per tick in the
+    whole namespace (bucket 0's processes start the ticks, the others do not); history
+    partitions exist in every bucket."""
+    client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
+    names = buckets.schemas(namespace, N)
+    with runtime(pg_dsn, namespace, procs=N, log=tmp_path / "runtime.log",
+                 app="tests.apps.ledger_app,tests.apps.cron_app"):
+        # Two in each bucket: keys the choice sends there.
+        keys = [[k for k in (f"w{i}" for i in range(200))
+                 if buckets.choose(N, queue="default", idempotency_key=k) == b][:2]
+                for b in range(N)]
+        waiters = [client.submit("waiter", idempotency_key=k) for ks in keys for k in ks]
+        for w in waiters:
+            wait_until(lambda w=w: client.get(w.id).status.value == "waiting", timeout=30,
+                       what="the waiters parked")
+        assert [buckets.bucket_of(w.id, N) for w in waiters] == [0, 0, 1, 1, 2, 2]
+        for w in waiters:
+            assert client.cancel(w.id) == "cancelled"
+            client.retry(w.id, idempotency_key=f"again-{w.id}")
+        for w in waiters:
+            wait_until(lambda w=w: client.get(w.id).status.value == "waiting", timeout=30,
+                       what="the retried waiters parked again")
+            assert client.signal(w.id, "go", str(w.id)) is True
+        assert [w.result(timeout=30) for w in waiters] == [str(w.id) for w in waiters]
+        done = [client.submit("three_steps", 40 + i) for i in range(6)]
+        assert [h.result(timeout=30) for h in done] == [app.model(40 + i) for i in range(6)]
+        forks = [client.fork(h.id, 2) for h in done]
+        assert [f.result(timeout=30) for f in forks] == [app.model(40 + i) for i in range(6)]
+        assert [buckets.bucket_of(f.id, N) for f in forks] == [
+            buckets.bucket_of(h.id, N) for h in done]
+        assert [client.forked_from(f.id) for f in forks] == [(h.id, 2) for h in done]
+        time.sleep(4)
+    ticks = [r[0] for name in names
+             for r in q(pg_dsn, name, "SELECT args->>0 FROM {s}.executions "
+                        "WHERE workflow = 'tick'")]
+    assert len(ticks) >= 3 and len(ticks) == len(set(ticks)), sorted(ticks)
+    assert all(q(pg_dsn, name, "SELECT 1 FROM {s}.executions WHERE workflow = 'tick'") == []
+               for name in names[1:])
+    for name in names:
+        assert q1(pg_dsn, name, "SELECT count(*) FROM pg_inherits WHERE inhparent = "
+                  "%s::regclass", [f"{name}.workflow_history"]) >= 2
+    client.close()
+
+
+def test_the_http_door_and_the_web_ui_serve_a_namespace(pg_dsn: str, namespace: str,
+                                                         tmp_path: Path) -> None:
+    """Submits through the API land in the bucket the client's choice gives (their ids
+    chosen by the door name it); every call about one execution reaches its bucket; the
+    list pages through every bucket, newest first, without a gap or a repeat; a keyed fork
+    lives in its source's bucket; the web UI lists, counts and shows executions of every
+    bucket."""
+    from tests.http_helpers import Api, free_port, http_runtime, make_token
+    from tests.ui_helpers import Browserless
+
+    api_root = "/api/v1"
+    token = make_token(pg_dsn, namespace, "ns-all", "read,operate,submit")
+    with http_runtime(pg_dsn, namespace, port=free_port(), log=tmp_path / "rt.log",
+                      procs=N) as api:
+        api.token = token
+
+        def post(path: str, body: object, key: str | None = None) -> dict[str, object]:
+            reply = api.post(api_root + path, body,
+                             headers={"Idempotency-Key": key} if key else None)
+            assert reply.status in (200, 201), reply.body
+            found: dict[str, object] = reply.json()
+            return found
+
+        def finished(eid: str, status: str = "completed") -> dict[str, object]:
+            return wait_until(  # type: ignore[no-any-return]
+                lambda: (ex := api.get(f"{api_root}/executions/{eid}").json())["status"]
+                == status and ex, timeout=60, what=f"{eid} {status}")
+
+        ids = [str(post("/workflows/http.steps/submit", {"args": [i]})["id"])
+               for i in range(15)]
+        keyed = post("/workflows/http.echo/submit", {"args": [1]}, key="ns-key")["id"]
+        assert post("/workflows/http.echo/submit", {"args": [1]}, key="ns-key")["id"] == keyed
+        assert buckets.bucket_of(uuid.UUID(str(keyed)), N) == buckets.choose(
+            N, queue="default", idempotency_key="ns-key")
+        waiting = str(post("/workflows/http.approval/submit", {"args": [{"a": 1}]})["id"])
+        assert {buckets.bucket_of(uuid.UUID(i), N) for i in ids} == set(range(N))
+        for n, eid in enumerate(ids):
+            ex = finished(eid)
+            assert ex["result"] == n * 2 + 2
+            children = ex["children"]
+            assert isinstance(children, list) and len(children) == 1
+            assert buckets.bucket_of(uuid.UUID(children[0]["id"]), N) == \
+                buckets.bucket_of(uuid.UUID(eid), N)
+        finished(waiting, "waiting")
+        sent = post(f"/executions/{waiting}/signal",
+                    {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                    key="press-1")
+        assert sent["delivered"] is True
+        again = post(f"/executions/{waiting}/signal",
+                     {"name": "approval", "payload": {"approved": True, "by": "ana"}},
+                     key="press-1")
+        assert again["delivered"] is False
+        assert finished(waiting)["result"] == {"outcome": "approved", "by": "ana"}
+        fork = post(f"/executions/{ids[0]}/fork", {"from_step": 1}, key="fork-1")
+        assert post(f"/executions/{ids[0]}/fork", {"from_step": 1}, key="fork-1") == fork
+        assert buckets.bucket_of(uuid.UUID(str(fork["id"])), N) == \
+            buckets.bucket_of(uuid.UUID(ids[0]), N)
+        finished(str(fork["id"]))
+        # The list, five at a time through every bucket.
+        seen: list[dict[str, object]] = []
+        cursor = None
+        while True:
+            page = api.get(f"{api_root}/executions?limit=5"
+                           + (f"&cursor={cursor}" if cursor else "")).json()
+            seen.extend(page["executions"])
+            cursor = page["next_cursor"]
+            if cursor is None:
+                break
+        every = set(ids) | {str(keyed), waiting, str(fork["id"])}
+        listed = [str(e["id"]) for e in seen]
+        assert len(listed) == len(set(listed)) and every <= set(listed)
+        assert len(listed) == len(every) + 16  # and the children: 15, and the fork's
+        stamps = [str(e["created_at"]) for e in seen]
+        assert stamps == sorted(stamps, reverse=True)
+        # The web UI: the list with the counts of every bucket, an execution of each.
+        ui = Browserless(Api(api.port))
+        ui.login(token)
+        listing = ui.get("/ui/")
+        assert listing.status == 200
+        for eid in ids[:N * 2]:
+            page = ui.get(f"/ui/executions/{eid}")
+            assert page.status == 200 and eid.encode() in page.body
+        counts = ui.get("/ui/counts").json()
+        assert counts["finished_24h"]["completed"] == len(every) + 16
+
+
+@pytest.mark.parametrize("bad", ["300", "-2", "abc", "1e3", "4; DROP SCHEMA x", "\x00",
+                                 "9" * 400])
+def test_migrate_refuses_a_bad_bucket_count_before_writing_anything(
+        pg_dsn: str, bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kestrel.cli import main
+
+    name = f"n_{uuid.uuid4().hex[:12]}"
+    with pytest.raises(SystemExit) if not bad.lstrip("-").isdigit() else _no_exit():
+        code = main(["migrate", "--dsn", pg_dsn, "--schema", name, "--buckets", bad,
+                     "--log-level", "error"])
+        assert code == 2
+    err = capsys.readouterr().err
+    assert "buckets" in err
+    assert q1(pg_dsn, name, "SELECT to_regnamespace(%s)", [name]) is None
+
+
+class _no_exit:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+def test_the_cli_reads_and_keeps_every_bucket(pg_dsn: str, namespace: str, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """migrate, list, show, partitions and export-histories on a namespace: each bucket."""
+    from kestrel.cli import main
+    from kestrel.config import Config
+    from tests.helpers import run_worker_until
+
+    def cli(*args: str) -> str:
+        code = main([*args, "--dsn", pg_dsn, "--schema", namespace, "--log-level", "error"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        return out
+
+    names = buckets.schemas(namespace, N)
+    assert cli("migrate").splitlines() == [f"schema {n}: up to date" for n in names]
+    client = SyncClient(pg_dsn, schema=namespace, pool_size=1)
+    keys = [next(k for k in (f"c{i}" for i in range(200))
+                 if buckets.choose(N, queue="default", idempotency_key=k) == b)
+            for b in range(N)]
+    handles = [client.submit("three_steps", i, idempotency_key=k) for i, k in enumerate(keys)]
+    for name in names:  # a worker of each bucket, in process
+        run_worker_until(pg_dsn, Config(schema=name, concurrency=8, poll_interval=0.1),
+                         lambda s=name: q1(pg_dsn, s, "SELECT count(*) FROM "
+                                           "{s}.workflow_executions") == 0)
+    listed = json.loads(cli("list", "--json"))
+    assert {e["id"] for e in listed} >= {str(h.id) for h in handles}
+    for h in handles:
+        assert str(h.id) in cli("show", str(h.id))
+    parts = json.loads(cli("partitions", "--json"))["partitions"]
+    assert {p["schema"] for p in parts} == set(names)
+    out = tmp_path / "histories.jsonl"
+    try:
+        cli("export-histories", "--out", str(out))
+        exported = {json.loads(line)["id"] for line in out.read_text().splitlines()}
+        assert exported >= {str(h.id) for h in handles}
+    finally:
+        out.unlink(missing_ok=True)
+    client.close()
