@@ -681,15 +681,23 @@ DECLARE
     v_cut integer;
     v_children uuid[];
     v_existing __schema__.idempotency_keys%ROWTYPE;
+    v_workflow text;
 BEGIN
     IF p_idempotency_key IS NOT NULL THEN
         PERFORM __schema__.check_name(p_idempotency_key, 'idempotency key');
         -- ON CONFLICT waits for a concurrent call with the same key, then sees its row.
-        INSERT INTO __schema__.idempotency_keys
-               (idempotency_key, execution_id, workflow, args_digest)
-        SELECT p_idempotency_key, p_execution, x.workflow, md5('retry:' || p_execution)
-          FROM __schema__.executions AS x WHERE x.id = p_execution
-        ON CONFLICT (idempotency_key) DO NOTHING;
+        -- The workflow is read first: Citus 13.2.2 sends an INSERT … SELECT from the
+        -- executions view with ON CONFLICT to the node with an empty qual, `( IS NOT
+        -- NULL)`, a syntax error there (issue 24: a keyed retry failed on every distributed
+        -- schema). With no such execution nothing is inserted and FOUND stays false.
+        SELECT x.workflow INTO v_workflow FROM __schema__.executions AS x
+         WHERE x.id = p_execution;
+        IF FOUND THEN
+            INSERT INTO __schema__.idempotency_keys
+                   (idempotency_key, execution_id, workflow, args_digest)
+            VALUES (p_idempotency_key, p_execution, v_workflow, md5('retry:' || p_execution))
+            ON CONFLICT (idempotency_key) DO NOTHING;
+        END IF;
         IF NOT FOUND THEN
             SELECT * INTO v_existing FROM __schema__.idempotency_keys
              WHERE idempotency_key = p_idempotency_key;
@@ -863,6 +871,8 @@ DECLARE
     v_children uuid[];
     v_made __schema__.forks%ROWTYPE;
     v_existing __schema__.idempotency_keys%ROWTYPE;
+    v_event_keys text[];
+    v_event_values jsonb[];
 BEGIN
     IF p_from_step IS NULL OR p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
@@ -960,14 +970,23 @@ BEGIN
     IF v_children IS NOT NULL THEN
         PERFORM __schema__.restore_child_outcomes(v_new, v_children);
     END IF;
-    INSERT INTO __schema__.events (execution_id, key, value)
-    SELECT DISTINCT ON (s.step_name)
-           v_new, substr(s.step_name, length('kestrel.set_event:') + 1), s.output -> 'value'
-      FROM __schema__.workflow_steps AS s
-     WHERE s.execution_id = p_execution AND s.step_id >= 0 AND s.step_id < p_from_step
-       AND s.step_name LIKE 'kestrel.set_event:%' AND s.error IS NULL
-       AND jsonb_typeof(s.output) = 'object' AND s.output ? 'value'
-     ORDER BY s.step_name, s.step_id DESC;
+    -- Read, then written from the arrays: Citus 13.2.2 sends this INSERT … SELECT from the
+    -- workflow_steps view to the node with an empty qual, `( IS NOT NULL)`, a syntax error
+    -- there (issue 24: fork failed on every distributed schema).
+    SELECT array_agg(e.key), array_agg(e.value) INTO v_event_keys, v_event_values
+      FROM (SELECT DISTINCT ON (s.step_name)
+                   substr(s.step_name, length('kestrel.set_event:') + 1) AS key,
+                   s.output -> 'value' AS value
+              FROM __schema__.workflow_steps AS s
+             WHERE s.execution_id = p_execution AND s.step_id >= 0 AND s.step_id < p_from_step
+               AND s.step_name LIKE 'kestrel.set_event:%' AND s.error IS NULL
+               AND jsonb_typeof(s.output) = 'object' AND s.output ? 'value'
+             ORDER BY s.step_name, s.step_id DESC) AS e;
+    IF v_event_keys IS NOT NULL THEN
+        INSERT INTO __schema__.events (execution_id, key, value)
+        SELECT v_new, u.key, u.value
+          FROM unnest(v_event_keys, v_event_values) AS u(key, value);
+    END IF;
     PERFORM pg_notify('kestrel.__schema_name__', v_src.queue);
     RETURN v_new;
 END
