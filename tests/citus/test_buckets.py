@@ -30,6 +30,7 @@ from tests.helpers import (
     wait_until,
     worker_pids,
 )
+from tests.integration.test_buckets import core_flows, operator_actions_and_cron
 
 N = 4
 
@@ -164,3 +165,26 @@ def test_a_bucket_moved_to_another_node_under_load_loses_nothing(
             assert q1(citus_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 3 * n
     finally:
         drop_schemas(citus_dsn, names)
+
+
+@pytest.fixture
+def three_buckets(citus_dsn: str) -> Iterator[str]:
+    name = f"c3_{uuid.uuid4().hex[:12]}"
+    migrate_namespace(sharding_dsn(citus_dsn), name, buckets=3)
+    yield name
+    drop_schemas(citus_dsn, buckets.schemas(name, 3))
+
+
+def test_the_core_flows_of_the_integration_suite_on_a_namespace(
+        citus_dsn: str, three_buckets: str, ledger_path: Path, tmp_path: Path) -> None:
+    """The integration suite's namespace flows, through the coordinator: multi-step
+    workflows in every bucket, children, a signal wait, an idempotency key, a queue with
+    limits pinned to one bucket (tests/integration/test_buckets.py, core_flows)."""
+    core_flows(citus_dsn, three_buckets, ledger_path, tmp_path)
+
+
+def test_operator_actions_cron_and_partitions_on_a_namespace(
+        citus_dsn: str, three_buckets: str, tmp_path: Path) -> None:
+    """cancel, retry and fork in every bucket, cron once per tick, history partitions in
+    every bucket, through the coordinator (test_buckets.py, operator_actions_and_cron)."""
+    operator_actions_and_cron(citus_dsn, three_buckets, tmp_path)

@@ -77,6 +77,14 @@ def test_a_namespace_name_too_long_for_its_buckets_is_refused() -> None:
 
 def test_the_runtime_serves_every_bucket_and_the_client_finds_each_execution(
         pg_dsn: str, namespace: str, ledger_path: Path, tmp_path: Path) -> None:
+    core_flows(pg_dsn, namespace, ledger_path, tmp_path)
+
+
+def core_flows(pg_dsn: str, namespace: str, ledger_path: Path, tmp_path: Path) -> None:
+    """A runtime of a process per bucket: multi-step workflows in every bucket, children in
+    their parents', a signal wait, an idempotency key and a queue with limits pinned to one
+    bucket, to the model's results with each step once; the client's merged reads. (The
+    Citus tier runs it too.)"""
     client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
     names = buckets.schemas(namespace, N)
     limits = ["--queues", "default,lim", "--queue-limits", "lim:concurrency=2"]
@@ -150,10 +158,14 @@ def test_fewer_processes_than_buckets_is_refused_with_the_count_to_use(
 
 def test_operator_actions_and_cron_on_a_namespace(pg_dsn: str, namespace: str,
                                                   tmp_path: Path) -> None:
+    operator_actions_and_cron(pg_dsn, namespace, tmp_path)
+
+
+def operator_actions_and_cron(pg_dsn: str, namespace: str, tmp_path: Path) -> None:
     """cancel, retry and fork reach each execution in its bucket (a fork stays in its
     source's, where the checkpoints it copies are); a schedule ticks once per tick in the
     whole namespace (bucket 0's processes start the ticks, the others do not); history
-    partitions exist in every bucket."""
+    partitions exist in every bucket. (The Citus tier runs it too.)"""
     client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
     names = buckets.schemas(namespace, N)
     with runtime(pg_dsn, namespace, procs=N, log=tmp_path / "runtime.log",
