@@ -115,12 +115,13 @@ class Metrics:
                                    "Executions quarantined after max_attempts lost workers")
         self.worker_restarts = Counter("kestrel_worker_restarts_total",
                                        "Worker processes restarted after they died")
+        # Set by one process of each schema (of each bucket, in a namespace): summed.
         self.queue_depth = Gauge("kestrel_queue_depth", "Live executions by queue and status",
-                                 ["queue", "status"], multiprocess_mode="livemax")
+                                 ["queue", "status"], multiprocess_mode="livesum")
         self.waiting = Gauge("kestrel_waiting_executions",
                              "Waiting executions by workflow and what they wait for: a "
                              "signal's name (an approval), kestrel.sleep or kestrel.child",
-                             ["workflow", "waiting_for"], multiprocess_mode="livemax")
+                             ["workflow", "waiting_for"], multiprocess_mode="livesum")
         self.oldest_queued = Gauge("kestrel_oldest_queued_seconds",
                                    "Age of the oldest queued execution", ["queue"],
                                    multiprocess_mode="livemax")
@@ -138,10 +139,11 @@ class Metrics:
         # never becomes a label (FAULTS P4, S2); `kestrel-runtime unclaimable` names them.
         self.unclaimable = Gauge("kestrel_unclaimable_executions",
                                  "Live executions whose workflow and queue no live worker "
-                                 "registers (they wait)", multiprocess_mode="livemax")
+                                 "registers (they wait)", multiprocess_mode="livesum")
         self.unclaimable_workflows = Gauge("kestrel_unclaimable_workflows",
                                            "Distinct workflow names among the unclaimable "
-                                           "executions", multiprocess_mode="livemax")
+                                           "executions (of a namespace: the most of any "
+                                           "bucket)", multiprocess_mode="livemax")
         # Give-backs (CodeTooOld): a worker whose code is older than an execution's history
         # left it, unrun, for a worker of another version (FAULTS O5).
         self.give_backs = Counter("kestrel_give_backs_total",
@@ -167,7 +169,7 @@ class Metrics:
         self.given_back = Gauge("kestrel_given_back_executions",
                                 "Live executions given back and not claimed since: they wait "
                                 "for a worker of another app version",
-                                multiprocess_mode="livemax")
+                                multiprocess_mode="livesum")
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, created once and then reused: the hot path labels a

@@ -355,11 +355,12 @@ class Supervisor:
                     os._exit(0)
                 from kestrel.worker import run_worker
 
-                # One process reads fleet-wide queue depth for the metrics; not all of them.
+                # One process of each schema reads its queue depth, waits and finishes for
+                # the metrics (the first of each bucket's, in a namespace); not all of them.
                 cfg = replace(self.cfg, schema=slot.schema,
                               worker_id=incarnation_id(os.getpid(), nonce))
                 run_worker(cfg, self.workflows, dsn=self.dsn,
-                           collect_queue_stats=slot.index == 0,
+                           collect_queue_stats=slot.index < len(self.schemas),
                            cron=slot.schema == self.schemas[0], namespace=self.schemas)
                 code = 0
             except BaseException:

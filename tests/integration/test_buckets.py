@@ -181,6 +181,14 @@ def operator_actions_and_cron(pg_dsn: str, namespace: str, tmp_path: Path) -> No
         assert [buckets.bucket_of(w.id, N) for w in waiters] == [0, 0, 1, 1, 2, 2]
         for w in waiters:
             assert client.cancel(w.id) == "cancelled"
+        # A cancel's finish waits in its bucket (uncounted_finishes) for the process that
+        # counts finishes for the metrics: each bucket has one, so none is left behind.
+        assert all(q1(pg_dsn, name, "SELECT count(*) FROM {s}.uncounted_finishes") == 2
+                   for name in names)
+        wait_until(lambda: all(q1(pg_dsn, name, "SELECT count(*) FROM "
+                                  "{s}.uncounted_finishes") == 0 for name in names),
+                   timeout=60, what="every bucket's finishes counted")
+        for w in waiters:
             client.retry(w.id, idempotency_key=f"again-{w.id}")
         for w in waiters:
             wait_until(lambda w=w: client.get(w.id).status.value == "waiting", timeout=30,
