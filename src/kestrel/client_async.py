@@ -113,7 +113,8 @@ class Client(ClientBase):
                 try:
                     made = await db.run(conn, statements.migrate.read_bucket(self._q))
                 except psycopg.errors.UndefinedTable:
-                    made = None  # a schema older than buckets, or not made yet
+                    # A schema not made yet (asked again next call) or older than buckets.
+                    return [self._q]
             self._qs = self._namespace_of(made)
         return self._qs
 

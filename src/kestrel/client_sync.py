@@ -112,9 +112,20 @@ class SyncClient(ClientBase):
                 try:
                     made = db.run_sync(conn, statements.migrate.read_bucket(self._q))
                 except psycopg.errors.UndefinedTable:
-                    made = None  # a schema older than buckets, or not made yet
+                    # A schema not made yet (asked again next call) or older than buckets.
+                    return [self._q]
             self._qs = self._namespace_of(made)
         return self._qs
+
+    def _submit_to(self, params: dict[str, Any]) -> Queries:
+        """The schema a top-level submit with *params* goes to: in a namespace, the bucket
+        :func:`kestrel.buckets.choose` picks (its queues with limits read again every
+        :data:`LIMITS_TTL_S`)."""
+        qs = self._namespace()
+        if len(qs) > 1 and time.monotonic() >= self._limited_due:
+            self._limited = self._run(statements.queues.limited_queues(qs[0]))
+            self._limited_due = time.monotonic() + LIMITS_TTL_S
+        return self._for_submit(qs, params)
 
     def _of(self, execution_id: uuid.UUID) -> Queries:
         """The schema holding *execution_id*."""
@@ -154,11 +165,7 @@ class SyncClient(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        qs = self._namespace()
-        if len(qs) > 1 and time.monotonic() >= self._limited_due:
-            self._limited = self._run(statements.queues.limited_queues(qs[0]))
-            self._limited_due = time.monotonic() + LIMITS_TTL_S
-        eid = self._run(statements.client.submit(self._for_submit(qs, params), params),
+        eid = self._run(statements.client.submit(self._submit_to(params), params),
                               conn)
         count_submitted(params["workflow"])
         return SyncHandle(self, eid)
