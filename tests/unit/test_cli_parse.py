@@ -95,7 +95,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
 
 
 RUNTIME_ONLY = [k.flag for k in KNOBS if k.name not in cli.CONNECTION + cli.HISTORY
-                + cli.PAYLOAD + ("history_retention_days",
+                + cli.PAYLOAD + cli.NAMESPACE + ("history_retention_days",
                    "app_version")]  # `list --app-version` is a filter of its own
 
 
@@ -113,6 +113,8 @@ def test_operator_help_shows_its_options_and_only_the_connection_settings(
         assert f"[{flag} " not in out, flag
     # The commands that write a value check it against the payload cap before writing.
     assert ("--max-payload-bytes" in flags) == (command in ("submit", "signal"))
+    # Only migrate makes a namespace of buckets (run migrates too, with every setting).
+    assert ("--buckets" in flags) == (command == "migrate")
     # Its own options come before the settings, in the usage line too.
     assert out.index("options:") < out.index("settings:")
     if "[--json]" in out:

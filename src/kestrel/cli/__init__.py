@@ -29,6 +29,7 @@ from kestrel.cli.common import (
     CONNECTION,
     EXIT_NOT_FINISHED,
     HISTORY,
+    NAMESPACE,
     PAYLOAD,
     PRECEDENCE,
     Command,
@@ -43,7 +44,7 @@ from kestrel.embedded import resolve_dsn
 from kestrel.errors import ConfigError, KestrelError
 
 __all__ = ["COMMANDS", "CONNECTION", "EXIT_DIVERGED", "EXIT_NOT_FINISHED", "HISTORY",
-           "PAYLOAD", "PRECEDENCE", "TABLE", "NotFinished", "build_parser",
+           "NAMESPACE", "PAYLOAD", "PRECEDENCE", "TABLE", "NotFinished", "build_parser",
            "check_schema_current", "config_from_args", "describe_db_error", "import_app",
            "kestrel_log", "main", "resolve_dsn", "upkeep", "version", "waits_for"]
 

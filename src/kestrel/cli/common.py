@@ -34,6 +34,9 @@ CONNECTION = ("dsn", "schema", "connection_mode", "listen_dsn", "data_dir", "log
 HISTORY = ("history_interval", "history_ahead")
 """What ``migrate`` also needs: the history partitions it creates ahead."""
 
+NAMESPACE = ("buckets",)
+"""What ``migrate`` also takes: how many buckets a namespace it makes has (kestrel.buckets)."""
+
 PAYLOAD = ("max_payload_bytes",)
 """What the commands that write a value (submit, signal) also need: the cap they check it
 against before anything is written."""

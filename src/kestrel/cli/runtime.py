@@ -13,7 +13,7 @@ from typing import Any
 
 from kestrel import boot
 from kestrel import log as kestrel_log
-from kestrel.cli.common import CONNECTION, HISTORY, Command, emit, json_flag
+from kestrel.cli.common import CONNECTION, HISTORY, NAMESPACE, Command, emit, json_flag
 from kestrel.config import Config
 from kestrel.embedded import resolve_dsn
 
@@ -174,7 +174,7 @@ RUN = Command(
               "KESTREL_APP=myapp.workflows kestrel-runtime --http-port 8080"))
 MIGRATE = Command(
     "migrate", "Create or upgrade the schema (as its owner), then exit.", cmd_migrate,
-    settings=CONNECTION + HISTORY + ("buckets",),
+    settings=CONNECTION + HISTORY + NAMESPACE,
     examples=("kestrel-runtime migrate --dsn postgresql://owner@db/app",
               "kestrel-runtime migrate --schema acme --buckets 16 --dsn "
               "'postgresql://owner@coordinator/app?options=-c%20citus.enable_schema_based_"
