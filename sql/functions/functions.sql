@@ -40,6 +40,23 @@ LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT NULL::integer
 $$;
 
+-- name: check_bucket_id
+-- An id a caller chose for a new execution (p_id of submit and fork) in a bucket's schema
+-- must name that bucket in its eighth byte, as every id kestrel makes does
+-- (kestrel.buckets.with_bucket): it is how every later call finds the execution. Refused
+-- before anything is written; nothing to check in an ordinary schema.
+CREATE OR REPLACE FUNCTION __schema__.check_bucket_id(p_id uuid) RETURNS void
+LANGUAGE plpgsql STABLE PARALLEL SAFE AS $$
+BEGIN
+    IF p_id IS NOT NULL AND __schema__.kestrel_bucket() IS NOT NULL
+            AND get_byte(uuid_send(p_id), 7) <> __schema__.kestrel_bucket() THEN
+        RAISE EXCEPTION 'execution id % names bucket % in its eighth byte, and this schema is bucket %; make it with kestrel.buckets.with_bucket',
+            p_id, get_byte(uuid_send(p_id), 7), __schema__.kestrel_bucket()
+            USING ERRCODE = 'KS002';
+    END IF;
+END
+$$;
+
 -- name: new_execution_id
 -- A new execution's id: a UUIDv7 (RFC 9562) of the database clock, its first 48 bits the
 -- milliseconds since 1970, the rest random but, in a bucket's schema, its eighth byte: the
@@ -338,6 +355,7 @@ DECLARE
     v_status text;
 BEGIN
     PERFORM __schema__.check_name(p_workflow, 'workflow name');
+    PERFORM __schema__.check_bucket_id(p_id);
     IF NOT __schema__.valid_queue_name(p_queue) THEN
         RAISE EXCEPTION 'invalid queue name %: 1-128 of A-Z a-z 0-9 _ . : -',
             coalesce(quote_literal(left(p_queue, 200)), 'NULL') USING ERRCODE = 'KS002';
@@ -874,6 +892,7 @@ DECLARE
     v_event_keys text[];
     v_event_values jsonb[];
 BEGIN
+    PERFORM __schema__.check_bucket_id(p_id);
     IF p_from_step IS NULL OR p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
     END IF;

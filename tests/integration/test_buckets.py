@@ -12,9 +12,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
 import pytest
 
-from kestrel import buckets
+from kestrel import buckets, ids
 from kestrel.client import SyncClient
 from kestrel.errors import ConfigError, MigrationError
 from kestrel.migrate import migrate, migrate_namespace, namespace_buckets
@@ -48,6 +49,18 @@ def test_a_namespace_is_one_schema_per_bucket_each_making_ids_that_name_it(
     assert migrate_namespace(pg_dsn, namespace, buckets=N) == {name: [] for name in names}
     with pytest.raises(MigrationError, match="keeps the bucket count"):
         migrate_namespace(pg_dsn, namespace, buckets=N + 1)
+    # An id a caller chooses (the SQL door's p_id) must name the bucket it is submitted to,
+    # or later calls would look for it elsewhere: refused before anything is written.
+    chosen = ids.new_id(bucket=2)
+    for door in ("submit('three_steps', '[]'::jsonb, p_id => %s)",
+                 "fork(%s, 0, p_id => %s)"):
+        with pytest.raises(psycopg.Error, match="names bucket 2") as refused:
+            q(pg_dsn, names[1], "SELECT {s}." + door,
+              [chosen] if door.startswith("submit") else [chosen, chosen])
+        assert refused.value.sqlstate == "KS002"  # the client's ConfigError
+    assert q1(pg_dsn, names[1], "SELECT count(*) FROM {s}.executions") == 0
+    assert q1(pg_dsn, names[2], "SELECT {s}.submit('three_steps', '[]'::jsonb, p_id => %s)",
+              [chosen]) == chosen
     # A plain migrate of one bucket keeps it the bucket it is.
     migrate(pg_dsn, names[2])
     assert buckets.bucket_of(q1(pg_dsn, names[2], "SELECT {s}.new_execution_id()"), N) == 2
