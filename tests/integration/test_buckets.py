@@ -342,8 +342,7 @@ def test_the_cli_reads_and_keeps_every_bucket(pg_dsn: str, namespace: str, tmp_p
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """migrate, list, show, partitions and export-histories on a namespace: each bucket."""
     from kestrel.cli import main
-    from kestrel.config import Config
-    from tests.helpers import run_worker_until
+    from tests.helpers import config, run_worker_until
 
     def cli(*args: str) -> str:
         code = main([*args, "--dsn", pg_dsn, "--schema", namespace, "--log-level", "error"])
@@ -359,7 +358,7 @@ def test_the_cli_reads_and_keeps_every_bucket(pg_dsn: str, namespace: str, tmp_p
             for b in range(N)]
     handles = [client.submit("three_steps", i, idempotency_key=k) for i, k in enumerate(keys)]
     for name in names:  # a worker of each bucket, in process
-        run_worker_until(pg_dsn, Config(schema=name, concurrency=8, poll_interval=0.1),
+        run_worker_until(pg_dsn, config(name, concurrency=8),
                          lambda s=name: q1(pg_dsn, s, "SELECT count(*) FROM "
                                            "{s}.workflow_executions") == 0)
     listed = json.loads(cli("list", "--json"))
