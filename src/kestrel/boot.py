@@ -138,6 +138,26 @@ def namespace_schemas(dsn: str, namespace: str) -> list[str]:
     return [namespace] if count == 1 else schemas(namespace, count)
 
 
+def refuse_one_bucket(dsn: str, cfg: Config) -> None:
+    """A runtime or HTTP door serves a namespace through its name (bucket 0's schema), never
+    one other bucket alone: that bucket's processes would start cron ticks of their own, and
+    its door would make ids that name no bucket.
+
+    Raises:
+        ConfigError: *cfg.schema* is bucket k > 0 of a namespace.
+    """
+    from kestrel.migrate import bucket_of_schema
+
+    made = bucket_of_schema(dsn, cfg.schema)
+    if made is not None and made[0] != 0:
+        base = cfg.schema.removesuffix(f"_b{made[0]}")
+        raise ConfigError(
+            f"invalid setting --schema={cfg.schema}: it is bucket {made[0]} of namespace "
+            f"{base} ({made[1]} buckets); run the runtime and the HTTP door with --schema "
+            f"{base}, which serves every bucket (the client and the CLI may read one bucket "
+            "by its own schema)")
+
+
 def _check_node_lock_timeout(dsn: str, cfg: Config) -> None:
     """On a Citus coordinator, warn when this role has no lock_timeout on the worker nodes:
     --lock-timeout is a session setting, which stays on the coordinator, so a statement
@@ -239,6 +259,7 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
              f"on {mask_dsn(listen)}" if (listen := cfg.notify_dsn(dsn)) else
              "off: polling every --poll-interval")
     _migrate_or_check(dsn, cfg)
+    refuse_one_bucket(dsn, cfg)
     schemas = namespace_schemas(dsn, cfg.schema)
     _check_node_lock_timeout(dsn, cfg)
     _first_upkeep(dsn, cfg)
@@ -281,6 +302,7 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     hooks = _hooks(config_file)
     dsn, server = _database(cfg)
     _migrate_or_check(dsn, cfg)
+    refuse_one_bucket(dsn, cfg)
     observe(cfg, dsn)
     serve_http(cfg, dsn=dsn, workflows=list(workflows), hooks=hooks)
     del server

@@ -142,15 +142,23 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     return done
 
 
-def namespace_buckets(dsn: str, namespace: str) -> int:
-    """How many buckets *namespace* has: the count its bucket 0 records, or 1 for an
-    ordinary schema (or one not made yet)."""
-    q = queries(namespace)
+def bucket_of_schema(dsn: str, schema: str) -> tuple[int, int] | None:
+    """``(bucket, buckets)`` when *schema* is a bucket of a namespace; None for an ordinary
+    schema or one not made yet."""
+    q = queries(schema)
     with connections.connect(dsn, prepare_threshold=None) as conn:
         if not db.run_sync(conn, statements.migrate.bucket_table_exists(q)):
-            return 1
-        made = db.run_sync(conn, statements.migrate.read_bucket(q))
-    return 1 if made is None else made[1]
+            return None
+        made: tuple[int, int] | None = db.run_sync(conn, statements.migrate.read_bucket(q))
+    return made
+
+
+def namespace_buckets(dsn: str, namespace: str) -> int:
+    """How many buckets *namespace* has: the count its bucket 0 records, or 1 for an
+    ordinary schema, one not made yet, or a bucket other than 0 named by its own schema
+    (which every tool but the runtime reads as one schema)."""
+    made = bucket_of_schema(dsn, namespace)
+    return made[1] if made is not None and made[0] == 0 else 1
 
 
 def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
@@ -183,8 +191,29 @@ def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
     from kestrel.buckets import check_count, schemas
 
     check_count(count)
+    names = schemas(namespace, count)
+    # Every bucket's schema is checked before the first is made: a namespace is never left
+    # half made over a schema that is something else.
+    for k, name in enumerate(names):
+        made = bucket_of_schema(dsn, name)
+        if made is not None and made != (k, count):
+            raise MigrationError(
+                f"schema {name!r} is bucket {made[0]} of a namespace of {made[1]}, not bucket "
+                f"{k} of {count}: a namespace keeps the bucket count it was made with (every "
+                "id names its bucket by it)")
+        if made is None and current_version_of(dsn, name):
+            raise MigrationError(
+                f"schema {name!r} is an ordinary kestrel schema already; a namespace's "
+                "buckets are schemas made as such (choose a namespace whose schemas do not "
+                "exist yet)")
     return {name: migrate(dsn, name, bucket=(k, count), **kw)
-            for k, name in enumerate(schemas(namespace, count))}
+            for k, name in enumerate(names)}
+
+
+def current_version_of(dsn: str, schema: str) -> int:
+    """:func:`current_version` of *schema* on a connection of its own."""
+    with connections.connect(dsn, prepare_threshold=None) as conn:
+        return current_version(conn, schema)
 
 
 def readiness(dsn: str, schema: str) -> tuple[bool, str]:

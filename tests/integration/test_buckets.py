@@ -66,6 +66,38 @@ def test_a_namespace_is_one_schema_per_bucket_each_making_ids_that_name_it(
     assert buckets.bucket_of(q1(pg_dsn, names[2], "SELECT {s}.new_execution_id()"), N) == 2
 
 
+def test_a_namespace_over_a_schema_that_is_something_else_is_refused_whole(
+        pg_dsn: str) -> None:
+    """A bucket's schema name already taken by an ordinary kestrel schema: refused before
+    any bucket is made, so no namespace is left half made."""
+    name = f"n_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, f"{name}_b2")  # someone's ordinary schema
+    try:
+        with pytest.raises(MigrationError, match=f"{name}_b2.*ordinary kestrel schema"):
+            migrate_namespace(pg_dsn, name, buckets=N)
+        assert q1(pg_dsn, name, "SELECT to_regnamespace(%s)", [name]) is None
+        assert q1(pg_dsn, name, "SELECT to_regnamespace(%s)", [f"{name}_b1"]) is None
+    finally:
+        drop_schemas(pg_dsn, [f"{name}_b2"])
+
+
+def test_the_runtime_refuses_one_bucket_of_a_namespace(pg_dsn: str, namespace: str) -> None:
+    """Its processes would tick cron a second time and its door make ids that name no
+    bucket: the runtime is given the namespace's name, which serves every bucket."""
+    one = buckets.schema_of(namespace, 1)
+    cmd = [sys.executable, "-m", "kestrel", "--app", "tests.apps.ledger_app", "--dsn", pg_dsn,
+           "--schema", one, "--procs", "1", *FAST]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert f"bucket 1 of namespace {namespace}" in done.stderr
+    assert f"--schema {namespace}" in done.stderr
+    assert q1(pg_dsn, one, "SELECT count(*) FROM {s}.workers") == 0
+    # The client reads that one bucket as a schema of its own.
+    client = SyncClient(pg_dsn, schema=one, pool_size=0)
+    h = client.submit("three_steps", 1)
+    assert buckets.bucket_of(h.id, N) == 1 and client.get(h.id).status.value == "queued"
+
+
 def test_an_ordinary_schema_does_not_become_a_bucket(pg_dsn: str, schema: str) -> None:
     # Its ids name no bucket: the namespace would look for them in the wrong schemas.
     with pytest.raises(MigrationError, match="ordinary kestrel schema"):
