@@ -36,6 +36,9 @@ SELECT parent.relname, child.relname, pg_get_expr(child.relpartbound, child.oid)
 -- collector, and counted then: a lost reply neither drops nor doubles a count (FAULTS R1).
 -- At most 10,000 a round: (finish_id, workflow, status, deadline). Rows of names nobody
 -- registers, and rows a collector took a day ago and never acknowledged (it died), go.
+-- The clock inside the COALESCE is a column of `clk` (Citus refuses a function that is not
+-- IMMUTABLE inside CASE or COALESCE in an UPDATE: the finishes of a distributed schema were
+-- never counted, and its uncounted_finishes grew).
 WITH gone AS (
     DELETE FROM __schema__.uncounted_finishes AS u
      WHERE (u.taken_by = %(collector)s AND u.finish_id = ANY (%(acked)s::bigint[]))
@@ -54,8 +57,8 @@ WITH gone AS (
 )
 UPDATE __schema__.uncounted_finishes AS u
    SET taken_by = %(collector)s,
-       taken_at = coalesce(u.taken_at, __schema__.kestrel_now())
-  FROM taken
+       taken_at = coalesce(u.taken_at, clk.now)
+  FROM taken, (SELECT __schema__.kestrel_now() AS now) AS clk
  WHERE u.finish_id = taken.finish_id
    AND (SELECT count(*) FROM gone) >= 0
 RETURNING u.finish_id, u.workflow, u.status, u.deadline;
