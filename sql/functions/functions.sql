@@ -355,7 +355,9 @@ DECLARE
     v_status text;
 BEGIN
     PERFORM __schema__.check_name(p_workflow, 'workflow name');
-    PERFORM __schema__.check_bucket_id(p_id);
+    IF p_id IS NOT NULL THEN  -- most submits choose no id: no call for them
+        PERFORM __schema__.check_bucket_id(p_id);
+    END IF;
     IF NOT __schema__.valid_queue_name(p_queue) THEN
         RAISE EXCEPTION 'invalid queue name %: 1-128 of A-Z a-z 0-9 _ . : -',
             coalesce(quote_literal(left(p_queue, 200)), 'NULL') USING ERRCODE = 'KS002';
@@ -892,7 +894,9 @@ DECLARE
     v_event_keys text[];
     v_event_values jsonb[];
 BEGIN
-    PERFORM __schema__.check_bucket_id(p_id);
+    IF p_id IS NOT NULL THEN
+        PERFORM __schema__.check_bucket_id(p_id);
+    END IF;
     IF p_from_step IS NULL OR p_from_step < 0 THEN
         RAISE EXCEPTION 'from_step must not be negative' USING ERRCODE = 'KS002';
     END IF;

@@ -101,23 +101,23 @@ class ClientBase:
         """The schemas by bucket, from what the schema's bucket table says (*made*): a
         namespace's bucket 0 names them all; any other schema (a bucket's own, addressed
         directly, or an ordinary one) is one schema."""
-        if made is None or made[0] != 0:
-            return [self._q]
-        return [queries(name) for name in buckets.schemas(self.schema, made[1])]
+        names = buckets.served_by(self.schema, made)
+        return [self._q] if len(names) == 1 else [queries(name) for name in names]
 
     @staticmethod
     def _by_id(qs: list[Queries], execution_id: uuid.UUID) -> Queries:
         """The schema of *execution_id*'s bucket."""
         return qs[buckets.bucket_of(execution_id, len(qs))] if len(qs) > 1 else qs[0]
 
-    def _for_submit(self, qs: list[Queries], params: dict[str, Any]) -> Queries:
-        """The schema a top-level submit with *params* goes to (:func:`buckets.choose`)."""
+    def _for_submit(self, qs: list[Queries], params: dict[str, Any]) -> int:
+        """The bucket a top-level submit with *params* goes to (:func:`buckets.choose`); 0
+        for an ordinary schema."""
         if len(qs) == 1:
-            return qs[0]
-        return qs[buckets.choose(len(qs), queue=params["queue"],
-                                 idempotency_key=params["idempotency_key"],
-                                 dedup_key=params["dedup_key"],
-                                 pinned=params["queue"] in self._limited)]
+            return 0
+        return buckets.choose(len(qs), queue=params["queue"],
+                              idempotency_key=params["idempotency_key"],
+                              dedup_key=params["dedup_key"],
+                              pinned=params["queue"] in self._limited)
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None,

@@ -62,6 +62,15 @@ def schemas(namespace: str, buckets: int) -> list[str]:
     return [schema_of(namespace, k) for k in range(check_count(buckets))]
 
 
+def served_by(schema: str, made: tuple[int, int] | None) -> list[str]:
+    """The schemas a tool given *schema* reads, from what its bucket table says (*made*,
+    ``(bucket, buckets)`` or None): a namespace's bucket 0 names every bucket's schema; any
+    other schema (an ordinary one, or one bucket's, read on its own) is itself alone."""
+    if made is None or made[0] != 0:
+        return [schema]
+    return schemas(schema, made[1])
+
+
 def bucket_of(execution_id: uuid.UUID, buckets: int) -> int:
     """The bucket *execution_id* is in, in a namespace of *buckets*."""
     return execution_id.bytes[ID_BYTE] % buckets

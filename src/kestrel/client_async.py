@@ -118,15 +118,18 @@ class Client(ClientBase):
             self._qs = self._namespace_of(made)
         return self._qs
 
-    async def _submit_to(self, params: dict[str, Any]) -> Queries:
-        """The schema a top-level submit with *params* goes to: in a namespace, the bucket
-        :func:`kestrel.buckets.choose` picks (its queues with limits read again every
-        :data:`LIMITS_TTL_S`)."""
+    async def _submit_to(self, params: dict[str, Any]) -> tuple[Queries, int | None]:
+        """The schema a top-level submit with *params* goes to and, in a namespace, its
+        bucket (None for an ordinary schema): the one :func:`kestrel.buckets.choose` picks,
+        its queues with limits read again every :data:`LIMITS_TTL_S`."""
         qs = await self._namespace()
-        if len(qs) > 1 and time.monotonic() >= self._limited_due:
+        if len(qs) == 1:
+            return qs[0], None
+        if time.monotonic() >= self._limited_due:
             self._limited = await self._run(statements.queues.limited_queues(qs[0]))
             self._limited_due = time.monotonic() + LIMITS_TTL_S
-        return self._for_submit(qs, params)
+        bucket = self._for_submit(qs, params)
+        return qs[bucket], bucket
 
     async def _of(self, execution_id: uuid.UUID) -> Queries:
         """The schema holding *execution_id*."""
@@ -166,8 +169,8 @@ class Client(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate)
-        eid = await self._run(statements.client.submit(await self._submit_to(params), params),
-                              conn)
+        q, _ = await self._submit_to(params)
+        eid = await self._run(statements.client.submit(q, params), conn)
         count_submitted(params["workflow"])
         return Handle(self, eid)
 

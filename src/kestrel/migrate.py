@@ -112,18 +112,11 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
     made = run(statements.migrate.read_bucket(q))
     if bucket is not None and made is None:
         if applied:
-            # Its ids do not name a bucket: they would be looked for in the wrong schemas.
-            raise MigrationError(
-                f"schema {schema!r} is an ordinary kestrel schema already; a namespace's "
-                "buckets are schemas made as such (choose a namespace whose schemas do "
-                "not exist yet)")
+            raise _ordinary(schema)
         run(statements.migrate.record_bucket(q, bucket=bucket[0], buckets=bucket[1]))
         made = bucket
     elif bucket is not None and made != bucket:
-        raise MigrationError(
-            f"schema {schema!r} is bucket {made[0]} of a namespace of {made[1]}, not bucket "
-            f"{bucket[0]} of {bucket[1]}: a namespace keeps the bucket count it was made "
-            "with (every id names its bucket by it)")
+        raise _another_bucket(schema, made, bucket)
     for_tests = run(statements.migrate.has_test_clock(q))
     if for_tests:
         run(statements.migrate.lock_test_clock(q))
@@ -157,8 +150,9 @@ def namespace_buckets(dsn: str, namespace: str) -> int:
     """How many buckets *namespace* has: the count its bucket 0 records, or 1 for an
     ordinary schema, one not made yet, or a bucket other than 0 named by its own schema
     (which every tool but the runtime reads as one schema)."""
-    made = bucket_of_schema(dsn, namespace)
-    return made[1] if made is not None and made[0] == 0 else 1
+    from kestrel.buckets import served_by
+
+    return len(served_by(namespace, bucket_of_schema(dsn, namespace)))
 
 
 def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
@@ -197,17 +191,26 @@ def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
     for k, name in enumerate(names):
         made = bucket_of_schema(dsn, name)
         if made is not None and made != (k, count):
-            raise MigrationError(
-                f"schema {name!r} is bucket {made[0]} of a namespace of {made[1]}, not bucket "
-                f"{k} of {count}: a namespace keeps the bucket count it was made with (every "
-                "id names its bucket by it)")
+            raise _another_bucket(name, made, (k, count))
         if made is None and current_version_of(dsn, name):
-            raise MigrationError(
-                f"schema {name!r} is an ordinary kestrel schema already; a namespace's "
-                "buckets are schemas made as such (choose a namespace whose schemas do not "
-                "exist yet)")
+            raise _ordinary(name)
     return {name: migrate(dsn, name, bucket=(k, count), **kw)
             for k, name in enumerate(names)}
+
+
+def _ordinary(schema: str) -> MigrationError:
+    # Its ids name no bucket: they would be looked for in the wrong schemas.
+    return MigrationError(
+        f"schema {schema!r} is an ordinary kestrel schema already; a namespace's buckets are "
+        "schemas made as such (choose a namespace whose schemas do not exist yet)")
+
+
+def _another_bucket(schema: str, made: tuple[int, int], want: tuple[int, int],
+                    ) -> MigrationError:
+    return MigrationError(
+        f"schema {schema!r} is bucket {made[0]} of a namespace of {made[1]}, not bucket "
+        f"{want[0]} of {want[1]}: a namespace keeps the bucket count it was made with (every "
+        "id names its bucket by it)")
 
 
 def current_version_of(dsn: str, schema: str) -> int:

@@ -372,8 +372,7 @@ def histories_from_db(dsn: str, schema: str, sel: Selection, *,
             # schema, in the same snapshot; each execution in the bucket its id names.
             made = (db.run_sync(conn, statements.migrate.read_bucket(q))
                     if db.run_sync(conn, statements.migrate.bucket_table_exists(q)) else None)
-            qs = ([queries(s) for s in buckets.schemas(schema, made[1])]
-                  if made is not None and made[0] == 0 else [q])
+            qs = [queries(s) for s in buckets.served_by(schema, made)]
             ids: Sequence[uuid.UUID] = sel.ids
             if not ids:
                 limit = sel.limit or DEFAULT_LIMIT

@@ -296,10 +296,9 @@ class HttpClient(Client):
                                      delay, None, dedup_key, "return")
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
-        q = await self._submit_to(params)
-        qs = await self._namespace()
+        q, bucket = await self._submit_to(params)
         # In a namespace, the id names the bucket chosen (kestrel.buckets).
-        params["id"] = chosen = ids.new_id(bucket=qs.index(q) if len(qs) > 1 else None)
+        params["id"] = chosen = ids.new_id(bucket=bucket)
         eid = await self._run(statements.client.submit(q, params))
         if eid == chosen:
             count_submitted(params["workflow"])
