@@ -346,8 +346,8 @@ def test_the_http_door_and_the_web_ui_serve_a_namespace(pg_dsn: str, namespace: 
         assert counts["finished_24h"]["completed"] == len(every) + 16
 
 
-@pytest.mark.parametrize("bad", ["300", "-2", "abc", "1e3", "4; DROP SCHEMA x", "\x00",
-                                 "9" * 400])
+@pytest.mark.parametrize("bad", ["300", "-2", "abc", "1e3", "1e-400", str(2**64),
+                                 "4; DROP SCHEMA x", "\x00", "\ud800", "9" * 400])
 def test_migrate_refuses_a_bad_bucket_count_before_writing_anything(
         pg_dsn: str, bad: str, capsys: pytest.CaptureFixture[str]) -> None:
     from kestrel.cli import main
