@@ -5,6 +5,7 @@ from kestrel.config import Config
 from kestrel.errors import (
     Cancelled,
     ChildFailed,
+    ConcurrentCallError,
     ConfigError,
     DeadlineExceeded,
     DuplicateExecution,
@@ -41,6 +42,7 @@ __all__ = [
     "ChildFailed",
     "ChildHandle",
     "Client",
+    "ConcurrentCallError",
     "Config",
     "ConfigError",
     "Context",

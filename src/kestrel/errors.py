@@ -90,6 +90,13 @@ class NonDeterminismError(KestrelError):
         self.called = called
 
 
+class ConcurrentCallError(NonDeterminismError):
+    """A kestrel call made concurrently in a way whose step position would depend on timing
+    (which body finished first), not on the workflow's code: refused before it takes a
+    position, so a replay can never hand one call another's output. See the README,
+    "Parallel steps"."""
+
+
 class CodeTooOld(NonDeterminismError):
     """A replay diverged where newer code recorded a patch this code does not know.
 

@@ -220,7 +220,7 @@ async def replay_one(history: History, workflows: Mapping[str, WorkflowFn], *,
     raised: BaseException | None = None
     stuck = False
     try:
-        await asyncio.wait_for(fn(ctx, *c.args), timeout)
+        await asyncio.wait_for(ctx.run_workflow(fn, *c.args), timeout)
     except HistoryEnd:
         pass
     except TimeoutError:

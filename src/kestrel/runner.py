@@ -334,7 +334,7 @@ class Runner:
                 raise UnknownWorkflow(f"workflow {c.workflow!r} is not registered in worker "
                                       f"{self.id}")
             ran = True
-            value = await fn(ctx, *c.args)
+            value = await ctx.run_workflow(fn, *c.args)
         except Park:
             tracing.mark(ctx.trace, "parked")
             self.stats.parked += 1

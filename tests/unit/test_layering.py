@@ -17,7 +17,7 @@ SRC = Path(kestrel.__file__).resolve().parent
 ROOT = SRC.parents[1]
 LOW_LEVEL = ["worker", "runner", "claimer", "commits", "writer", "lease", "services",
              "workflow/__init__", "workflow/steps", "workflow/waits", "workflow/patches",
-             "workflow/calls", "db", "loops", "connections"]
+             "workflow/calls", "workflow/lanes", "db", "loops", "connections"]
 HIGH_LEVEL = {"kestrel.supervisor", "kestrel.cli", "kestrel.boot", "kestrel.migrate",
               "kestrel.demo"}
 SQL_ALLOWED = {"sql.py", "db.py"}

@@ -45,6 +45,7 @@ from kestrel.definitions import (
 from kestrel.errors import (
     Cancelled,
     CodeTooOld,
+    ConcurrentCallError,
     KestrelError,
     LeaseLost,
     NonDeterminismError,
@@ -54,6 +55,7 @@ from kestrel.errors import (
 )
 from kestrel.failpoints import failpoint
 from kestrel.types import Claimed, RecordedStep, SignalTaken, StepSaved, StepWrite
+from kestrel.workflow.lanes import Lanes, Unwind
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -93,7 +95,7 @@ class Writer(Protocol):
         """Deliver a signal to another execution under an idempotency key."""
 
 
-class HistoryEnd(BaseException):
+class HistoryEnd(Unwind):
     """Unwinds a read-only replay (``Context.read_only``, ``kestrel-runtime replay``) at the
     first position its history does not hold, after the checks a claim makes there: from
     here a worker would run a step body or write, and a replay does neither.
@@ -158,6 +160,10 @@ class StepContext:
     # workflow was handed for it: sent before the next call touches the database or takes
     # a position (``_settle``), or by the completion, in its statement (``take_tail``).
     _tail: tuple[StepWrite, RecordedStep] | None = field(default=None, init=False)
+    # A tail on its way: every call that starts meanwhile waits for it (``_settle``).
+    _sending: asyncio.Future[None] | None = field(default=None, init=False)
+    # Parallel calls: lanes, calls in flight, branches, parallel waits (kestrel.workflow.lanes).
+    _lanes: Lanes = field(default_factory=Lanes, init=False)
 
     def __post_init__(self) -> None:
         steps = self.claimed.steps
@@ -215,18 +221,22 @@ class StepContext:
 
     async def _step(self, spec: StepSpec, fn: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
-        step_id = await self._take_position()
-        recorded = self.claimed.steps.get(step_id)
-        if recorded is not None:
-            if self.trace is not None:
-                self.trace.replayed += 1  # no span: the body does not run (kestrel.tracing)
-            return self._replay(step_id, spec.name, recorded)
-        self._check_can_start()
-        self._check_unrecorded(step_id, None, spec.name, spec.name)
-        if self.trace is None:
-            return await self._run_step(step_id, spec, fn, args, kwargs, None)
-        with self.trace.step(spec.name, step_id) as span:
-            return await self._run_step(step_id, spec, fn, args, kwargs, span)
+        step_id = self._take_position()
+        try:
+            recorded = self.claimed.steps.get(step_id)
+            if recorded is not None:
+                if self.trace is not None:
+                    self.trace.replayed += 1  # no span: the body does not run (tracing)
+                return self._replay(step_id, spec.name, recorded)
+            await self._settle()
+            self._check_can_start()
+            self._check_unrecorded(step_id, None, spec.name, spec.name)
+            if self.trace is None:
+                return await self._run_step(step_id, spec, fn, args, kwargs, None)
+            with self.trace.step(spec.name, step_id) as span:
+                return await self._run_step(step_id, spec, fn, args, kwargs, span)
+        finally:
+            self._leave()
 
     async def _run_step(self, step_id: int, spec: StepSpec, fn: Callable[..., Any],
                         args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -292,7 +302,9 @@ class StepContext:
                           attempt, ran_s)
         handed = RecordedStep(name, None if output is None else codec.stored(output),
                               None if error is None else codec.stored(error))
-        if defer:
+        if defer and self._lanes.in_flight == 1:
+            # Only while no other call is in flight: a parallel one may be a body running
+            # now, which must not outlive a checkpoint it could have seen not yet durable.
             self._tail = (write, handed)
             return self._replay(step_id, name, handed)
         saved = await self._save(write)
@@ -309,15 +321,27 @@ class StepContext:
         same position committed after this claim read the history: the workflow went on
         with a value that is not the recorded one, so this attempt is dropped (nothing more
         is written; the next claim replays the recorded value)."""
-        if self._tail is None:
+        if self._tail is not None:
+            write, handed = self._tail
+            self._tail = None
+            # Published before the first await: a parallel call that starts while the tail
+            # is on its way waits for it too (below), never runs its body before it.
+            self._sending = sending = asyncio.get_running_loop().create_future()
+            try:
+                saved = await self._save(write)
+                if not saved.inserted and saved.recorded != handed:
+                    self._decide(LeaseLost(
+                        f"the checkpoint of step {write.name!r} at position {write.step_id} "
+                        f"was recorded by an older claim of {self.execution_id}; dropping "
+                        "this attempt"))
+            finally:
+                self._sending = None
+                sending.set_result(None)  # a failure is the decision, raised to each waiter
             return
-        write, handed = self._tail
-        self._tail = None
-        saved = await self._save(write)
-        if not saved.inserted and saved.recorded != handed:
-            self._decide(LeaseLost(
-                f"the checkpoint of step {write.name!r} at position {write.step_id} was "
-                f"recorded by an older claim of {self.execution_id}; dropping this attempt"))
+        if self._sending is not None:
+            await asyncio.shield(self._sending)
+            if self.decision is not None:
+                raise self.decision
 
     async def send_tail(self) -> None:
         """Send the tail now, if one waits (an end that the completion does not write)."""
@@ -357,13 +381,33 @@ class StepContext:
                                    "epoch"))
         return saved
 
-    async def _take_position(self) -> int:
+    # -- positions and parallel calls -----------------------------------------------------
+
+    async def run_workflow(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run the workflow function *fn* in this task, its root lane
+        (:meth:`kestrel.workflow.lanes.Lanes.run`)."""
+        return await self._lanes.run(self, fn, *args)
+
+    def _take_position(self) -> int:
+        """Take the next step position, at once: positions follow the order in which the
+        workflow's code makes its calls, never when a write or a body finished (README,
+        "Parallel steps"). Refuses, before anything is taken, a call whose order would
+        depend on timing (:class:`ConcurrentCallError`); every call that took a position
+        ends with :meth:`_leave`."""
         if self.decision is not None:
             raise self.decision
-        await self._settle()
+        refused = self._lanes.enter(self)
+        if refused is not None:
+            self._decide(ConcurrentCallError(
+                f"workflow {self.workflow!r}: {refused} (position {self._next_step}). Run a "
+                "sequence of calls in the workflow's own task or as a child workflow, and "
+                "start parallel calls together (asyncio.gather, TaskGroup), one call each"))
         step_id = self._next_step
         self._next_step += 1
         return step_id
+
+    def _leave(self) -> None:
+        self._lanes.leave(self)
 
     def _decide(self, decision: KestrelError) -> NoReturn:
         """Record the runtime's decision about this attempt (the first one stands) and

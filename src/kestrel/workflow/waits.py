@@ -20,10 +20,11 @@ from typing import Any
 from kestrel import codec
 from kestrel.errors import LeaseLost
 from kestrel.types import RecordedStep
+from kestrel.workflow.lanes import Unwind
 from kestrel.workflow.steps import SIGNAL_STEP, SLEEP_STEP, StepContext
 
 
-class Park(BaseException):
+class Park(Unwind):
     """Unwinds a workflow that is now parked as a row (a sleep, a signal or child wait).
 
     A BaseException so that workflow code's ``except Exception`` cannot swallow it.
@@ -66,11 +67,18 @@ class Waits(StepContext):
         await self._sleep(max(0.0, (when - now).total_seconds()))
 
     async def _sleep(self, seconds: float) -> None:
-        step_id = await self._take_position()
+        step_id = self._take_position()
+        try:
+            await self._sleep_at(step_id, seconds)
+        finally:
+            self._leave()
+
+    async def _sleep_at(self, step_id: int, seconds: float) -> None:
         recorded = self.claimed.steps.get(step_id)
         if recorded is not None:
             self._replay(step_id, SLEEP_STEP, recorded)
             return
+        await self._settle()
         self._check_can_start()
         self._check_unrecorded(step_id, SLEEP_STEP, "a durable sleep", SLEEP_STEP)
         c = self.claimed
@@ -93,6 +101,10 @@ class Waits(StepContext):
         """Park at a wait and unwind (Park). Returns None when a signal arrived meanwhile
         (look again), or the checkpoint the wait's position already has: the database
         refuses to park there (FAULTS R2) and the caller replays it instead."""
+        if self._lanes.in_flight > 1:
+            await self._lanes.quiet_to_park(step_id)
+            if self.decision is not None:
+                raise self.decision
         outcome = await self.writer.park(self.lease, step_id=step_id, waiting_for=waiting_for,
                                          seconds=seconds, seen_seq=seen_seq)
         if outcome == "parked":
@@ -118,9 +130,17 @@ class Waits(StepContext):
             raise ValueError("timeout must not be negative")
         codec.check_text(name, what="signal name")
         step_name = SIGNAL_STEP + name
-        step_id = await self._take_position()
+        step_id = self._take_position()
+        try:
+            return await self._wait_for_signal_at(step_id, name, step_name, timeout)
+        finally:
+            self._leave()
+
+    async def _wait_for_signal_at(self, step_id: int, name: str, step_name: str,
+                                  timeout: float | None) -> Signal:
         recorded = self.claimed.steps.get(step_id)
         if recorded is None:
+            await self._settle()
             self._check_can_start()
             self._check_unrecorded(step_id, name, f"a wait for signal {name!r}", step_name)
             while True:
