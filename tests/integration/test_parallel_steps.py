@@ -132,7 +132,8 @@ def test_what_timing_would_order_is_refused_before_it_takes_a_position(
     for eid in (seq, went_on):
         got = client.get(eid)
         assert got.status == "failed"
-        assert got.error is not None and got.error["type"] == "kestrel.errors.ConcurrentCallError", got.error
+        assert got.error is not None, got
+        assert got.error["type"] == "kestrel.errors.ConcurrentCallError", got.error
     # Nothing of the refused call ran or was recorded: each branch's first call, no more.
     assert "par_h" not in [s[1] for s in checkpoints(pg_dsn, schema, seq)]
     assert {e["name"] for e in read_ledger(ledger_path, execution_id=str(seq))} == {"par_g"}
