@@ -150,6 +150,30 @@ SELECT s.id, false, false
  WHERE s.status = 'running'
    AND s.id NOT IN (SELECT id FROM extended);
 
+-- name: heartbeat_wait
+-- The heartbeat again for rows the first statement found busy, this time waiting for their
+-- locks (under the worker's lock_timeout) instead of skipping them. Most busy rows are held
+-- by this worker's own checkpoint batches, completions and parks, each for a moment: waited
+-- out, they are extended at this beat (FAULTS C2). The heartbeat sends one row a statement,
+-- so a row a client transaction keeps (FAULTS O4) costs only itself a lock_timeout.
+-- Returns the rows extended, as heartbeat does; a row not returned is no longer ours.
+WITH held(id, epoch) AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
+), locked AS (
+    SELECT e.id, e.lease_epoch, e.status
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = ANY (%(ids)s::uuid[])
+     ORDER BY e.id
+       FOR NO KEY UPDATE OF e
+)
+UPDATE __schema__.workflow_executions AS e
+   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
+  FROM locked AS l
+  JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
+ WHERE e.id = l.id
+   AND l.status = 'running'
+RETURNING e.id, e.cancel_requested, true AS extended;
+
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and
 -- append them to history in the same statement, so each execution is always in exactly one

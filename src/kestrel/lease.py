@@ -19,10 +19,13 @@ so work stuck in a hung process is recovered by the sweeper (FAULTS L2); a write
 workflow call that gets no connection from the process's pool counts as such a stall
 (FAULTS R3).
 
-The heartbeat never waits on a row another transaction holds (a client's ``signal()`` in its
-own transaction, left open): it skips it, counts it (``kestrel_busy_leases_total``) and
-neither abandons that lease nor trusts it longer, so the other leases of the process keep
-being extended (FAULTS O4). Its statements carry the worker's lock_timeout like every other.
+One statement extends every lease whose row is free, skipping rows another transaction
+holds; then each skipped row is beaten again on its own, waiting for its lock under the
+worker's lock_timeout. Most are held by the worker's own checkpoint batches for a moment and
+are extended at that beat (FAULTS C2); a row a client's transaction keeps (a ``signal()``
+left open) meets the lock_timeout, is counted (``kestrel_busy_leases_total``) and is neither
+abandoned nor trusted longer, and the other leases of the process keep being extended
+(FAULTS O4).
 """
 
 from __future__ import annotations
@@ -188,6 +191,7 @@ class Heartbeat:
                                         daemon=True)
         self.paused = False  # set while releasing: released rows are not lost leases
         self.stalled: str | None = None
+        self._stubborn: set[uuid.UUID] = set()  # rows that met a lock_timeout at the last beat
 
     async def run(self) -> NoReturn:
         """Beat on the heartbeat thread for as long as this runs; stop the thread when it is
@@ -266,12 +270,49 @@ class Heartbeat:
             if cancel:
                 h.cancel_requested = True
         if busy:
+            busy = self._wait_out(conn, busy, gone)
+        if busy:
             metrics.get().busy_leases.inc(len(busy))
             log.info("%d lease(s) not extended: another transaction holds the row (%s%s); "
                      "trusted until they run out", len(busy), busy[0].claimed.id,
                      ", ..." if len(busy) > 1 else "")
         if gone and self._loop is not None:
             self._loop.call_soon_threadsafe(self._abandon, gone)
+
+    def _wait_out(self, conn: psycopg.Connection[Any], busy: list[Lease],
+                  gone: list[Lease]) -> list[Lease]:
+        """Beat each busy row again, one statement each, waiting for its lock under the
+        connection's lock_timeout; return the rows still busy (a lock_timeout met), after
+        adding those found no longer ours to *gone*.
+
+        The worker's own checkpoint batches, completions and parks hold its rows for a
+        moment, many times a second: skipped, they were never extended and leases were lost
+        with nothing wrong (FAULTS C2). A row held for longer (a client's transaction left
+        open, FAULTS O4) costs its own lock_timeout and nobody else's: rows that met one at
+        the last beat go last, and the round ends after half a heartbeat interval."""
+        if self._lock_timeout is None:
+            return busy  # nothing bounds a wait: skipped rows stay busy
+        stop = time.monotonic() + self._interval / 2
+        still: list[Lease] = []
+        for h in sorted(busy, key=lambda h: h.claimed.id in self._stubborn):
+            sent = time.monotonic()
+            if sent >= stop:
+                still.append(h)
+                continue
+            try:
+                owned = db.run_sync(conn, statements.executions.heartbeat_wait(
+                    self._q, held=h.key, lease_s=self._lease_s))
+            except psycopg.errors.LockNotAvailable:
+                still.append(h)
+                continue
+            if h.claimed.id not in owned:
+                gone.append(h)
+                continue
+            h.trusted_until = sent + self._lease_s
+            if owned[h.claimed.id]:
+                h.cancel_requested = True
+        self._stubborn = {h.claimed.id for h in still}
+        return still
 
     def _abandon(self, gone: list[Lease]) -> None:
         m = metrics.get()
@@ -296,6 +337,12 @@ class Heartbeat:
                 else:
                     log.warning("heartbeat failed (%s); leases are trusted until they run out",
                                 type(exc).__name__)
+                backoff.failures += 1
+            except Exception:  # a bug must not end the thread: every lease would lapse
+                log.exception("heartbeat failed; leases are trusted until they run out")
+                if self._conn is not None:
+                    self._conn.close()
+                    self._conn = None
                 backoff.failures += 1
         if self._conn is not None:
             self._conn.close()

@@ -61,6 +61,7 @@ class Queries:
     claim_batch: str
     set_lock_timeout: str
     heartbeat: str
+    heartbeat_wait: str
     complete_batch: str
     complete_batch_delegated: str
     release_batch: str

@@ -112,6 +112,24 @@ async def long_def(ctx: kestrel.Context, n: int, seconds: float) -> int:
     return int(await ctx.step(slow_sync, n, seconds))
 
 
+@kestrel.step(name="short")
+async def short(n: int, k: int) -> int:
+    """A short step (0-19 ms, fixed by its arguments) that records its body in the ledger."""
+    await asyncio.sleep(((n * 7 + k * 13) % 20) / 1000)
+    ledger()
+    return model_step(n, k)
+
+
+@kestrel.workflow(name="short_steps")
+async def short_steps(ctx: kestrel.Context, n: int, steps: int) -> int:
+    """*steps* short steps one after another: checkpoint batches hold the row most of the
+    time (FAULTS C2)."""
+    total = 0
+    for k in range(steps):
+        total += await ctx.step(short, n, k)
+    return total
+
+
 @kestrel.step(name="die")
 def die() -> None:
     ledger()

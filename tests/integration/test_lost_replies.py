@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -201,6 +202,34 @@ def heartbeat(env: Env) -> None:
     # The beat that lost its reply had extended the leases; the thread beats again.
     h = env.client.submit(app.slow_middle, 2, 1.5)
     env.work(env.finished())
+    status, _, attempts = env.history(h.id)
+    assert (status, attempts) == ("completed", 1)
+    assert env.bodies(h.id) == [0, 1, 2]
+
+
+def heartbeat_wait(env: Env) -> None:
+    # A transaction holds the running row FOR SHARE for 0.3 s at a time (as the worker's own
+    # checkpoint batches do for a moment): the beat skips it, then waits for it and extends
+    # it; that reply is lost, the thread reconnects and beats again. Nothing lapses.
+    h = env.client.submit(app.slow_middle, 2, 2.0)
+    stop = threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(env.dsn, prepare_threshold=None) as conn:
+            while not stop.is_set():
+                conn.execute(f'SELECT 1 FROM "{env.schema}".workflow_executions '
+                             "WHERE id = %s FOR SHARE", [h.id])
+                stop.wait(0.3)  # under the worker's lock_timeout (0.5 s)
+                conn.commit()
+                stop.wait(0.02)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        env.work(env.finished())
+    finally:
+        stop.set()
+        holder.join()
     status, _, attempts = env.history(h.id)
     assert (status, attempts) == ("completed", 1)
     assert env.bodies(h.id) == [0, 1, 2]
@@ -767,6 +796,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "claim_limited": Lost((claim_limited,)),
     "lock_queue_limit": Lost((claim_limited,)),  # the same transaction's COMMIT
     "heartbeat": Lost((heartbeat,)),
+    "heartbeat_wait": Lost((heartbeat_wait,)),
     "save_new_steps_batch": Lost((checkpoint,)),
     "save_steps_batch": Lost((checkpoint_resent,)),
     "save_new_steps_delegated": Lost((checkpoint_delegated,)),

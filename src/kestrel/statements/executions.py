@@ -119,6 +119,14 @@ def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
                 lambda rows: {r[0]: bool(r[1]) if r[2] else None for r in rows})
 
 
+def heartbeat_wait(q: Queries, *, held: tuple[uuid.UUID, int],
+                   lease_s: float) -> Stmt[dict[uuid.UUID, bool | None]]:
+    """Extend the lease *held*, waiting for its row's lock (under the connection's
+    lock_timeout): ``{id: cancel flag}`` if it is still ours, else empty (no longer ours)."""
+    return Stmt(q.heartbeat_wait, {"ids": [held[0]], "epochs": [held[1]], "lease_s": lease_s},
+                lambda rows: {r[0]: bool(r[1]) for r in rows})
+
+
 def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
          seconds: float | None, seen_seq: int | None) -> Stmt[str]:
     """Park the execution at a wait. Returns ``parked`` (now, or by an earlier try whose
