@@ -8,7 +8,9 @@ running execution holds; :class:`Leases` is the process's table of them.
 Trust. A claim or heartbeat sent at monotonic time ``t`` makes the lease good until
 ``t + lease`` on the database clock, which started counting no earlier than ``t``. So until
 ``t + lease`` by this process's monotonic clock the lease is surely still ours; past that the
-execution may belong to someone else and no new step starts. Whatever a stale worker still
+execution may belong to someone else and no new step starts. A run whose trust would end
+before the next beat could renew it is cancelled first, so its step body is stopped before
+the sweeper can hand the execution to another worker (FAULTS C3). Whatever a stale worker still
 sends is fenced by the epoch in the database.
 
 The heartbeat runs on a thread of its own with a connection of its own, so that a step
@@ -314,6 +316,31 @@ class Heartbeat:
         self._stubborn = {h.claimed.id for h in still}
         return still
 
+    def _give_up_running_out(self) -> None:
+        """Stop the executions whose trust runs out before the next beat could save it.
+
+        Past its trust a lease may be swept and the step run again elsewhere (a client's
+        transaction kept the row past the lease, FAULTS C3; an outage): the run here is
+        cancelled first, one heartbeat interval before its lease can run out in the
+        database, so an ``async`` step body is stopped before any other run of it starts.
+        (A ``def`` body on a thread cannot be stopped; it writes nothing once cancelled.)"""
+        if self._loop is None:
+            return
+        soon = time.monotonic() + self._interval
+        due = [h for h in self._leases
+               if h.state is LeaseState.HELD and h.trusted_until < soon]
+        if due:
+            self._loop.call_soon_threadsafe(self._run_out, due)
+
+    def _run_out(self, due: list[Lease]) -> None:
+        m = metrics.get()
+        for h in due:
+            if (not self._leases.current(h) or h.state is not LeaseState.HELD
+                    or h.trusted_until >= time.monotonic() + self._interval):
+                continue  # finished, lost or extended meanwhile
+            if h.lose("its lease runs out before the next heartbeat could extend it"):
+                m.leases_lost.inc()
+
     def _abandon(self, gone: list[Lease]) -> None:
         m = metrics.get()
         for h in gone:
@@ -344,6 +371,7 @@ class Heartbeat:
                     self._conn.close()
                     self._conn = None
                 backoff.failures += 1
+            self._give_up_running_out()
         if self._conn is not None:
             self._conn.close()
             self._conn = None

@@ -130,6 +130,24 @@ async def short_steps(ctx: kestrel.Context, n: int, steps: int) -> int:
     return total
 
 
+@kestrel.step(name="long_async")
+async def long_async(n: int, seconds: float) -> int:
+    """A long ``async`` step: its start, its end and a cancellation in the ledger."""
+    ledger("start")
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        ledger("stopped")
+        raise
+    ledger()
+    return n
+
+
+@kestrel.workflow(name="long_async_wf")
+async def long_async_wf(ctx: kestrel.Context, n: int, seconds: float) -> int:
+    return int(await ctx.step(long_async, n, seconds))
+
+
 @kestrel.step(name="die")
 def die() -> None:
     ledger()

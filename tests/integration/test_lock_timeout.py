@@ -103,3 +103,56 @@ def test_the_lock_timeout_setting_is_bounded_by_the_lease() -> None:
     assert Config(lease=30.0, lock_timeout=5).statement_lock_timeout == 5
     with pytest.raises(ConfigError, match="--lock-timeout"):
         Config(lease=4.0, heartbeat=1.0, lock_timeout=3)
+
+
+def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_extend(
+    pg_dsn: str, direct_dsn: str, schema: str
+) -> None:
+    """FAULTS C2/O4 at the level of one beat. A row locked for a moment (as the worker's own
+    checkpoint batch does) is skipped by the first statement, then waited for and extended
+    at the same beat. A row a client keeps past the lock_timeout is counted busy, and the
+    worker's trust in it is not moved: only the rows a beat extended are trusted longer."""
+    import threading
+    import time
+
+    from kestrel import metrics
+    from kestrel.lease import Heartbeat, Lease, Leases
+
+    submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 3)
+    qs = queries(schema)
+    session = not VIA_PGBOUNCER
+    with connections.connect(pg_dsn, session=session, autocommit=True,
+                             prepare_threshold=None) as conn:
+        claimed = db.run_sync(conn, statements.executions.claim_batch(
+            qs, owner="t", queues=["default"], limit=3, lease_s=30))
+    claimed.sort(key=lambda c: c.id)
+    leases = Leases()
+    for c in claimed:
+        leases.add(Lease(c, trusted_until=0.0, claimed_at=0.0))
+    hb = Heartbeat(leases, dsn=pg_dsn, q=qs, lease_s=30, interval=2.0, prepared=False,
+                   progressing=lambda: None, lock_timeout=0.3, session=session)
+    by_id = {h.claimed.id: h for h in leases}
+    short, kept, free = (by_id[c.id] for c in claimed)
+    busy_before = metrics.get().busy_leases._value.get()
+    table = f'"{schema}".workflow_executions'
+    with psycopg.connect(direct_dsn) as client, psycopg.connect(direct_dsn) as batch:
+        client.execute(f"UPDATE {table} SET priority = 1 WHERE id = %s", [kept.claimed.id])
+        batch.execute(f"SELECT 1 FROM {table} WHERE id = %s FOR SHARE", [short.claimed.id])
+        beat = threading.Thread(target=hb.run_once)
+        started = time.monotonic()
+        beat.start()
+        # The heartbeat is queued on the short lock (its second statement): let it go.
+        while not q1(direct_dsn, schema, "SELECT count(*) FROM pg_locks WHERE NOT granted "
+                     "AND locktype IN ('transactionid', 'tuple')"):
+            assert beat.is_alive() and time.monotonic() - started < 10
+            time.sleep(0.01)
+        batch.rollback()
+        beat.join()
+        client.rollback()
+    if hb._conn is not None:
+        hb._conn.close()
+    assert short.trusted_until >= started + 30  # waited for, extended at this beat
+    assert free.trusted_until >= started + 30
+    assert kept.trusted_until == 0.0  # not extended: not trusted a moment longer
+    assert metrics.get().busy_leases._value.get() == busy_before + 1
+    assert not any(h.lost for h in leases)
