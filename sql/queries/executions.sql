@@ -150,6 +150,13 @@ SELECT s.id, false, false
  WHERE s.status = 'running'
    AND s.id NOT IN (SELECT id FROM extended);
 
+-- name: set_wait_timeouts
+-- The heartbeat's wait for one busy row, bounded twice in its transaction: lock_timeout where
+-- the row lives here, and statement_timeout for a Citus coordinator, where the wait happens on
+-- a worker node that the session's lock_timeout does not reach (the coordinator cancels it).
+SELECT set_config('lock_timeout', %(timeout)s, true),
+       set_config('statement_timeout', %(timeout)s, true);
+
 -- name: heartbeat_wait
 -- The heartbeat again for rows the first statement found busy, this time waiting for their
 -- locks (under the worker's lock_timeout) instead of skipping them. Most busy rows are held

@@ -302,10 +302,11 @@ class Heartbeat:
                 still.append(h)
                 continue
             try:
-                owned = db.run_sync(conn, statements.executions.heartbeat_wait(
-                    self._q, held=h.key, lease_s=self._lease_s))
-            except psycopg.errors.LockNotAvailable:
-                still.append(h)
+                owned = db.run_script_sync(conn, statements.executions.heartbeat_wait(
+                    self._q, held=h.key, lease_s=self._lease_s,
+                    timeout_ms=connections.lock_timeout_ms(self._lock_timeout)))
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
+                still.append(h)  # QueryCanceled: the wait ran on a Citus worker node
                 continue
             if h.claimed.id not in owned:
                 gone.append(h)

@@ -62,6 +62,7 @@ class Queries:
     set_lock_timeout: str
     heartbeat: str
     heartbeat_wait: str
+    set_wait_timeouts: str
     complete_batch: str
     complete_batch_delegated: str
     release_batch: str

@@ -105,6 +105,10 @@ def test_the_lock_timeout_setting_is_bounded_by_the_lease() -> None:
         Config(lease=4.0, heartbeat=1.0, lock_timeout=3)
 
 
+LOCAL_WAITS = ("SELECT count(*) FROM pg_locks WHERE NOT granted "
+               "AND locktype IN ('transactionid', 'tuple')")
+
+
 def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_extend(
     pg_dsn: str, direct_dsn: str, schema: str
 ) -> None:
@@ -112,6 +116,14 @@ def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_
     checkpoint batch does) is skipped by the first statement, then waited for and extended
     at the same beat. A row a client keeps past the lock_timeout is counted busy, and the
     worker's trust in it is not moved: only the rows a beat extended are trusted longer."""
+    beat_against_locks(pg_dsn, direct_dsn, schema, session=not VIA_PGBOUNCER,
+                       waits=LOCAL_WAITS)
+
+
+def beat_against_locks(pg_dsn: str, direct_dsn: str, schema: str, *, session: bool,
+                       waits: str) -> None:
+    """One beat over three claimed rows: one locked for a moment, one kept by a client, one
+    free (see the test above). *waits* counts lock waits (the heartbeat's, queued)."""
     import threading
     import time
 
@@ -120,7 +132,6 @@ def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_
 
     submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 3)
     qs = queries(schema)
-    session = not VIA_PGBOUNCER
     with connections.connect(pg_dsn, session=session, autocommit=True,
                              prepare_threshold=None) as conn:
         claimed = db.run_sync(conn, statements.executions.claim_batch(
@@ -142,8 +153,7 @@ def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_
         started = time.monotonic()
         beat.start()
         # The heartbeat is queued on the short lock (its second statement): let it go.
-        while not q1(direct_dsn, schema, "SELECT count(*) FROM pg_locks WHERE NOT granted "
-                     "AND locktype IN ('transactionid', 'tuple')"):
+        while not q1(direct_dsn, schema, waits):
             assert beat.is_alive() and time.monotonic() - started < 10
             time.sleep(0.01)
         batch.rollback()

@@ -219,14 +219,14 @@ def heartbeat_wait(env: Env) -> None:
             while not stop.is_set():
                 conn.execute(f'SELECT 1 FROM "{env.schema}".workflow_executions '
                              "WHERE id = %s FOR SHARE", [h.id])
-                stop.wait(0.3)  # under the worker's lock_timeout (0.5 s)
+                stop.wait(0.3)  # well under the worker's lock_timeout, even on a busy machine
                 conn.commit()
                 stop.wait(0.02)
 
     holder = threading.Thread(target=hold)
     holder.start()
     try:
-        env.work(env.finished())
+        env.work(env.finished(), lock_timeout=1.0)
     finally:
         stop.set()
         holder.join()
@@ -797,6 +797,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "lock_queue_limit": Lost((claim_limited,)),  # the same transaction's COMMIT
     "heartbeat": Lost((heartbeat,)),
     "heartbeat_wait": Lost((heartbeat_wait,)),
+    "set_wait_timeouts": Read("transaction-local settings before the heartbeat's wait on one "
+                              "row; writes nothing"),
     "save_new_steps_batch": Lost((checkpoint,)),
     "save_steps_batch": Lost((checkpoint_resent,)),
     "save_new_steps_delegated": Lost((checkpoint_delegated,)),
