@@ -288,8 +288,12 @@ def test_the_http_door_and_the_web_ui_serve_a_namespace(pg_dsn: str, namespace: 
                 lambda: (ex := api.get(f"{api_root}/executions/{eid}").json())["status"]
                 == status and ex, timeout=60, what=f"{eid} {status}")
 
-        ids = [str(post("/workflows/http.steps/submit", {"args": [i]})["id"])
-               for i in range(15)]
+        # Unkeyed submits go to a random bucket: submit until every bucket has some (15 at
+        # least; 3 * (2/3)**15, about one run in 150, would leave one empty otherwise).
+        ids: list[str] = []
+        while len(ids) < 15 or {buckets.bucket_of(uuid.UUID(i), N) for i in ids} != set(range(N)):
+            assert len(ids) < 200, "200 unkeyed submits never reached every bucket"
+            ids.append(str(post("/workflows/http.steps/submit", {"args": [len(ids)]})["id"]))
         keyed = post("/workflows/http.echo/submit", {"args": [1]}, key="ns-key")["id"]
         assert post("/workflows/http.echo/submit", {"args": [1]}, key="ns-key")["id"] == keyed
         assert buckets.bucket_of(uuid.UUID(str(keyed)), N) == buckets.choose(
