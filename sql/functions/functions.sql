@@ -348,6 +348,10 @@ DECLARE
     v_parent_traceparent text;
     v_parent_tracestate text;
     v_delay_s double precision := p_delay_s;
+    -- The moment of the call on the database clock: a deadline and a delay count from the
+    -- call, not from the caller's BEGIN (kestrel_now() is the transaction's start; a submit
+    -- in a transaction open for minutes would be created minutes late, FAULTS C6).
+    v_now timestamptz := __schema__.kestrel_now() + (clock_timestamp() - now());
     v_digest text;
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_live uuid;
@@ -378,7 +382,7 @@ BEGIN
         IF p_delay_s IS NOT NULL THEN
             RAISE EXCEPTION 'give delay or start_at, not both' USING ERRCODE = 'KS002';
         END IF;
-        v_delay_s := greatest(0, extract(epoch FROM p_start_at - __schema__.kestrel_now()));
+        v_delay_s := greatest(0, extract(epoch FROM p_start_at - v_now));
     END IF;
     IF v_delay_s IS NOT NULL AND NOT (v_delay_s >= 0 AND v_delay_s <= 3155760000) THEN
         RAISE EXCEPTION 'delay must be between 0 and 3155760000 seconds (100 years), got %',
@@ -451,10 +455,9 @@ BEGIN
                (id, workflow, queue, priority, args, idempotency_key, parent_id, deadline,
                 dedup_key, status, wake_at, traceparent, tracestate)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
-                __schema__.kestrel_now() + make_interval(secs => p_timeout_s), p_dedup_key,
+                v_now + make_interval(secs => p_timeout_s), p_dedup_key,
                 CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
-                CASE WHEN v_delay_s > 0
-                     THEN __schema__.kestrel_now() + make_interval(secs => v_delay_s) END,
+                CASE WHEN v_delay_s > 0 THEN v_now + make_interval(secs => v_delay_s) END,
                 v_traceparent, v_tracestate)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;

@@ -151,7 +151,8 @@ class Client(ClientBase):
 
         *priority*: higher first within the queue. *timeout*: seconds after which the
         execution ends failed. *delay* (seconds) or *start_at* (a time, as the database clock
-        reads it): not claimed before then.
+        reads it): not claimed before then. Both count from the call, also inside a
+        transaction of *conn* that began long before it.
         *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
         live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
 

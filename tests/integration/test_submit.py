@@ -110,6 +110,33 @@ def test_submit_in_callers_transaction_commits_and_rolls_back_with_it(
               [h.id]) == [2]
 
 
+def test_a_deadline_and_a_delay_count_from_the_call_not_from_the_callers_begin(
+    pg_dsn: str, schema: str
+) -> None:
+    """FAULTS C6: a submit in a transaction open for seconds is not created already late.
+    now() is the transaction's start; the deadline and the wake time count from the call
+    (the database's clock at the statement), whatever the caller did before it."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    with psycopg.connect(pg_dsn) as conn:
+        begun = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+        conn.execute("SELECT pg_sleep(1.5)")
+        called = conn.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        late = client.submit(app.three_steps, 1, timeout=2.0, delay=1.0, conn=conn)
+        undelayed = client.submit(app.three_steps, 2, timeout=2.0, conn=conn)
+        conn.commit()
+    deadline, wake_at, status = q(
+        pg_dsn, schema, "SELECT deadline, wake_at, status FROM {s}.workflow_executions "
+        "WHERE id = %s", [late.id])[0]
+    assert status == "waiting"
+    # From the call: at least 2 s (1 s) after `called`; from BEGIN it would be 0.5 s before it.
+    assert (deadline - called).total_seconds() >= 2.0, (begun, called, deadline)
+    assert (wake_at - called).total_seconds() >= 1.0, (begun, called, wake_at)
+    assert (deadline - begun).total_seconds() >= 3.5
+    other = q1(pg_dsn, schema, "SELECT deadline FROM {s}.workflow_executions WHERE id = %s",
+               [undelayed.id])
+    assert (other - called).total_seconds() >= 2.0
+
+
 def test_async_submit_in_callers_transaction(pg_dsn: str, schema: str) -> None:
     client = Client(pg_dsn, schema=schema, pool_size=0)
 
