@@ -170,12 +170,22 @@ BEGIN
     -- DEFAULT: the checkpoints of executions neither live nor in history. Only in a round
     -- that dropped history (what makes them so), not every round: the look reads all of
     -- DEFAULT, which after an upgrade holds the retention's worth of older checkpoints.
+    -- The idempotency keys of those executions go in the same round and transaction: kept,
+    -- a key sent again would return an id nothing answers for (ExecutionNotFound); gone, it
+    -- makes a new execution (FAULTS C6). A key younger than the retention cannot name an
+    -- execution that left history, so only older ones are looked at.
     IF v_history_dropped > 0 THEN
         DELETE FROM __schema__.operation_outputs_default AS d
          WHERE NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
                             WHERE e.id = d.execution_id)
            AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
                             WHERE h.id = d.execution_id);
+        DELETE FROM __schema__.idempotency_keys AS k
+         WHERE k.created_at < __schema__.kestrel_now() - p_retention
+           AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                            WHERE e.id = k.execution_id)
+           AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
+                            WHERE h.id = k.execution_id);
     END IF;
     RETURN v_dropped;
 END

@@ -191,6 +191,46 @@ def test_the_partitions_command_waits_out_a_busy_partition_and_then_drops_it(
     assert q1(pg_dsn, schema, "SELECT to_regclass(%s)", [f"{schema}.{old}"]) is None
 
 
+def test_the_key_of_an_execution_retention_dropped_makes_a_new_one(
+    pg_dsn: str, schema: str
+) -> None:
+    """FAULTS C6: after retention drops an execution, its idempotency key sent again makes a
+    new execution, never the dead id (before, it returned an id every call answered with
+    ExecutionNotFound). Keys of executions still live or still in history keep theirs."""
+    from kestrel.errors import ExecutionNotFound
+
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+
+    def status(eid: object) -> str:
+        return client.get(eid).status.value  # type: ignore[arg-type]
+
+    q(pg_dsn, schema, "UPDATE {s}.clock_offset SET offset_by = '-40 days'")
+    q(pg_dsn, schema, "SELECT {s}.kestrel_ensure_history_partitions_v1('day', 0, true)")
+    old = client.submit(app.three_steps, 1, idempotency_key="k-old")
+    live = client.submit(app.approval, 2, idempotency_key="k-live")
+    run_worker_until(pg_dsn, config(schema), lambda: status(old.id) == "completed"
+                     and status(live.id) == "waiting")
+    q(pg_dsn, schema, "UPDATE {s}.clock_offset SET offset_by = '0'")
+    recent = client.submit(app.three_steps, 3, idempotency_key="k-recent")
+    run_worker_until(pg_dsn, config(schema), lambda: status(recent.id) == "completed")
+    assert client.submit(app.three_steps, 1, idempotency_key="k-old").id == old.id
+
+    dropped = q1(pg_dsn, schema, "SELECT {s}.kestrel_drop_history_partitions_v1("
+                 "interval '30 days')")
+    assert dropped >= 3  # the day of `old` in workflow_, signal_ and event_history
+    with pytest.raises(ExecutionNotFound):
+        client.get(old.id)
+    again = client.submit(app.three_steps, 1, idempotency_key="k-old")
+    assert again.id != old.id
+    assert client.submit(app.three_steps, 1, idempotency_key="k-old").id == again.id
+    assert client.submit(app.approval, 2, idempotency_key="k-live").id == live.id
+    assert client.submit(app.three_steps, 3, idempotency_key="k-recent").id == recent.id
+    run_worker_until(pg_dsn, config(schema), lambda: status(again.id) == "completed")
+    assert again.result(timeout=5) == app.model(1)
+    assert sorted(r[0] for r in q(pg_dsn, schema, "SELECT idempotency_key FROM "
+                                  "{s}.idempotency_keys")) == ["k-live", "k-old", "k-recent"]
+
+
 def test_partitions_are_created_ahead_and_named_from_the_interval(
     pg_dsn: str, schema: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
