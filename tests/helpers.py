@@ -73,8 +73,8 @@ def start_runtime(dsn: str, schema: str, *, procs: int = 2, args: list[str] | No
            "--procs", str(procs), *FAST, *(args or [])]
     # This checkout's sources first: an installed kestrel (another checkout's, editable) must
     # not be what the runtime under test runs.
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join((str(ROOT / "src"), str(ROOT))),
-                    **(env or {}))
+    full_env = {**os.environ,
+                "PYTHONPATH": os.pathsep.join((str(ROOT / "src"), str(ROOT))), **(env or {})}
     return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=out, stderr=out,
                             start_new_session=True)
 

@@ -161,8 +161,9 @@ KNOBS: tuple[Knob, ...] = (
     Knob("log_level", str, "debug, info, warning or error.", "LEVEL"),
     Knob("log_format", str, "text or json.", "FORMAT"),
     Knob("app_version", str, "Application version recorded on each execution this runtime "
-         "starts (1-128 of A-Z a-z 0-9 _ . : + / @ -); default: a hash of the registered "
-         "workflows' source.", "VERSION"),
+         "starts (1-128 of A-Z a-z 0-9 _ . : + / @ -); change it with the code. Default: a "
+         "hash of the registered workflows' source and of every module loaded from the "
+         "application's own files.", "VERSION"),
 )
 
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 from psycopg_pool import AsyncConnectionPool
@@ -53,12 +55,16 @@ def check_app_version(value: object) -> str:
 
 
 def code_version(workflows: Mapping[str, Any]) -> str:
-    """A stable hash of the registered workflows: their names and source code.
+    """A stable hash of the code that decides what the registered workflows do: their names
+    and source, and the source of every module loaded from the application's own files
+    (:func:`app_modules`: helpers, step bodies, patches asked inside a helper).
 
-    The same code gives the same version on every host and Python version (source, not
-    bytecode); a change to any workflow's code gives another. Step bodies are not included:
-    they do not decide replay. A workflow whose source cannot be read (built in a REPL)
-    contributes its bytecode instead.
+    The same code gives the same version on every host, path and Python version (module
+    names and source, not paths or bytecode); an edit anywhere in the application's files
+    gives another. That matters beyond labels: a worker never claims again what its own
+    version gave back (CodeTooOld), so two codes under one version would leave a give-back
+    to code that cannot run it (FAULTS C5). A workflow whose source cannot be read (built
+    in a REPL) contributes its bytecode instead.
     """
     digest = hashlib.sha256()
     for name in sorted(workflows):
@@ -68,7 +74,40 @@ def code_version(workflows: Mapping[str, Any]) -> str:
         except (OSError, TypeError):
             code = getattr(getattr(fn, "__code__", None), "co_code", b"")
         digest.update(name.encode("utf-8", "surrogatepass") + b"\0" + code + b"\0")
+    for module, path in app_modules(workflows):
+        try:
+            source = path.read_bytes()
+        except OSError:
+            continue
+        digest.update(b"module\0" + module.encode() + b"\0" + source + b"\0")
     return "code-" + digest.hexdigest()[:12]
+
+
+def app_modules(workflows: Mapping[str, Any]) -> list[tuple[str, Path]]:
+    """The modules loaded now from the application's own files, by name: those under the
+    directory of each registered workflow's top-level package (for a workflow in a plain
+    module, ``app.py``, the modules beside it; never a whole ``site-packages``). Modules the
+    application imports later (inside a function) are not seen."""
+    roots: set[Path] = set()
+    for fn in workflows.values():
+        top = sys.modules.get(str(getattr(inspect.unwrap(fn), "__module__", "")).split(".")[0])
+        if top is None:
+            continue
+        if getattr(top, "__path__", None):
+            roots.update(Path(p).resolve() for p in top.__path__)
+        elif getattr(top, "__file__", None):
+            here = Path(top.__file__).resolve()  # type: ignore[arg-type]
+            installed = here.parent.name in ("site-packages", "dist-packages")
+            roots.add(here if installed else here.parent)
+    found: dict[str, Path] = {}
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not file or not file.endswith(".py"):
+            continue
+        path = Path(file).resolve()
+        if any(path == root or root in path.parents for root in roots):
+            found[name] = path
+    return sorted(found.items())
 
 
 def resolve_app_version(cfg: Config, workflows: Mapping[str, Any]) -> Config:

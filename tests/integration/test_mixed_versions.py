@@ -168,3 +168,82 @@ def test_o5_row6_an_idle_old_worker_gives_back_once_and_a_new_worker_completes_i
         with runtime(pg_dsn, schema, procs=1, app=ROLL_V2, args=["--app-version", "v2"]):
             assert client.result(eid, timeout=60) == {"x": 50, "payload": "ok"}
     assert give_backs_logged(log1, eid) == 1
+
+
+HELPER_APP = {
+    "__init__.py": "",
+    "flows.py": """
+import kestrel
+from helperapp import helpers
+
+
+@kestrel.step(name="helperapp.prepare")
+async def prepare(n: int) -> int:
+    return n * 10
+
+
+@kestrel.workflow(name="helperapp.flow")
+async def flow(ctx: kestrel.Context, n: int) -> object:
+    x = await ctx.step(prepare, n)
+    return await helpers.finish(ctx, x)
+""",
+}
+HELPER_V1 = """
+from helperapp import flows
+
+
+async def finish(ctx, x):
+    return await ctx.step(done, x, None)
+
+
+import kestrel
+
+
+@kestrel.step(name="helperapp.done")
+async def done(x, extra):
+    return {"x": x, "extra": extra}
+"""
+HELPER_V2 = HELPER_V1.replace(
+    "    return await ctx.step(done, x, None)",
+    "    extra = None\n"
+    "    if await ctx.patched('approve-first'):\n"
+    "        extra = (await ctx.wait_for_signal('approve')).payload\n"
+    "    return await ctx.step(done, x, extra)")
+
+
+def test_c5_a_patch_inside_a_helper_gives_a_version_of_its_own(
+    pg_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    """FAULTS C5: old and new code whose workflow functions are the same and whose helper
+    differs (the patch lives in the helper), with the default version. Before, both had one
+    version (it hashed the workflow functions only): the old code gave the execution back,
+    and the new code, taking that give-back as its own, skipped it for ever. Now the version
+    covers the application's modules: the new code takes it and completes it."""
+    assert HELPER_V2 != HELPER_V1
+    roots = {}
+    for tag, helper in (("v1", HELPER_V1), ("v2", HELPER_V2)):
+        pkg = tmp_path / tag / "helperapp"
+        pkg.mkdir(parents=True)
+        for name, text in {**HELPER_APP, "helpers.py": helper}.items():
+            (pkg / name).write_text(text)
+        roots[tag] = os.pathsep.join((str(ROOT / "src"), str(ROOT), str(tmp_path / tag)))
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    log1 = tmp_path / "v1.log"
+    with runtime(pg_dsn, schema, procs=1, app="helperapp.flows", env={"PYTHONPATH": roots["v2"]},
+                 log=tmp_path / "v2.log"):
+        eid = client.submit("helperapp.flow", 4).id
+        wait_until(lambda: status(pg_dsn, schema, eid) == "waiting", timeout=60,
+                   what="v2 parks it behind the helper's patch")
+    v2_version = q1(pg_dsn, schema, "SELECT app_version FROM {s}.workflow_executions "
+                    "WHERE id = %s", [eid])
+    with runtime(pg_dsn, schema, procs=1, app="helperapp.flows", env={"PYTHONPATH": roots["v1"]},
+                 log=log1):
+        client.signal(eid, "approve", "yes")
+        wait_until(lambda: give_backs_logged(log1, eid) > 0
+                   or status(pg_dsn, schema, eid) == "completed", timeout=60,
+                   what="v1 gives it back")
+    [given_back_by] = q1(pg_dsn, schema, "SELECT given_back_by FROM {s}.workflow_executions "
+                         "WHERE id = %s", [eid])
+    assert given_back_by != v2_version  # the old code's version is not the new code's
+    with runtime(pg_dsn, schema, procs=1, app="helperapp.flows", env={"PYTHONPATH": roots["v2"]}):
+        assert client.result(eid, timeout=60) == {"x": 40, "extra": "yes"}
