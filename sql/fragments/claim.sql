@@ -54,3 +54,49 @@ SELECT c.id, c.workflow, c.args::text AS args, c.lease_epoch AS epoch, c.attempt
                                                       o.error)::text AS t) AS x
               WHERE o.execution_id = c.id) AS s
  ) AS h
+
+-- name: limited_candidates
+-- The rows a claim of a limited queue takes (claim_limited, claim_limited_in_namespace): at
+-- most the `budget` CTE's n, queued and woken rows each through their own index, in order,
+-- stopping early (an OR of the two would read the whole queue); the best of both win.
+queued_first AS (
+    SELECT e.id, e.priority, e.created_at
+      FROM __schema__.workflow_executions AS e
+     WHERE e.status = 'queued' AND e.queue = %(queue)s
+       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+            OR %(app_version)s::text <> ALL (e.given_back_by))
+     ORDER BY e.priority DESC, e.created_at
+     LIMIT greatest((SELECT n FROM budget), 0)
+       FOR UPDATE SKIP LOCKED
+), woken_first AS (
+    SELECT e.id, e.priority, e.created_at
+      FROM __schema__.workflow_executions AS e
+     WHERE e.status = 'waiting' AND e.wake_at <= __schema__.kestrel_now()
+       AND e.queue = %(queue)s
+       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
+       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
+            OR %(app_version)s::text <> ALL (e.given_back_by))
+     ORDER BY e.wake_at
+     LIMIT greatest((SELECT n FROM budget), 0)
+       FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT c.id
+      FROM (SELECT * FROM queued_first UNION ALL SELECT * FROM woken_first) AS c
+     ORDER BY c.priority DESC, c.created_at
+     LIMIT greatest((SELECT n FROM budget), 0)
+)
+
+-- name: record_starts
+-- The starts of a limited queue's claim (the rows of the `claimed` CTE), kept for its rate
+-- limit: the newest `rate` of them, oldest first.
+UPDATE __schema__.queue_limits AS l
+   SET recent_starts = (
+           SELECT coalesce(array_agg(s ORDER BY s), '{}')
+             FROM (SELECT s FROM unnest(l.recent_starts || array_fill(
+                                __schema__.kestrel_now(),
+                                ARRAY[(SELECT count(*) FROM claimed)::int])) AS t(s)
+                    ORDER BY s DESC
+                    LIMIT coalesce(l.rate, 0)) AS kept)
+ WHERE l.queue = %(queue)s AND l.rate IS NOT NULL
+   AND (SELECT count(*) FROM claimed) > 0

@@ -8,10 +8,6 @@ VALUES (%(queue)s, %(concurrency)s, %(rate)s, make_interval(secs => %(period_s)s
    SET concurrency = excluded.concurrency, rate = excluded.rate, period = excluded.period,
        updated_at = excluded.updated_at;  -- the clock of the row offered (docs/citus.md)
 
--- name: limited_queues
--- The queues with limits (a namespace's client pins each to one bucket, kestrel.buckets).
-SELECT queue FROM __schema__.queue_limits;
-
 -- name: lock_queue_limit
 -- First statement of a limited claim's transaction: take the queue's row, or skip the queue
 -- for now if another process is claiming from it at this moment.
@@ -34,51 +30,55 @@ WITH lim AS (
                                      WHERE s > __schema__.kestrel_now() - lim.period),
                         %(limit)s)) AS n
       FROM lim
-), queued_first AS (
-    -- Queued and woken rows each through their own index, in order, stopping early (an OR
-    -- of the two would read the whole queue); the best of both within the budget win.
-    SELECT e.id, e.priority, e.created_at
-      FROM __schema__.workflow_executions AS e
-     WHERE e.status = 'queued' AND e.queue = %(queue)s
-       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
-       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
-            OR %(app_version)s::text <> ALL (e.given_back_by))
-     ORDER BY e.priority DESC, e.created_at
-     LIMIT greatest((SELECT n FROM budget), 0)
-       FOR UPDATE SKIP LOCKED
-), woken_first AS (
-    SELECT e.id, e.priority, e.created_at
-      FROM __schema__.workflow_executions AS e
-     WHERE e.status = 'waiting' AND e.wake_at <= __schema__.kestrel_now()
-       AND e.queue = %(queue)s
-       AND (%(any_workflow)s OR e.workflow = ANY(%(workflows)s::text[]))
-       AND (e.given_back_by IS NULL OR %(app_version)s::text IS NULL
-            OR %(app_version)s::text <> ALL (e.given_back_by))
-     ORDER BY e.wake_at
-     LIMIT greatest((SELECT n FROM budget), 0)
-       FOR UPDATE SKIP LOCKED
-), candidate AS (
-    SELECT c.id
-      FROM (SELECT * FROM queued_first UNION ALL SELECT * FROM woken_first) AS c
-     ORDER BY c.priority DESC, c.created_at
-     LIMIT greatest((SELECT n FROM budget), 0)
-), claimed AS (
+),
+-- include: limited_candidates
+, claimed AS (
 -- include: claim_flip
 ), started AS (
-    UPDATE __schema__.queue_limits AS l
-       SET recent_starts = (
-               SELECT coalesce(array_agg(s ORDER BY s), '{}')
-                 FROM (SELECT s FROM unnest(l.recent_starts || array_fill(
-                                    __schema__.kestrel_now(),
-                                    ARRAY[(SELECT count(*) FROM claimed)::int])) AS t(s)
-                        ORDER BY s DESC
-                        LIMIT coalesce(l.rate, 0)) AS kept)
-     WHERE l.queue = %(queue)s AND l.rate IS NOT NULL
-       AND (SELECT count(*) FROM claimed) > 0
+-- include: record_starts
  RETURNING 1
 )
 -- include: claim_result
  WHERE (SELECT count(*) FROM started) >= 0;
+
+-- name: lock_namespace_limit
+-- A namespace of buckets (kestrel.buckets) holds a queue's limits across all its buckets:
+-- the first statement of a limited claim in any bucket takes the queue's row in the queue's
+-- home bucket (buckets.home), or skips the queue for now; it returns the concurrency limit
+-- and the starts the rate limit leaves in its window (NULL: no such limit).
+SELECT concurrency,
+       rate - (SELECT count(*) FROM unnest(recent_starts) AS t(s)
+                WHERE s > __schema__.kestrel_now() - period)
+  FROM __schema__.queue_limits WHERE queue = %(queue)s FOR UPDATE SKIP LOCKED;
+
+-- name: running_in_queue
+-- How many of the queue's executions run in this bucket, read under the home row's lock
+-- (every claim of the queue, in any bucket, takes it before its rows turn running).
+SELECT count(*) FROM __schema__.workflow_executions
+ WHERE queue = %(queue)s AND status = 'running';
+
+-- name: claim_limited_in_namespace
+-- Claim at most %(budget)s of the queue in this bucket: what the limits leave across the
+-- namespace, worked out under the home row's lock. Same row changes and version filter as
+-- claim_limited.
+WITH budget AS (
+    SELECT %(budget)s::bigint AS n
+),
+-- include: limited_candidates
+, claimed AS (
+-- include: claim_flip
+)
+-- include: claim_result
+;
+
+-- name: record_namespace_starts
+-- In the home bucket, after a claim in any bucket took %(started)s: the starts, for the
+-- rate limit's window.
+WITH claimed AS (
+    SELECT generate_series(1, %(started)s)
+)
+-- include: record_starts
+;
 
 -- name: db_now
 SELECT __schema__.kestrel_now();

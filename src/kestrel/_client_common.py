@@ -38,9 +38,6 @@ log = logging.getLogger("kestrel.client")
 MAX_SECONDS = 3_155_760_000
 """Longest timeout or delay accepted (100 years), as in the SQL function."""
 
-LIMITS_TTL_S = 10.0
-"""How long a namespace's client trusts the list of queues with limits it read."""
-
 POLL_CAP_S = 1.0
 """Longest gap between checks while waiting, in case a notification is lost."""
 
@@ -83,10 +80,6 @@ class ClientBase:
         # The schemas of the namespace, by bucket (kestrel.buckets): [self._q] for an
         # ordinary schema; None until the first call reads it.
         self._qs: list[Queries] | None = None
-        # A namespace's queues with limits, each pinned to one bucket, and when to read
-        # them again (a limit declared later pins its queue from then on).
-        self._limited: set[str] = set()
-        self._limited_due = 0.0
         self._max_bytes = max_payload_bytes
         self._pool_size = pool_size
         self._pooler = mode == "pgbouncer"
@@ -116,8 +109,7 @@ class ClientBase:
             return 0
         return buckets.choose(len(qs), queue=params["queue"],
                               idempotency_key=params["idempotency_key"],
-                              dedup_key=params["dedup_key"],
-                              pinned=params["queue"] in self._limited)
+                              dedup_key=params["dedup_key"])
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None,

@@ -90,22 +90,39 @@ def _hash(*parts: str) -> int:
 
 
 def choose(buckets: int, *, queue: str, idempotency_key: str | None = None,
-           dedup_key: str | None = None, pinned: bool = False) -> int:
-    """The bucket of a new top-level execution, the first rule that applies:
+           dedup_key: str | None = None) -> int:
+    """The bucket of a new top-level execution, from the submit's keys alone, so that each
+    submit of a key meets the first wherever and whenever it is sent (FAULTS C4):
 
-    1. a queue *pinned* to one bucket (a queue with limits: its limits hold exactly only
-       where all of its executions are) goes to ``hash(queue)``;
-    2. an *idempotency_key* to ``hash(key)``, so each submit of one key meets the first;
-    3. a *dedup_key* to ``hash(queue, key)``, so a queue's live duplicates meet;
-    4. anything else to a random bucket.
+    1. an *idempotency_key* goes to ``hash(key)``;
+    2. a *dedup_key* to ``hash(queue, key)``, so a queue's live duplicates meet;
+    3. anything else to a random bucket.
+
+    A queue's limits do not move its executions: they hold across the namespace wherever
+    its executions are (:func:`home`).
+
+    Raises:
+        ConfigError: both keys at once: the idempotency key's bucket and the dedup key's
+            differ, and neither key could then keep its promise (one execution per
+            idempotency key, one live execution per dedup key); nothing is written.
     """
-    if pinned:
-        return _hash("queue", queue) % buckets
+    if idempotency_key is not None and dedup_key is not None:
+        raise ConfigError(
+            "a submit to a namespace of buckets takes an idempotency key or a dedup key, not "
+            "both: each decides the bucket, and both could not be kept (a dedup key alone is "
+            "already safe to send again while its execution is live)")
     if idempotency_key is not None:
         return _hash("key", idempotency_key) % buckets
     if dedup_key is not None:
         return _hash("dedup", queue, dedup_key) % buckets
     return secrets.randbelow(buckets)
+
+
+def home(queue: str, buckets: int) -> int:
+    """The bucket holding *queue*'s limits for the whole namespace: every claim of a limited
+    queue, in any bucket, takes the queue's row there first, counts what runs in every
+    bucket under it and records its starts there (``queues.claim_limited``)."""
+    return _hash("queue", queue) % buckets
 
 
 # What a namespace's buckets answer, merged into what one schema would have answered (the

@@ -19,7 +19,7 @@ from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
 
-from kestrel import connections, db, metrics, statements
+from kestrel import buckets, connections, db, metrics, statements
 from kestrel.config import Config
 from kestrel.failpoints import failpoint
 from kestrel.lease import Lease
@@ -28,7 +28,7 @@ from kestrel.outage import OUTAGE
 from kestrel.queues import QueueSpec
 from kestrel.runner import Runner
 from kestrel.slots import Slots
-from kestrel.sql import queries
+from kestrel.sql import Queries, queries
 
 log = logging.getLogger("kestrel.worker")
 
@@ -64,7 +64,8 @@ class Claimer:
 
     def __init__(self, cfg: Config, runner: Runner, *, pool: AsyncConnectionPool[Any],
                  workflows: list[str], wakeups: Wakeups,
-                 stalled: Callable[[], str | None] = lambda: None) -> None:
+                 stalled: Callable[[], str | None] = lambda: None,
+                 namespace: list[Queries] | None = None) -> None:
         self.cfg = cfg
         self._runner = runner
         self.id = runner.id
@@ -72,6 +73,9 @@ class Claimer:
         self.stats = runner.stats
         self._pool = pool
         self._q = queries(cfg.schema)
+        # Every bucket's schema, by bucket, in a namespace: a limited queue's limits hold
+        # across all of them (statements.queues.claim_limited).
+        self._namespace = namespace or [self._q]
         self._names = workflows
         self._stopping = wakeups.stopping
         self._work = wakeups.work
@@ -177,7 +181,8 @@ class Claimer:
                     self._q, queue=queue, owner=self.id, limit=limit,
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
-                    app_version=self.cfg.app_version))
+                    app_version=self.cfg.app_version, namespace=self._namespace,
+                    home=self._namespace[buckets.home(queue, len(self._namespace))]))
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got

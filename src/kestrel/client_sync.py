@@ -20,7 +20,6 @@ from psycopg_pool import ConnectionPool
 
 from kestrel import buckets, codec, connections, db, ids, statements
 from kestrel._client_common import (
-    LIMITS_TTL_S,
     POLL_CAP_S,
     RECONNECT_FIRST_S,
     ClientBase,
@@ -119,14 +118,14 @@ class SyncClient(ClientBase):
 
     def _submit_to(self, params: dict[str, Any]) -> tuple[Queries, int | None]:
         """The schema a top-level submit with *params* goes to and, in a namespace, its
-        bucket (None for an ordinary schema): the one :func:`kestrel.buckets.choose` picks,
-        its queues with limits read again every :data:`LIMITS_TTL_S`."""
+        bucket (None for an ordinary schema): the one :func:`kestrel.buckets.choose` picks
+        from the submit's keys alone.
+
+        Raises:
+            ConfigError: in a namespace, both an idempotency key and a dedup key."""
         qs = self._namespace()
         if len(qs) == 1:
             return qs[0], None
-        if time.monotonic() >= self._limited_due:
-            self._limited = self._run(statements.queues.limited_queues(qs[0]))
-            self._limited_due = time.monotonic() + LIMITS_TTL_S
         bucket = self._for_submit(qs, params)
         return qs[bucket], bucket
 

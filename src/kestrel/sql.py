@@ -117,9 +117,12 @@ class Queries:
     notify_done: str
     # sql/queries/queues.sql (kestrel/statements/queues.py)
     upsert_queue_limit: str
-    limited_queues: str
     lock_queue_limit: str
     claim_limited: str
+    lock_namespace_limit: str
+    running_in_queue: str
+    claim_limited_in_namespace: str
+    record_namespace_starts: str
     db_now: str
     upsert_schedule: str
     advance_schedule: str

@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
-from kestrel import connections, db, statements
+from kestrel import buckets, connections, db, statements
 from kestrel.claimer import Claimer, Wakeups
 from kestrel.config import Config, incarnation_id
 from kestrel.lease import Heartbeat, Leases
@@ -102,15 +102,16 @@ class Worker:
         # start once per bucket.
         self._schedules = [s for s in schedules().values()
                            if cron and s.workflow in workflows]
+        self._namespace = [queries(n) for n in namespace or [cfg.schema]]
         self.runner = Runner(cfg, workflows, pool=self._pool, q=self._q, leases=self.leases,
                              executor=self._executor, stats=self.stats, worker_id=self.id,
                              stopping=self._stopping, slot_freed=self._slot_freed,
-                             namespace=[queries(n) for n in namespace or [cfg.schema]])
+                             namespace=self._namespace)
         self.checkpoints = self.runner.checkpoints
         self.completions = self.runner.completions
         self.claimer = Claimer(cfg, self.runner, pool=self._pool, workflows=sorted(workflows),
                                wakeups=Wakeups(self._stopping, self._work, self._slot_freed),
-                               stalled=self._progressing)
+                               stalled=self._progressing, namespace=self._namespace)
         self.sweeper = Sweeper(self._pool, self._q, cfg, self._work.set)
         self.upkeep = Upkeep(self._pool, self._q, cfg)
         self.scheduler = Scheduler(self._pool, self._q, cfg, self._schedules)
@@ -137,12 +138,18 @@ class Worker:
         self._slot_freed.set()
 
     async def _register(self) -> None:
-        """Write this process's queue limits and schedules (idempotent upserts)."""
+        """Write this process's queue limits and schedules (idempotent upserts). In a
+        namespace of buckets, a queue's limits go to its home bucket too, where every claim
+        of the queue takes them (:func:`kestrel.buckets.home`); this bucket's row says them
+        to `show` and the HTTP door."""
+        ns = self._namespace
         async with self._pool.connection() as conn:
             for spec in self.claimer.limited:
-                await db.run(conn, statements.queues.upsert_queue_limit(
-                    self._q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
-                    period_s=spec.period))
+                home = ns[buckets.home(spec.name, len(ns))]
+                for q in dict.fromkeys((self._q, home)):
+                    await db.run(conn, statements.queues.upsert_queue_limit(
+                        q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
+                        period_s=spec.period))
             if self._schedules:
                 now = await db.run(conn, statements.queues.db_now(self._q))
                 for sch in self._schedules:

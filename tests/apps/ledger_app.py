@@ -98,6 +98,12 @@ async def slow_middle(ctx: kestrel.Context, n: int, seconds: float) -> int:
     return a + b + c
 
 
+@kestrel.workflow(name="slow_child_in")
+async def slow_child_in(ctx: kestrel.Context, n: int, seconds: float, queue: str) -> int:
+    """A parent whose child (slow_middle) runs in *queue*, in the parent's bucket."""
+    return int(await ctx.child(slow_middle, n, seconds, queue=queue))
+
+
 @kestrel.step(name="slow_sync")
 def slow_sync(n: int, seconds: float) -> int:
     """A long ``def`` step (it runs on a thread): start and end in the ledger."""
@@ -312,6 +318,7 @@ async def quick(ctx: kestrel.Context, n: int) -> int:
 kestrel.queue("ai-model", concurrency=3)
 kestrel.queue("rate-limited", rate=5, period=2.0)
 kestrel.queue("per-proc", per_process=1)
+kestrel.queue("ns-limited", concurrency=2, rate=50, period=1.0)  # both limits, in a namespace
 
 
 @kestrel.step(name="hold")

@@ -30,7 +30,11 @@ from tests.helpers import (
     wait_until,
     worker_pids,
 )
-from tests.integration.test_buckets import core_flows, operator_actions_and_cron
+from tests.integration.test_buckets import (
+    core_flows,
+    limit_across_the_namespace,
+    operator_actions_and_cron,
+)
 
 N = 4
 
@@ -185,8 +189,17 @@ def test_the_core_flows_of_the_integration_suite_on_a_namespace(
         citus_dsn: str, three_buckets: str, ledger_path: Path, tmp_path: Path) -> None:
     """The integration suite's namespace flows, through the coordinator: multi-step
     workflows in every bucket, children, a signal wait, an idempotency key, a queue with
-    limits pinned to one bucket (tests/integration/test_buckets.py, core_flows)."""
+    limits (tests/integration/test_buckets.py, core_flows)."""
     core_flows(citus_dsn, three_buckets, ledger_path, tmp_path)
+
+
+def test_a_limit_holds_across_a_namespace_spread_over_the_nodes(
+        citus_dsn: str, three_buckets: str, tmp_path: Path) -> None:
+    """FAULTS C4: a limited queue's claims in every bucket take its row in its home bucket,
+    on whichever node that is, and count every bucket's running rows under it (one
+    transaction across nodes): never more than the limit across the namespace
+    (tests/integration/test_buckets.py, limit_across_the_namespace)."""
+    limit_across_the_namespace(citus_dsn, three_buckets, tmp_path)
 
 
 def test_operator_actions_cron_and_partitions_on_a_namespace(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -127,16 +128,13 @@ def test_the_runtime_serves_every_bucket_and_the_client_finds_each_execution(
 
 def core_flows(pg_dsn: str, namespace: str, ledger_path: Path, tmp_path: Path) -> None:
     """A runtime of a process per bucket: multi-step workflows in every bucket, children in
-    their parents', a signal wait, an idempotency key and a queue with limits pinned to one
-    bucket, to the model's results with each step once; the client's merged reads. (The
+    their parents', a signal wait, an idempotency key and a queue with limits, to the
+    model's results with each step once; the client's merged reads. (The
     Citus tier runs it too.)"""
     client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
     names = buckets.schemas(namespace, N)
     limits = ["--queues", "default,lim", "--queue-limits", "lim:concurrency=2"]
     with runtime(pg_dsn, namespace, procs=N, args=limits, log=tmp_path / "runtime.log"):
-        # Once bucket 0's worker has declared the limit, the client pins the queue.
-        wait_until(lambda: q(pg_dsn, namespace, "SELECT queue FROM {s}.queue_limits"),
-                   timeout=30, what="the limit declared")
         limited = [client.submit("three_steps", 200 + i, queue="lim") for i in range(12)]
         handles = [client.submit("three_steps", i) for i in range(60)]
         parents = [client.submit("parent", 100 + i) for i in range(6)]
@@ -156,9 +154,6 @@ def core_flows(pg_dsn: str, namespace: str, ledger_path: Path, tmp_path: Path) -
         assert len(keyed) == 1 and client.result(keyed.pop(), timeout=30) == app.model(5)
         assert [h.result(timeout=60) for h in limited] == [app.model(200 + i)
                                                            for i in range(12)]
-    # A queue with limits is pinned to one bucket, so its limits hold there exactly.
-    pin = buckets.choose(N, queue="lim", pinned=True)
-    assert {buckets.bucket_of(h.id, N) for h in limited} == {pin}
     # The random choice used every bucket, and each execution is where its id says.
     homes = {buckets.bucket_of(h.id, N) for h in handles}
     assert homes == set(range(N))
@@ -258,6 +253,109 @@ def operator_actions_and_cron(pg_dsn: str, namespace: str, tmp_path: Path) -> No
         assert q1(pg_dsn, name, "SELECT count(*) FROM pg_inherits WHERE inhparent = "
                   "%s::regclass", [f"{name}.workflow_history"]) >= 2
     client.close()
+
+
+def test_a_limit_holds_across_the_namespace_wherever_its_executions_are(
+        pg_dsn: str, namespace: str, tmp_path: Path) -> None:
+    limit_across_the_namespace(pg_dsn, namespace, tmp_path)
+
+
+def limit_across_the_namespace(pg_dsn: str, namespace: str, tmp_path: Path) -> None:
+    """FAULTS C4 (issue 38 row 7): a queue limited to 2 in a namespace of 3 buckets, its
+    executions in every bucket (top-level submits at random, children in their parents'
+    buckets): never more than 2 running at once across the namespace, sampled in one
+    snapshot of all three schemas. Before, limits held per bucket (the queue was pinned to
+    one, but children stayed in their parents' buckets): up to 2 per bucket ran. (The Citus
+    tier runs it too.)"""
+    client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
+    names = buckets.schemas(namespace, N)
+    count = "SELECT " + " + ".join(
+        f"(SELECT count(*) FROM \"{n}\".workflow_executions WHERE queue = 'lim' "
+        "AND status = 'running')" for n in names)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                seen.append(int(conn.execute(count).fetchone()[0]))  # type: ignore[index]
+                stop.wait(0.01)
+
+    limits = ["--queues", "default,lim", "--queue-limits", "lim:concurrency=2",
+              "--concurrency", "8"]
+    sampler = threading.Thread(target=sample)
+    with runtime(pg_dsn, namespace, procs=N, args=limits, log=tmp_path / "runtime.log"):
+        sampler.start()
+        try:
+            tops = [client.submit("slow_middle", i, 0.2, queue="lim") for i in range(9)]
+            parents = [client.submit("slow_child_in", 100 + i, 0.2, "lim") for i in range(9)]
+            assert [h.result(timeout=120) for h in tops] == [app.model(i) for i in range(9)]
+            assert [p.result(timeout=120) for p in parents] == [app.model(100 + i)
+                                                                for i in range(9)]
+        finally:
+            stop.set()
+            sampler.join()
+    children = [r[0] for name in names for r in q(
+        pg_dsn, name, "SELECT id FROM {s}.workflow_history WHERE queue = 'lim' "
+        "AND parent_id IS NOT NULL")]
+    homes = {buckets.bucket_of(i, N) for i in children} | {
+        buckets.bucket_of(h.id, N) for h in tops}
+    assert len(children) == 9 and len(homes) >= 2, homes  # the queue lives in several buckets
+    assert max(seen) == 2, f"running at once across the namespace: max {max(seen)}"
+
+
+def test_one_key_one_execution_whatever_the_clients_know_of_limits(
+        pg_dsn: str, namespace: str) -> None:
+    """FAULTS C4 (issue 38 row 4): a key's bucket is a function of the key alone. Before, a
+    client that had read a queue's limit sent a key to the queue's bucket and one that had
+    not to the key's, and one key made two executions."""
+    key = next(k for k in (f"k{i}" for i in range(100))
+               if buckets.choose(N, queue="lim", idempotency_key=k) != buckets.home("lim", N))
+    before = SyncClient(pg_dsn, schema=namespace, pool_size=0)
+    first = before.submit("three_steps", 1, queue="lim", idempotency_key=key)
+    for name in buckets.schemas(namespace, N):
+        q(pg_dsn, name, "INSERT INTO {s}.queue_limits (queue, concurrency) VALUES ('lim', 1)")
+    after = SyncClient(pg_dsn, schema=namespace, pool_size=0)
+    assert after.submit("three_steps", 1, queue="lim", idempotency_key=key).id == first.id
+    assert before.submit("three_steps", 1, queue="lim", idempotency_key=key).id == first.id
+    assert buckets.bucket_of(first.id, N) == buckets.choose(N, queue="x", idempotency_key=key)
+
+
+@pytest.mark.parametrize("door", ["client", "cli", "http"])
+def test_both_keys_at_once_are_refused_in_a_namespace_before_anything_is_written(
+        pg_dsn: str, namespace: str, door: str, tmp_path: Path) -> None:
+    """FAULTS C4: an idempotency key and a dedup key each decide a submit's bucket, and they
+    differ; neither promise could be kept across buckets (one dedup key had two live
+    executions when the submits also carried idempotency keys), so the submit is refused,
+    typed, with nothing written, at every door."""
+    def total() -> int:
+        return sum(int(q1(pg_dsn, n, "SELECT count(*) FROM {s}.workflow_executions"))
+                   for n in buckets.schemas(namespace, N))
+
+    if door == "client":
+        client = SyncClient(pg_dsn, schema=namespace, pool_size=0)
+        with pytest.raises(ConfigError, match="not both"):
+            client.submit("three_steps", 1, idempotency_key="k'; DROP TABLE x; --",
+                          dedup_key="d")
+    elif door == "cli":
+        out = subprocess.run(
+            [sys.executable, "-m", "kestrel", "submit", "three_steps", "--args", "[1]",
+             "--idempotency-key", "k", "--dedup-key", "d", "--dsn", pg_dsn,
+             "--schema", namespace], capture_output=True, text=True, timeout=60,
+            cwd=ROOT, check=False)
+        assert out.returncode == 1 and "not both" in out.stderr, out
+    else:
+        from tests.http_helpers import free_port, http_runtime, make_token
+
+        token = make_token(pg_dsn, namespace, "both-keys", "submit")
+        with http_runtime(pg_dsn, namespace, port=free_port(), log=tmp_path / "rt.log",
+                          procs=N) as api:
+            api.token = token
+            reply = api.post("/api/v1/workflows/http.echo/submit",
+                             {"args": [1], "dedup_key": "d"},
+                             headers={"Idempotency-Key": "k"})
+            assert reply.status == 400 and b"not both" in reply.body, reply.body
+    assert total() == 0
 
 
 def test_the_http_door_and_the_web_ui_serve_a_namespace(pg_dsn: str, namespace: str,

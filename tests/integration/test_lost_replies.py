@@ -694,6 +694,50 @@ def migrate_again(env: Env, *, test_clock: bool = False) -> None:
             conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
 
 
+def claim_in_namespace(env: Env) -> None:
+    # A namespace of 2 buckets, a queue with both limits: a claim in either bucket takes the
+    # queue's row in its home bucket, counts every bucket's running rows and records its
+    # starts there, in one transaction. Its COMMIT's reply lost, the rows it claimed run
+    # under this worker's name unknown to it: they come back when their lease ends. Every
+    # execution completes, each body once.
+    name = f"n_{uuid.uuid4().hex[:12]}"
+    names = buckets.schemas(name, 2)
+    try:
+        migrate_namespace(env.dsn, name, buckets=2)
+        client = SyncClient(env.dsn, schema=name, pool_size=0)
+        handles = [client.submit(app.three_steps, i, queue="ns-limited") for i in range(6)]
+        assert {buckets.bucket_of(h.id, 2) for h in handles} <= {0, 1}
+
+        def done() -> bool:
+            return sum(finished_count(env.dsn, s) for s in names) >= len(handles)
+
+        async def main() -> None:
+            workers = [Worker(config(s, queues=("ns-limited",)), registry(), dsn=env.dsn,
+                              namespace=names, cron=False) for s in names]
+            tasks = [asyncio.create_task(w.run()) for w in workers]
+            deadline = asyncio.get_running_loop().time() + 30
+            try:
+                while not await asyncio.to_thread(done):
+                    assert asyncio.get_running_loop().time() < deadline, "not done in 30 s"
+                    for t in tasks:
+                        if t.done():
+                            t.result()
+                    await asyncio.sleep(0.05)
+            finally:
+                for w in workers:
+                    w.stop(drain_timeout=5)
+                await asyncio.gather(*tasks)
+
+        asyncio.run(main())
+        for i, h in enumerate(handles):
+            assert h.result(timeout=5) == app.model(i)
+            assert env.bodies(h.id) == [0, 1, 2]
+    finally:
+        with psycopg.connect(env.dsn, autocommit=True) as conn:
+            for schema in names:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
 def migrate_namespace_again(env: Env) -> None:
     # Each bucket's schema in its own transaction, bucket 0 first. The reply lost in one of
     # them, that one is undone; run again, the namespace is whole, each bucket once, and
@@ -795,6 +839,11 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "claim_batch": Lost((claim,)),
     "claim_limited": Lost((claim_limited,)),
     "lock_queue_limit": Lost((claim_limited,)),  # the same transaction's COMMIT
+    # A namespace's limited claim: one transaction in two buckets, its COMMIT's reply lost.
+    "lock_namespace_limit": Lost((claim_in_namespace,)),
+    "running_in_queue": Lost((claim_in_namespace,)),
+    "claim_limited_in_namespace": Lost((claim_in_namespace,)),
+    "record_namespace_starts": Lost((claim_in_namespace,)),
     "heartbeat": Lost((heartbeat,)),
     "heartbeat_wait": Lost((heartbeat_wait,)),
     "set_wait_timeouts": Read("transaction-local settings before the heartbeat's wait on one "
@@ -887,7 +936,6 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "set_bucket": Lost((migrate_namespace_again,)),
     "bucket_table_exists": Read("reads the catalog"),
     "read_bucket": Read("reads which bucket a schema is"),
-    "limited_queues": Read("lists the queues with limits"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
     "wake_workers": Lost((dead_worker,)),

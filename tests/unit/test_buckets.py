@@ -52,8 +52,14 @@ def test_the_choice_is_stable_for_keys_and_spread_without_one() -> None:
                    for _ in range(5))
         assert buckets.choose(7, queue="q", dedup_key=key) == buckets.choose(
             7, queue="q", dedup_key=key)
-    assert buckets.choose(16, queue="ai", pinned=True, idempotency_key="k") == \
-        buckets.choose(16, queue="ai", pinned=True)
+    # A key's bucket is a function of the key alone, whatever the queue and its limits.
+    assert buckets.choose(16, queue="ai", idempotency_key="k") == \
+        buckets.choose(16, queue="other", idempotency_key="k")
+    for key in hostile:
+        with pytest.raises(ConfigError, match="not both"):
+            buckets.choose(7, queue="q", idempotency_key="k", dedup_key=key)
+    assert 0 <= buckets.home("ai", 16) < 16
+    assert len({buckets.home(f"q{i}", 4) for i in range(40)}) == 4  # homes spread
     seen = {buckets.choose(4, queue="q") for _ in range(400)}
     assert seen == {0, 1, 2, 3}
 

@@ -23,26 +23,64 @@ def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate:
                                        "rate": rate, "period_s": period_s}, nothing)
 
 
-def limited_queues(q: Queries) -> Stmt[set[str]]:
-    """The queues that have limits."""
-    return Stmt(q.limited_queues, None, lambda rows: {str(r[0]) for r in rows})
-
-
 def claim_limited(
     q: Queries, *, queue: str, owner: str, limit: int, lease_s: float,
     workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
-    app_version: str | None = None,
+    app_version: str | None = None, namespace: Sequence[Queries] = (),
+    home: Queries | None = None,
 ) -> Script[list[Claimed] | None]:
     """Claim from a limited queue within its limits, in one transaction under the queue's row
-    lock; None when another process holds that lock right now (try again later)."""
-    locked = yield Stmt(q.lock_queue_limit, {"queue": queue}, lambda rows: bool(rows))
-    if not locked:
-        return None
+    lock; None when another process holds that lock right now (try again later).
+
+    In a namespace of buckets (*namespace*: every bucket's schema by bucket, *q* among them)
+    the limits hold across the namespace, wherever the queue's executions are (children in
+    their parent's bucket, cron ticks in bucket 0, keyed submits in their key's): the queue's
+    row is taken in its *home* bucket's schema (:func:`kestrel.buckets.home`), what runs in
+    every bucket is counted under that lock, and the starts are recorded there (FAULTS C4).
+    Every claim of the queue takes that lock before its rows turn running, so the count is
+    exact. One statement more per bucket, for limited queues only."""
     params = claim_params(owner=owner, limit=limit, lease_s=lease_s, workflows=workflows,
                           max_history_bytes=max_history_bytes, app_version=app_version)
     params["queue"] = queue
-    claimed: list[Claimed] = yield Stmt(q.claim_limited, params, claims, by_name=True)
-    return claimed
+    if len(namespace) < 2 or home is None:
+        locked = yield Stmt(q.lock_queue_limit, {"queue": queue}, lambda rows: bool(rows))
+        if not locked:
+            return None
+        claimed: list[Claimed] = yield Stmt(q.claim_limited, params, claims, by_name=True)
+        return claimed
+    lim = yield lock_namespace_limit(home, queue=queue)
+    if lim is None:
+        return None
+    concurrency, rate_left = lim
+    budget = limit if rate_left is None else min(limit, rate_left)
+    if concurrency is not None and budget > 0:
+        running = 0
+        for bucket in namespace:
+            running += yield running_in_queue(bucket, queue=queue)
+        budget = min(budget, concurrency - running)
+    if budget <= 0:
+        return []
+    got: list[Claimed] = yield Stmt(q.claim_limited_in_namespace, {**params, "budget": budget},
+                                    claims, by_name=True)
+    if got and rate_left is not None:
+        yield record_namespace_starts(home, queue=queue, started=len(got))
+    return got
+
+
+def lock_namespace_limit(q: Queries, *, queue: str) -> Stmt[tuple[int | None, int | None] | None]:
+    """In *queue*'s home bucket: take its row; ``(concurrency, starts the rate leaves)``, or
+    None when another claim holds it (or the queue has no limits there)."""
+    return Stmt(q.lock_namespace_limit, {"queue": queue}, lambda rows: rows[0] if rows else None)
+
+
+def running_in_queue(q: Queries, *, queue: str) -> Stmt[int]:
+    """How many of *queue*'s executions run in this bucket."""
+    return Stmt(q.running_in_queue, {"queue": queue}, first)
+
+
+def record_namespace_starts(q: Queries, *, queue: str, started: int) -> Stmt[None]:
+    """In *queue*'s home bucket: *started* more starts, for its rate limit."""
+    return Stmt(q.record_namespace_starts, {"queue": queue, "started": started}, nothing)
 
 
 def db_now(q: Queries) -> Stmt[datetime]:
