@@ -69,7 +69,13 @@ BEGIN
             v_name := v_table || '_p' || to_char(v_start AT TIME ZONE 'UTC', v_format);
             CONTINUE WHEN to_regclass(format('%I.%I', '__schema_name__', v_name)) IS NOT NULL;
             -- Rows that landed in the DEFAULT partition for this range (before upkeep first
-            -- ran) move into the new partition, which is attached afterwards.
+            -- ran) move into the new partition, which is attached afterwards. Writes to the
+            -- table wait (for milliseconds) from before the move to the commit: a row routed
+            -- to DEFAULT in between failed the attach with 23514 under traffic (FAULTS C6).
+            -- The parent is what they wait on, before they are routed, so once this commits
+            -- they go to the new partition (a lock on DEFAULT alone failed them instead).
+            EXECUTE format('LOCK TABLE %I.%I IN SHARE ROW EXCLUSIVE MODE', '__schema_name__',
+                           v_table);
             EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
                            '__schema_name__', v_name, '__schema_name__', v_table);
             EXECUTE format('WITH moved AS (DELETE FROM %I.%I WHERE %I >= %L AND %I < %L RETURNING *) '

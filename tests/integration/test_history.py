@@ -231,6 +231,62 @@ def test_the_key_of_an_execution_retention_dropped_makes_a_new_one(
                                   "{s}.idempotency_keys")) == ["k-live", "k-old", "k-recent"]
 
 
+def test_the_current_partition_is_created_under_traffic(pg_dsn: str, schema: str) -> None:
+    """FAULTS C6: migrate creates the current period's partitions while the runtime writes
+    history (a rolling deploy). Rows of that period wait in DEFAULT and move into the new
+    partition; a row landing in DEFAULT between the move and the attach failed the attach
+    with 23514, every time under a stream of inserts (and a lock on DEFAULT alone failed the
+    inserts instead). Ten rounds under a stream of inserts: neither side fails, no row lost."""
+    stop = threading.Event()
+    errors: list[str] = []
+    inserted = 0
+
+    def traffic() -> None:
+        nonlocal inserted
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                try:
+                    conn.execute(pgsql.SQL(
+                        "INSERT INTO {}.workflow_history (id, workflow, queue, priority, "
+                        "status, args, lease_epoch, attempts, created_at, finished_at) VALUES "
+                        "(gen_random_uuid(), 'flow', 'default', 0, 'completed', '[]', 1, 1, "
+                        "now(), now())").format(pgsql.Identifier(schema)))
+                    inserted += 1
+                except psycopg.Error as exc:
+                    errors.append(f"insert: {exc!r}")
+
+    today = q1(pg_dsn, schema, "SELECT to_char(now() AT TIME ZONE 'UTC', 'YYYYMMDD')")
+    writer = threading.Thread(target=traffic)
+    writer.start()
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            for _ in range(10):
+                time.sleep(0.05)  # rows of today land in DEFAULT meanwhile
+                for table in ("workflow_history", "signal_history", "event_history"):
+                    part = pgsql.Identifier(schema, f"{table}_p{today}")
+                    if q1(pg_dsn, schema, "SELECT to_regclass(%s)",
+                          [f"{schema}.{table}_p{today}"]) is None:
+                        continue
+                    # Back to DEFAULT with its rows, as before upkeep first ran.
+                    conn.execute(pgsql.SQL("ALTER TABLE {} DETACH PARTITION {}").format(
+                        pgsql.Identifier(schema, table), part))
+                    conn.execute(pgsql.SQL("INSERT INTO {} SELECT * FROM {}").format(
+                        pgsql.Identifier(schema, table), part))
+                    conn.execute(pgsql.SQL("DROP TABLE {}").format(part))
+                try:
+                    conn.execute(pgsql.SQL("SELECT {}.kestrel_ensure_history_partitions_v1("
+                                           "'day', 0, true)").format(pgsql.Identifier(schema)))
+                except psycopg.Error as exc:
+                    errors.append(f"ensure: {exc!r}")
+    finally:
+        stop.set()
+        writer.join()
+    assert errors == []
+    assert inserted > 0
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history") == inserted
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history_default") == 0
+
+
 def test_partitions_are_created_ahead_and_named_from_the_interval(
     pg_dsn: str, schema: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
