@@ -86,6 +86,23 @@ async def nested(ctx: kestrel.Context, key: str) -> dict[str, Any]:
             "signal": got.payload, "children": [w.result() for w in waits]}
 
 
+@kestrel.workflow(name="par_fan_children")
+async def fan_children(ctx: kestrel.Context, n: int) -> dict[str, Any]:
+    """Children started at once, then n steps (bodies finishing in reverse order) beside a
+    durable sleep, then the children waited for at once: the process machine's fan-out."""
+    kids = await asyncio.gather(*(ctx.start_child(child, i) for i in range(2)))
+    steps, _ = await asyncio.gather(
+        asyncio.gather(*(ctx.step(g, i, 0.01 * (n - i)) for i in range(n))), ctx.sleep(0.5))
+    done = await asyncio.gather(*(ctx.wait_child(k) for k in kids))
+    return {"steps": list(steps), "children": list(done)}
+
+
+def model_fan_children(n: int) -> dict[str, Any]:
+    """What par_fan_children(n) returns."""
+    return {"steps": [f"g({i})" for i in range(n)],
+            "children": [len(f"g({i})") + i for i in range(2)]}
+
+
 @kestrel.workflow(name="par_waits")
 async def waits(ctx: kestrel.Context) -> list[Any]:
     """Two signal waits and a sleep at once: each parks in turn, at its own position."""

@@ -1,7 +1,9 @@
 """The process machine (FAULTS.md): real ``kestrel-runtime`` processes, real signals.
 
-Rules submit workflows, SIGKILL a worker *while a step body runs* (the body writes a "start"
-line to the ledger first, so the kill lands mid-step), and SIGSTOP a worker past its lease
+Rules submit workflows (sequential ones, long runs of short steps, and fan-outs of parallel
+steps with a sleep and children inside: FAULTS C1, C2), SIGKILL a worker *while a step body
+runs* (the body writes a "start" line to the ledger first, so the kill lands mid-step), and
+SIGSTOP a worker past its lease
 before SIGCONT (a zombie). After every rule: each recorded checkpoint is the model's value
 and is recorded once. At the end, everything submitted is completed with the model's
 result, and no step body ran more often than the kills that hit it allow.
@@ -24,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from kestrel.client import SyncClient
 from tests.apps import ledger_app as app
+from tests.apps import parallel_app
 from tests.helpers import alive, q, start_runtime, stop_runtime, wait_until, worker_pids
 
 settings.register_profile(
@@ -56,7 +59,8 @@ class ProcessMachine(RuleBasedStateMachine):
         self.proc = start_runtime(self.dsn, self.schema,
                                   # 64 in flight: the bound on bodies run again (invariant)
                                   args=["--max-attempts", "10", "--concurrency", "64"],
-                                  env={"KESTREL_TEST_LEDGER": str(self.ledger)}, out=self.log)
+                                  env={"KESTREL_TEST_LEDGER": str(self.ledger)}, out=self.log,
+                                  app="tests.apps.ledger_app,tests.apps.parallel_app")
         wait_until(lambda: len(worker_pids(self.proc.pid)) == 2, timeout=20, what="workers")
 
     def teardown(self) -> None:
@@ -70,16 +74,23 @@ class ProcessMachine(RuleBasedStateMachine):
             assert all(r[0] == 1 for r in per_step)
             bodies = [e for e in app.read_ledger(self.ledger) if e["kind"] == "body"]
             recorded = q(self.dsn, self.schema, "SELECT count(*) FROM {s}.workflow_steps "
-                         "WHERE step_name <> 'kestrel.sleep'")[0][0]
+                         "WHERE step_name NOT LIKE 'kestrel.%%'")[0][0]
             # Each kill or freeze can cost at most the bodies in flight in that process.
             assert recorded <= len(bodies) <= recorded + 64 * self.kills
         finally:
             stop_runtime(self.proc)
             self.log.close()
 
-    @rule(n=st.integers(0, 99), kind=st.sampled_from(["fast", "slow", "sleeper"]))
+    @rule(n=st.integers(0, 99),
+          kind=st.sampled_from(["fast", "slow", "sleeper", "short", "fan"]))
     def submit(self, n: int, kind: str) -> None:
-        if kind == "slow":
+        if kind == "short":  # 40 short steps in a row: batches hold the row (FAULTS C2)
+            h = self.client.submit(app.short_steps, n, 40)
+            self.expected[h.id] = app.model(n, 40)
+        elif kind == "fan":  # children, parallel steps and a sleep at once (FAULTS C1)
+            h = self.client.submit(parallel_app.fan_children, n % 5 + 2)
+            self.expected[h.id] = parallel_app.model_fan_children(n % 5 + 2)
+        elif kind == "slow":
             h = self.client.submit(app.slow_middle, n, 1.0)
             self.expected[h.id] = app.model(n)
         elif kind == "sleeper":  # a durable 5 s sleep between two steps
@@ -171,9 +182,18 @@ class ProcessMachine(RuleBasedStateMachine):
     def recorded_values_are_the_models(self) -> None:
         if not hasattr(self, "expected"):
             return
-        for eid, step, out in q(self.dsn, self.schema, "SELECT execution_id, step_id, output "
-                                "FROM {s}.workflow_steps"):
+        for eid, step, out, name in q(self.dsn, self.schema, "SELECT execution_id, step_id, "
+                                      "output, step_name FROM {s}.workflow_steps"):
             ex = self.client.get(eid)
+            if ex.workflow == "par_child":  # its one step, g of its argument
+                assert (step, out) == (0, f"g({ex.args[0]})")
+                continue
+            if ex.workflow == "par_fan_children":
+                # Two child starts at 0 and 1, so the fan-out's i-th step is at 2 + i; the
+                # sleep and the children's waits are checked by the results at the end.
+                if name == "par_g":
+                    assert out == f"g({step - 2})"
+                continue
             if ex.workflow == "sleeper" and step == 1:
                 assert out == {"slept": True}
                 continue
