@@ -352,6 +352,7 @@ DECLARE
     -- call, not from the caller's BEGIN (kestrel_now() is the transaction's start; a submit
     -- in a transaction open for minutes would be created minutes late, FAULTS C6).
     v_now timestamptz := __schema__.kestrel_now() + (clock_timestamp() - now());
+    v_wake timestamptz;
     v_digest text;
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_live uuid;
@@ -387,6 +388,9 @@ BEGIN
     IF v_delay_s IS NOT NULL AND NOT (v_delay_s >= 0 AND v_delay_s <= 3155760000) THEN
         RAISE EXCEPTION 'delay must be between 0 and 3155760000 seconds (100 years), got %',
             v_delay_s USING ERRCODE = 'KS002';
+    END IF;
+    IF v_delay_s > 0 THEN  -- computed here: no STABLE operator inside a CASE (Citus)
+        v_wake := v_now + make_interval(secs => v_delay_s);
     END IF;
     IF p_on_duplicate IS NULL OR p_on_duplicate NOT IN ('return', 'reject') THEN
         RAISE EXCEPTION 'on_duplicate must be return or reject, got %',
@@ -457,7 +461,7 @@ BEGIN
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
                 v_now + make_interval(secs => p_timeout_s), p_dedup_key,
                 CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
-                CASE WHEN v_delay_s > 0 THEN v_now + make_interval(secs => v_delay_s) END,
+                v_wake,
                 v_traceparent, v_tracestate)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;
@@ -1545,8 +1549,11 @@ CREATE OR REPLACE FUNCTION __schema__.park_execution(
 LANGUAGE plpgsql AS $$
 DECLARE
     v record;
-    -- Read once, used inside CASE as a parameter (Citus refuses the call there: issue 24).
+    -- Read once, used inside CASE as a parameter (Citus refuses the call there: issue 24),
+    -- and so is the wait's end: timestamptz + interval is STABLE too, and inside a CASE it
+    -- failed every timed wait on Citus (issue 44).
     v_now timestamptz := __schema__.kestrel_now();
+    v_until timestamptz := v_now + make_interval(secs => p_seconds);
 BEGIN
     UPDATE __schema__.workflow_executions AS e
        SET status = 'waiting',
@@ -1557,11 +1564,11 @@ BEGIN
            wait_deadline = CASE
                WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
                THEN e.wait_deadline
-               ELSE v_now + make_interval(secs => p_seconds) END,
+               ELSE v_until END,
            wake_at = CASE
                WHEN e.wait_step IS NOT DISTINCT FROM p_step_id AND e.wait_deadline IS NOT NULL
                THEN e.wait_deadline
-               ELSE v_now + make_interval(secs => p_seconds) END,
+               ELSE v_until END,
            wait_step = p_step_id,
            updated_at = v_now
      WHERE e.id = p_id

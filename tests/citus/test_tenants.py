@@ -189,6 +189,37 @@ def test_core_flows_end_to_end_through_the_coordinator(citus_dsn: str, tenant: s
     assert recorded == len(bodies) == 3 * 3 + 3 + 2  # three three_steps, the child, approval
 
 
+def test_timed_waits_on_a_tenant(citus_dsn: str, tenant: str, tmp_path: Path) -> None:
+    """Issue 44 row 1: on Citus every timed wait failed its execution (`non-IMMUTABLE
+    functions are not allowed in CASE or COALESCE statements`, in park_execution): a durable
+    sleep (the quick start's `greet`), a signal wait with a timeout that passes (the README's
+    approval) and one whose signal comes in time, and a delayed submit."""
+    from tests.apps import ledger_app as app
+
+    slept = submit(citus_dsn, tenant, "sleeper", 4, 0.5)
+    timed_out = submit(citus_dsn, tenant, "wait_with_timeout", 0.5)
+    signalled = submit(citus_dsn, tenant, "wait_with_timeout", 60)
+    delayed = cli(citus_dsn, tenant, "submit", "three_steps", "--args", "[6]", "--delay",
+                  "0.5").splitlines()[-1]
+    with runtime(citus_dsn, tenant, procs=1, app=APP, log=tmp_path / "runtime.log"):
+        wait_until(lambda: status(citus_dsn, tenant, signalled) == "waiting", timeout=60,
+                   what="the wait with a long timeout parked")
+        cli(citus_dsn, tenant, "signal", signalled, "never", "--payload", '"in time"')
+        wait_until(lambda: all(status(citus_dsn, tenant, i) in ("completed", "failed")
+                               for i in (slept, timed_out, signalled, delayed)),
+                   timeout=60, what="every timed wait ended")
+
+    def result(eid: str) -> Any:
+        row = q(citus_dsn, tenant, "SELECT status, result, error FROM {s}.executions "
+                "WHERE id = %s", [eid])
+        return row[0]
+
+    assert result(slept)[:2] == ("completed", app.model_step(4, 0) + app.model_step(4, 1))
+    assert result(timed_out)[:2] == ("completed", {"timed_out": True, "payload": None})
+    assert result(signalled)[:2] == ("completed", {"timed_out": False, "payload": "in time"})
+    assert result(delayed)[:2] == ("completed", app.model(6))
+
+
 # -- faults on a tenant -------------------------------------------------------------------
 
 def cluster_of(port: int) -> str:
