@@ -243,7 +243,8 @@ def test_the_current_partition_is_created_under_traffic(pg_dsn: str, schema: str
 
     def traffic() -> None:
         nonlocal inserted
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        # No prepared statements: a transaction-mode PgBouncer cannot route them.
+        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
             while not stop.is_set():
                 try:
                     conn.execute(pgsql.SQL(
@@ -259,7 +260,7 @@ def test_the_current_partition_is_created_under_traffic(pg_dsn: str, schema: str
     writer = threading.Thread(target=traffic)
     writer.start()
     try:
-        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
             for _ in range(10):
                 time.sleep(0.05)  # rows of today land in DEFAULT meanwhile
                 for table in ("workflow_history", "signal_history", "event_history"):
