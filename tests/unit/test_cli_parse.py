@@ -198,3 +198,28 @@ def test_fork_is_a_command_and_needs_from_step(capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["fork", "id"])
     assert "--from-step" in capsys.readouterr().err
+
+
+def test_a_migrate_that_fails_on_a_missing_object_says_where_not_run_migrate() -> None:
+    """Issue 44 row 2: a migrate that met `schema "shop" does not exist` on a Citus worker
+    node was told to run migrate, and the CONTEXT naming the node was dropped."""
+    from types import SimpleNamespace
+
+    import psycopg
+
+    from kestrel.cli import describe_db_error
+    from kestrel.config import Config
+
+    class OnANode(psycopg.errors.InvalidSchemaName):
+        sqlstate = "3F000"
+        diag = SimpleNamespace(  # type: ignore[assignment]
+            context="while executing command on 127.0.0.1:5441")
+
+    exc = OnANode('schema "shop" does not exist')
+    said = describe_db_error(exc, "migrate", Config(schema="shop"))
+    assert said == ('migrate of schema shop failed: schema "shop" does not exist (while '
+                    "executing command on 127.0.0.1:5441) [SQLSTATE 3F000]; no migration of "
+                    "this run was kept (one transaction)")
+    # Any other command: the schema lacks kestrel's tables, and migrate is the way.
+    assert "run `kestrel-runtime migrate --schema shop`" in describe_db_error(
+        exc, "list", Config(schema="shop"))

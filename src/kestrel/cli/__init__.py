@@ -242,6 +242,14 @@ def describe_db_error(exc: psycopg.Error, command: str, cfg: Config) -> str:
 
     what = _line(exc)
     schema = cfg.schema
+    if command == "migrate" and isinstance(exc, e.UndefinedTable | e.InvalidSchemaName
+                                           | e.UndefinedFunction | e.UndefinedColumn):
+        # Not "run migrate": this is migrate. Where it failed matters (on Citus, CONTEXT
+        # names the worker node: issue 44 row 2).
+        first = str(exc).strip().splitlines()[0]
+        where = f" ({' '.join(exc.diag.context.split())})" if exc.diag.context else ""
+        return (f"migrate of schema {schema} failed: {first}{where} [SQLSTATE "
+                f"{exc.sqlstate}]; no migration of this run was kept (one transaction)")
     if isinstance(exc, e.UndefinedTable | e.InvalidSchemaName | e.UndefinedFunction
                   | e.UndefinedColumn):
         what = str(exc).strip().splitlines()[0]  # not the HINT about casts
