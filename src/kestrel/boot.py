@@ -251,6 +251,11 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
     if not workflows:
         raise ConfigError(f"invalid setting --app={cfg.app!r}: it registers no workflows")
     cfg.check_queues()  # after the app declared its queues
+    # The default version, once for every worker of this runtime: a hash of the modules the
+    # app's import loaded, before any process imports more of them later.
+    from kestrel.versions import resolve_app_version
+
+    cfg = resolve_app_version(cfg, workflows)
     dsn, server = _database(cfg)
     log.info("database %s, schema %s, %s mode, at most %d connections (%d processes x "
              "(pool %d + heartbeat + LISTEN)); LISTEN %s",
