@@ -100,3 +100,13 @@ UPDATE __schema__.queue_limits AS l
                     LIMIT coalesce(l.rate, 0)) AS kept)
  WHERE l.queue = %(queue)s AND l.rate IS NOT NULL
    AND (SELECT count(*) FROM claimed) > 0
+
+-- name: heartbeat_extend
+-- The heartbeat's change (heartbeat, heartbeat_wait): the lease of each row in `locked` that
+-- still runs under the epoch `held` gives it, extended by %(lease_s)s from now.
+UPDATE __schema__.workflow_executions AS e
+   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
+  FROM locked AS l
+  JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
+ WHERE e.id = l.id
+   AND l.status = 'running'

@@ -129,12 +129,7 @@ WITH held(id, epoch) AS (
      ORDER BY e.id
        FOR NO KEY UPDATE OF e SKIP LOCKED
 ), extended AS (
-    UPDATE __schema__.workflow_executions AS e
-       SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-      FROM locked AS l
-      JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
-     WHERE e.id = l.id
-       AND l.status = 'running'
+-- include: heartbeat_extend
     RETURNING e.id, e.cancel_requested
 ), seen AS MATERIALIZED (
     SELECT e.id, e.lease_epoch, e.status
@@ -173,12 +168,7 @@ WITH held(id, epoch) AS (
      ORDER BY e.id
        FOR NO KEY UPDATE OF e
 )
-UPDATE __schema__.workflow_executions AS e
-   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-  FROM locked AS l
-  JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
- WHERE e.id = l.id
-   AND l.status = 'running'
+-- include: heartbeat_extend
 RETURNING e.id, e.cancel_requested, true AS extended;
 
 -- name: complete_batch

@@ -186,7 +186,7 @@ _INCLUDE = re.compile(r"^[ \t]*-- include: (\w+)[ \t]*$", re.MULTILINE)
 
 def fragments() -> dict[str, str]:
     """Every ``-- name:`` fragment of ``sql/fragments``: a part of statements written once
-    (the claim's change to its rows, and its result, shared by both claims)."""
+    (the claims' change to their rows and their result, the heartbeat's change)."""
     found: dict[str, str] = {}
     for path in sorted((sql_dir() / "fragments").glob("*.sql")):
         found.update(parse_named(path.read_text()))

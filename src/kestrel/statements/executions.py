@@ -20,7 +20,7 @@ from kestrel import codec
 from kestrel.codec import MAX_HISTORY_BYTES
 from kestrel.errors import HistoryTooLarge, UndecodableInput
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Script, Stmt, checkpoint_fields, json_rows, wrapped
+from kestrel.statements.stmt import Script, Stmt, checkpoint_fields, json_rows, nothing, wrapped
 from kestrel.types import Claimed, Finish, RecordedStep
 
 SUSPECT_AFTER = 2
@@ -124,7 +124,7 @@ def heartbeat_wait(q: Queries, *, held: tuple[uuid.UUID, int], lease_s: float,
     """Extend the lease *held*, waiting at most *timeout_ms* for its row (lock_timeout, and
     statement_timeout for a wait on a Citus worker node): ``{id: cancel flag}`` if it is
     still ours, else empty (no longer ours). One transaction."""
-    yield Stmt(q.set_wait_timeouts, {"timeout": f"{timeout_ms}ms"}, lambda rows: None)
+    yield Stmt(q.set_wait_timeouts, {"timeout": f"{timeout_ms}ms"}, nothing)
     owned: dict[uuid.UUID, bool] = yield Stmt(
         q.heartbeat_wait, {"ids": [held[0]], "epochs": [held[1]], "lease_s": lease_s},
         lambda rows: {r[0]: bool(r[1]) for r in rows})
