@@ -137,6 +137,29 @@ def test_a_deadline_and_a_delay_count_from_the_call_not_from_the_callers_begin(
     assert (other - called).total_seconds() >= 2.0
 
 
+HOSTILE_SECONDS = [math.nan, math.inf, -1.0, 2**64, 3155760001.0]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    *(("timeout", v) for v in [*HOSTILE_SECONDS, 1e-400]),  # 1e-400 is 0.0: not positive
+    *(("delay", v) for v in HOSTILE_SECONDS),  # (a delay of 0 is valid: it starts at once)
+])
+def test_hostile_timeouts_and_delays_are_refused_in_a_callers_transaction_too(
+    pg_dsn: str, schema: str, field: str, value: float
+) -> None:
+    """The call-time clock (FAULTS C6) left the refusals as they were: NaN, infinities,
+    negatives, 1e-400 (0.0: a timeout must be positive), 2^64 and past 100 years are refused,
+    typed, before anything is sent, also in a caller's open transaction, which stays usable."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    with psycopg.connect(pg_dsn) as conn:
+        conn.execute("SELECT 1")
+        with pytest.raises(kestrel.ConfigError, match=field):
+            client.submit(app.three_steps, 1, conn=conn, **{field: value})
+        assert conn.execute("SELECT 2").fetchone() == (2,)
+        conn.commit()
+    assert rows(pg_dsn, schema) == 0
+
+
 def test_async_submit_in_callers_transaction(pg_dsn: str, schema: str) -> None:
     client = Client(pg_dsn, schema=schema, pool_size=0)
 
