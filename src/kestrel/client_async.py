@@ -105,15 +105,16 @@ class Client(ClientBase):
         async with self._borrow() as own:
             return await db.run(own, stmt)
 
-    async def _namespace(self) -> list[Queries]:
-        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)."""
+    async def _namespace(
+            self, conn: psycopg.AsyncConnection[Any] | None = None) -> list[Queries]:
+        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)
+        on *conn* or a connection of the pool."""
         if self._qs is None:
-            async with self._borrow() as conn:
-                try:
-                    made = await db.run(conn, statements.migrate.read_bucket(self._q))
-                except psycopg.errors.UndefinedTable:
-                    # A schema not made yet (asked again next call) or older than buckets.
-                    return [self._q]
+            try:
+                made = await self._run(statements.migrate.read_bucket(self._q), conn)
+            except psycopg.errors.UndefinedTable:
+                # A schema not made yet (asked again next call) or older than buckets.
+                return [self._q]
             self._qs = self._namespace_of(made)
         return self._qs
 
@@ -130,9 +131,11 @@ class Client(ClientBase):
         bucket = self._for_submit(qs, params)
         return qs[bucket], bucket
 
-    async def _of(self, execution_id: uuid.UUID) -> Queries:
-        """The schema holding *execution_id*."""
-        return self._by_id(await self._namespace(), execution_id)
+    async def _of(
+            self, execution_id: uuid.UUID, conn: psycopg.AsyncConnection[Any] | None = None,
+    ) -> Queries:
+        """The schema holding *execution_id* (the namespace read on *conn* if not known yet)."""
+        return self._by_id(await self._namespace(conn), execution_id)
 
     async def _every(self, make: Any) -> list[Any]:
         """What the statement *make(q)* returns in each bucket's schema, bucket 0 first."""
@@ -344,15 +347,14 @@ class Client(ClientBase):
                 database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
-        q = await self._of(eid)
 
-        async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
+        async def check(conn: psycopg.AsyncConnection[Any], q: Queries) -> tuple[bool, Any]:
             ex = await db.run(conn, statements.client.get_execution(q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = await self._wait(check, statements.client.listen_done(q), timeout,
+        ex = await self._wait(eid, check, statements.client.listen_done, timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -364,21 +366,22 @@ class Client(ClientBase):
             TimeoutError: no value was published in time.
         """
         eid = ident(execution_id)
-        q = await self._of(eid)
 
-        async def check(conn: psycopg.AsyncConnection[Any]) -> tuple[bool, Any]:
+        async def check(conn: psycopg.AsyncConnection[Any], q: Queries) -> tuple[bool, Any]:
             return await db.run(conn, statements.client.get_event(q, id=eid, key=key))
 
-        return await self._wait(check, statements.client.listen_events(q), timeout,
+        return await self._wait(eid, check, statements.client.listen_events, timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
-    async def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,
+    async def _wait(self, eid: uuid.UUID, check: Any, listen: Any, timeout: float | None,
                     message: Any) -> Any:
-        """Re-run *check* on each notification (or poll) until it says done.
+        """Re-run *check(conn, q)* on each notification (or poll) until it says done; *q* is
+        the schema holding *eid*, *listen(q)* the statement that subscribes to its news.
 
         A lost connection (PostgreSQL restarted, failed over, or a pooler restarted) does not
-        end the wait: it reconnects with backoff and goes on until *timeout*, then raises
-        TimeoutError saying the database was unreachable.
+        end the wait, wherever it lands (the namespace lookup included): it reconnects with
+        backoff and goes on until *timeout*, then raises TimeoutError saying the database was
+        unreachable.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
@@ -387,15 +390,17 @@ class Client(ClientBase):
         try:
             while True:
                 try:
+                    # The schema is looked up inside the loop, on the wait's own connection:
+                    # a restart landing on the lookup is ridden out like any other.
                     if waiter is None and self._listen_dsn:
                         waiter = await self._connect(self._listen_dsn)
-                        await db.run(waiter, listen)
+                        await db.run(waiter, listen(await self._of(eid, waiter)))
                     # Same connection when it is direct; a pooled one otherwise.
                     if waiter is not None and self._listen_dsn == self.dsn:
-                        done, value = await check(waiter)
+                        done, value = await check(waiter, await self._of(eid, waiter))
                     else:
                         async with self._borrow(timeout=max(0.1, remaining(deadline))) as conn:
-                            done, value = await check(conn)
+                            done, value = await check(conn, await self._of(eid, conn))
                     if done:
                         return value
                     if deadline is not None and time.monotonic() >= deadline:

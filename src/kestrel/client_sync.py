@@ -104,15 +104,16 @@ class SyncClient(ClientBase):
         with self._borrow() as own:
             return db.run_sync(own, stmt)
 
-    def _namespace(self) -> list[Queries]:
-        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)."""
+    def _namespace(
+            self, conn: psycopg.Connection[Any] | None = None) -> list[Queries]:
+        """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)
+        on *conn* or a connection of the pool."""
         if self._qs is None:
-            with self._borrow() as conn:
-                try:
-                    made = db.run_sync(conn, statements.migrate.read_bucket(self._q))
-                except psycopg.errors.UndefinedTable:
-                    # A schema not made yet (asked again next call) or older than buckets.
-                    return [self._q]
+            try:
+                made = self._run(statements.migrate.read_bucket(self._q), conn)
+            except psycopg.errors.UndefinedTable:
+                # A schema not made yet (asked again next call) or older than buckets.
+                return [self._q]
             self._qs = self._namespace_of(made)
         return self._qs
 
@@ -129,9 +130,11 @@ class SyncClient(ClientBase):
         bucket = self._for_submit(qs, params)
         return qs[bucket], bucket
 
-    def _of(self, execution_id: uuid.UUID) -> Queries:
-        """The schema holding *execution_id*."""
-        return self._by_id(self._namespace(), execution_id)
+    def _of(
+            self, execution_id: uuid.UUID, conn: psycopg.Connection[Any] | None = None,
+    ) -> Queries:
+        """The schema holding *execution_id* (the namespace read on *conn* if not known yet)."""
+        return self._by_id(self._namespace(conn), execution_id)
 
     def _every(self, make: Any) -> list[Any]:
         """What the statement *make(q)* returns in each bucket's schema, bucket 0 first."""
@@ -343,15 +346,14 @@ class SyncClient(ClientBase):
                 database was unreachable until then; the message says so).
         """
         eid = ident(execution_id)
-        q = self._of(eid)
 
-        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+        def check(conn: psycopg.Connection[Any], q: Queries) -> tuple[bool, Any]:
             ex = db.run_sync(conn, statements.client.get_execution(q, id=eid))
             if ex is None:
                 raise ExecutionNotFound(f"no execution {eid}")
             return ex.status.terminal, ex
 
-        ex = self._wait(check, statements.client.listen_done(q), timeout,
+        ex = self._wait(eid, check, statements.client.listen_done, timeout,
                               lambda: f"execution {eid} did not finish in {timeout}s")
         return outcome(ex)
 
@@ -363,21 +365,22 @@ class SyncClient(ClientBase):
             TimeoutError: no value was published in time.
         """
         eid = ident(execution_id)
-        q = self._of(eid)
 
-        def check(conn: psycopg.Connection[Any]) -> tuple[bool, Any]:
+        def check(conn: psycopg.Connection[Any], q: Queries) -> tuple[bool, Any]:
             return db.run_sync(conn, statements.client.get_event(q, id=eid, key=key))
 
-        return self._wait(check, statements.client.listen_events(q), timeout,
+        return self._wait(eid, check, statements.client.listen_events, timeout,
                                 lambda: f"no event {key!r} on {eid} after {timeout}s")
 
-    def _wait(self, check: Any, listen: statements.Stmt[None], timeout: float | None,
+    def _wait(self, eid: uuid.UUID, check: Any, listen: Any, timeout: float | None,
                     message: Any) -> Any:
-        """Re-run *check* on each notification (or poll) until it says done.
+        """Re-run *check(conn, q)* on each notification (or poll) until it says done; *q* is
+        the schema holding *eid*, *listen(q)* the statement that subscribes to its news.
 
         A lost connection (PostgreSQL restarted, failed over, or a pooler restarted) does not
-        end the wait: it reconnects with backoff and goes on until *timeout*, then raises
-        TimeoutError saying the database was unreachable.
+        end the wait, wherever it lands (the namespace lookup included): it reconnects with
+        backoff and goes on until *timeout*, then raises TimeoutError saying the database was
+        unreachable.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.02
@@ -386,15 +389,17 @@ class SyncClient(ClientBase):
         try:
             while True:
                 try:
+                    # The schema is looked up inside the loop, on the wait's own connection:
+                    # a restart landing on the lookup is ridden out like any other.
                     if waiter is None and self._listen_dsn:
                         waiter = self._connect(self._listen_dsn)
-                        db.run_sync(waiter, listen)
+                        db.run_sync(waiter, listen(self._of(eid, waiter)))
                     # Same connection when it is direct; a pooled one otherwise.
                     if waiter is not None and self._listen_dsn == self.dsn:
-                        done, value = check(waiter)
+                        done, value = check(waiter, self._of(eid, waiter))
                     else:
                         with self._borrow(timeout=max(0.1, remaining(deadline))) as conn:
-                            done, value = check(conn)
+                            done, value = check(conn, self._of(eid, conn))
                     if done:
                         return value
                     if deadline is not None and time.monotonic() >= deadline:

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 
 from kestrel.client import Client, SyncClient
@@ -90,6 +91,31 @@ def test_result_rides_out_a_restart(cluster: Cluster, kind: str, mode: str) -> N
     thread.join(5)
     assert "error" not in box, box.get("error")
     assert box["result"] == app.model(7)
+
+
+@pytest.mark.parametrize("kind", list(WAITS))
+def test_a_restart_landing_on_the_namespace_lookup_is_ridden_out(
+        cluster: Cluster, kind: str) -> None:
+    """Issue 44 row 7: the wait's first statement, the lookup of the schema holding the id,
+    was outside the wait's reconnect loop (CI failed once on ``AdminShutdown … read_bucket``).
+    A lock on the bucket table holds the lookup in flight until the restart cuts it."""
+    dsn = cluster.dsn
+    handle = SyncClient(dsn, schema=SCHEMA, pool_size=0).submit(app.three_steps, 3)
+    locker = psycopg.connect(dsn, autocommit=False)
+    locker.execute(f"LOCK TABLE {SCHEMA}.bucket IN ACCESS EXCLUSIVE MODE")
+    thread, box = _in_thread(lambda: WAITS[kind](dsn, str(handle.id), 120))
+    wait_until(lambda: _lookups_waiting(dsn) >= 1, timeout=30, what="the lookup to wait")
+    cluster.restart("fast")
+    locker.close()
+    run_worker_until(dsn, config(SCHEMA), lambda: not thread.is_alive(), timeout=120)
+    thread.join(5)
+    assert "error" not in box, box.get("error")
+    assert box["result"] == app.model(3)
+
+
+def _lookups_waiting(dsn: str) -> int:
+    return int(q1(dsn, SCHEMA, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                  "'Lock' AND query LIKE '%read_bucket%'"))
 
 
 @pytest.mark.parametrize("kind", list(WAITS))
