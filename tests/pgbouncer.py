@@ -33,6 +33,8 @@ class PgBouncer:
         query = parse_qs(parts.query)
         socket_dir = query["host"][0] if "host" in query else (parts.hostname or "127.0.0.1")
         db = parts.path.lstrip("/") or "postgres"
+        # The server's own port: without it pgbouncer reaches whatever listens on 5432.
+        port = query["port"][0] if "port" in query else (parts.port or 5432)
         user = parts.username or "postgres"
         self.port = free_port()
         # pgbouncer drops root for the server's system user, which must reach this folder:
@@ -42,7 +44,7 @@ class PgBouncer:
         (workdir / "users.txt").write_text(f'"{user}" ""\n')
         (workdir / "pgbouncer.ini").write_text(f"""
 [databases]
-{db} = host={socket_dir} dbname={db} user={user}
+{db} = host={socket_dir} port={port} dbname={db} user={user}
 
 [pgbouncer]
 listen_addr = 127.0.0.1
@@ -56,6 +58,9 @@ default_pool_size = {pool_size}
 max_client_conn = 1000
 ignore_startup_parameters = extra_float_digits,options
 server_check_delay = 1
+# A refused login (the server busy or restarting under a test) is tried again after 1 s, not
+# the default 15 s during which every client's login fails: one test's fault stays its own.
+server_login_retry = 1
 logfile = {workdir / 'pgbouncer.log'}
 pidfile = {workdir / 'pgbouncer.pid'}
 """)
