@@ -1,5 +1,6 @@
--- Statements of `kestrel-runtime migrate` (kestrel/migrate.py). They run in one
--- transaction; the advisory lock is transaction-level, released at COMMIT.
+-- Statements of `kestrel-runtime migrate` (kestrel/migrate.py). They run in a few short
+-- transactions (the schema, each migration, the functions), each of which takes the advisory
+-- lock first; the lock is transaction-level, released at COMMIT.
 
 -- name: migrate_lock
 SELECT pg_advisory_xact_lock(hashtext('kestrel.migrate.__schema_name__'));
@@ -67,6 +68,12 @@ $$;
 -- Whether the schema has the bucket table (migration 0021): a schema that does not exist
 -- yet, or is older, has none and is no bucket.
 SELECT to_regclass('__schema__.bucket') IS NOT NULL;
+
+-- name: migrate_finished
+-- Whether a migrate ever finished on this schema: its last transaction installs the functions
+-- (sql/functions), the first of which says their version. A schema whose migrate stopped
+-- part-way has migrations and no functions.
+SELECT to_regproc('__schema__.kestrel_functions_version') IS NOT NULL;
 
 -- name: read_bucket
 -- The bucket this schema is of its namespace, and the namespace's bucket count (migration

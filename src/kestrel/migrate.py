@@ -1,10 +1,11 @@
 """Apply the forward-only migrations in ``sql/migrations`` under an advisory lock, then
 (re)install every function from ``sql/functions`` and ``sql/partitions``.
 
-All pending migrations run in one transaction that first takes a transaction-level advisory
-lock keyed on the schema, so concurrent starts serialize and the later ones find nothing to
-do. A transaction-level lock is released at COMMIT: no session state is left behind, which
-keeps this safe behind PgBouncer in transaction mode.
+Each pending migration runs in a transaction of its own (:func:`migrate` says why) that
+first takes a transaction-level advisory lock keyed on the schema and looks again at what is
+applied, so concurrent starts serialize and the later ones find nothing to do. A
+transaction-level lock is released at COMMIT: no session state is left behind, which keeps
+this safe behind PgBouncer in transaction mode.
 
 The clock (migration 0016): a production schema's ``kestrel_now()`` is ``now()``; a schema
 made for tests (``test_clock=True``: kestrel.testing's and the test suite's) gets a clock the
@@ -36,6 +37,9 @@ log = logging.getLogger("kestrel.migrate")
 CLOCK_MIGRATION = 16
 """The migration that gives each schema its kind of clock (production's or a test's)."""
 
+BUCKET_MIGRATION = 21
+"""The migration that makes the table naming a bucket's number (:mod:`kestrel.buckets`)."""
+
 
 def migrate(dsn: str, schema: str, *, history_interval: str = "day",
             history_ahead: int = 3, test_clock: bool = False,
@@ -54,40 +58,59 @@ def migrate(dsn: str, schema: str, *, history_interval: str = "day",
     only a new schema (or one from before migration 0016) can be made so. Without it a
     schema keeps the clock it was made with.
 
+    The work is a few short transactions, each under the advisory lock: the schema, then each
+    migration with its record, then the functions. A migrate stopped part-way (its reply
+    lost, its process killed) leaves whole migrations behind, and the next one goes on from
+    there. One transaction for everything failed on Citus for a role without superuser: a
+    ``bigserial`` made in the transaction that made its schema (and the function its default
+    calls) is recorded by Citus over a connection of its own, which cannot see either yet
+    (issue 44).
+
     Raises:
         MigrationError: the database has migrations newer than this code knows, or
             *test_clock* was asked of a production schema, or *bucket* of a schema that
-            is another bucket already.
+            is another bucket already or an ordinary one.
     """
     pending = migrations(schema)
     q = queries(schema)
     # No prepared statements: through a transaction-mode PgBouncer a statement psycopg
     # prepares here (it runs the same INSERT once per migration) would outlive this
     # transaction on the server connection and collide with the next migrate's.
-    sent: list[statements.Stmt[Any]] = []
     with connections.connect(dsn, prepare_threshold=None) as conn:
-        with conn.transaction():
-            done = _apply(conn, q, schema, pending, history_interval, history_ahead, sent,
-                          test_clock, bucket)
-        db.committed_sync(conn, sent)
+        applied = _in_transaction(conn, q, _begin, schema, pending, test_clock, bucket)
+        done = []
+        for m in pending:
+            if m.version not in applied and _in_transaction(conn, q, _apply, m, test_clock,
+                                                            bucket):
+                done.append(m.version)
+                log.debug("applied migration %04d_%s to schema %s", m.version, m.name, schema)
+        _in_transaction(conn, q, _finish, schema, history_interval, history_ahead, bool(done),
+                        bucket)
     return done
 
 
-def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list[Migration],
-           history_interval: str, history_ahead: int, sent: list[statements.Stmt[Any]],
-           test_clock: bool, bucket: tuple[int, int] | None) -> list[int]:
-    """The body of :func:`migrate`'s transaction; *sent* collects the named statements."""
+def _in_transaction(conn: psycopg.Connection[Any], q: Queries, body: Any, *args: Any) -> Any:
+    """*body(run, q, *args)* in a transaction of its own, begun with the advisory lock; *run*
+    executes one named statement and remembers it for the lost-reply failpoints."""
+    sent: list[statements.Stmt[Any]] = []
 
     def run(stmt: statements.Stmt[Any]) -> Any:
         sent.append(stmt)
         return db.run_sync(conn, stmt)
 
-    run(statements.migrate.migrate_lock(q))
+    with conn.transaction():
+        run(statements.migrate.migrate_lock(q))
+        result = body(run, q, *args)
+    db.committed_sync(conn, sent)
+    return result
+
+
+def _begin(run: Any, q: Queries, schema: str, pending: list[Migration], test_clock: bool,
+           bucket: tuple[int, int] | None) -> set[int]:
+    """The schema, made and committed before any table in it; and the checks that refuse
+    this migrate before it writes anything else. Returns the migrations applied already."""
     run(statements.migrate.create_schema(q))
-    applied: set[int] = set()
-    if run(statements.migrate.migrations_table_exists(q)):
-        applied = run(statements.migrate.applied_migrations(q))
-    run(statements.migrate.set_clock_kind(q, test_clock=test_clock))
+    applied = _applied(run, q)
     if test_clock and CLOCK_MIGRATION in applied and not run(statements.migrate.has_test_clock(q)):
         raise MigrationError(
             f"schema {schema!r} is a production schema: its clock is now() and cannot be "
@@ -98,25 +121,57 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
             f"schema {schema!r} is at migration {max(applied)}, newer than this kestrel "
             f"knows ({newest}); upgrade kestrel"
         )
-    done = []
-    for m in pending:
-        if m.version in applied:
-            continue
-        # One statement at a time: Citus propagates a DDL command to its worker nodes with
-        # the text the client sent, and a worker refuses a text of several commands.
-        for statement in m.statements:
-            run(statements.migrate.apply(statement))
-        run(statements.migrate.record_migration(q, version=m.version, name=m.name))
-        done.append(m.version)
-        log.info("applied migration %04d_%s to schema %s", m.version, m.name, schema)
-    made = run(statements.migrate.read_bucket(q))
-    if bucket is not None and made is None:
-        if applied:
+    if bucket is not None:
+        made = _bucket_made(run, q)
+        if made is not None and made != bucket:
+            raise _another_bucket(schema, made, bucket)
+        if made is None and run(statements.migrate.migrate_finished(q)):
             raise _ordinary(schema)
+    return applied
+
+
+def _applied(run: Any, q: Queries) -> set[int]:
+    if not run(statements.migrate.migrations_table_exists(q)):
+        return set()
+    applied: set[int] = run(statements.migrate.applied_migrations(q))
+    return applied
+
+
+def _bucket_made(run: Any, q: Queries) -> tuple[int, int] | None:
+    if not run(statements.migrate.bucket_table_exists(q)):
+        return None
+    made: tuple[int, int] | None = run(statements.migrate.read_bucket(q))
+    return made
+
+
+def _apply(run: Any, q: Queries, m: Migration, test_clock: bool,
+           bucket: tuple[int, int] | None) -> bool:
+    """Migration *m* and its record, unless another migrate applied it first. A bucket's
+    number is recorded with the migration that makes its table: a migrate stopped after it
+    leaves a bucket, not a schema that looks ordinary."""
+    if m.version in _applied(run, q):
+        return False
+    run(statements.migrate.set_clock_kind(q, test_clock=test_clock))
+    # One statement at a time: Citus propagates a DDL command to its worker nodes with
+    # the text the client sent, and a worker refuses a text of several commands.
+    for statement in m.statements:
+        run(statements.migrate.apply(statement))
+    run(statements.migrate.record_migration(q, version=m.version, name=m.name))
+    if m.version == BUCKET_MIGRATION and bucket is not None:
         run(statements.migrate.record_bucket(q, bucket=bucket[0], buckets=bucket[1]))
-        made = bucket
-    elif bucket is not None and made != bucket:
-        raise _another_bucket(schema, made, bucket)
+    return True
+
+
+def _finish(run: Any, q: Queries, schema: str, history_interval: str, history_ahead: int,
+            upgraded: bool, bucket: tuple[int, int] | None) -> None:
+    """Every function, the bucket's number, and the history partitions."""
+    made = _bucket_made(run, q)
+    if bucket is not None and made != bucket:
+        # Another migrate made it something else between our transactions.
+        raise _ordinary(schema) if made is None else _another_bucket(schema, made, bucket)
+    # Installed for the first time (a migrate stopped part-way before) or older than this
+    # code: the current period's partition too, as on an upgrade.
+    fresh = upgraded or not run(statements.migrate.migrate_finished(q))
     for_tests = run(statements.migrate.has_test_clock(q))
     if for_tests:
         run(statements.migrate.lock_test_clock(q))
@@ -131,8 +186,7 @@ def _apply(conn: psycopg.Connection[Any], q: Queries, schema: str, pending: list
         run(statements.migrate.set_bucket(q, made[0]))
     run(statements.migrate.delegate_functions(q))
     run(statements.migrate.ensure_current_partitions(
-        q, interval=history_interval, ahead=history_ahead, current=bool(done)))
-    return done
+        q, interval=history_interval, ahead=history_ahead, current=fresh))
 
 
 def bucket_of_schema(dsn: str, schema: str) -> tuple[int, int] | None:
@@ -192,10 +246,17 @@ def migrate_namespace(dsn: str, namespace: str, *, buckets: int = 0,
         made = bucket_of_schema(dsn, name)
         if made is not None and made != (k, count):
             raise _another_bucket(name, made, (k, count))
-        if made is None and current_version_of(dsn, name):
+        if made is None and _finished(dsn, name):
             raise _ordinary(name)
     return {name: migrate(dsn, name, bucket=(k, count), **kw)
             for k, name in enumerate(names)}
+
+
+def _finished(dsn: str, schema: str) -> bool:
+    """Whether a migrate ever finished on *schema* (one stopped part-way made no schema of
+    a kind yet: it goes on as the bucket it was being made)."""
+    with connections.connect(dsn, prepare_threshold=None) as conn:
+        return db.run_sync(conn, statements.migrate.migrate_finished(queries(schema)))
 
 
 def _ordinary(schema: str) -> MigrationError:

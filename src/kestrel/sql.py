@@ -108,6 +108,7 @@ class Queries:
     functions_version: str
     node_lock_timeout: str
     bucket_table_exists: str
+    migrate_finished: str
     read_bucket: str
     record_bucket: str
     set_bucket: str

@@ -1,5 +1,6 @@
-"""The statements of ``kestrel-runtime migrate`` (``sql/queries/migrate.sql``), run in one
-transaction by :mod:`kestrel.migrate`; the advisory lock is transaction-level."""
+"""The statements of ``kestrel-runtime migrate`` (``sql/queries/migrate.sql``), run in a few
+short transactions by :mod:`kestrel.migrate`, each under the (transaction-level) advisory
+lock."""
 
 from __future__ import annotations
 
@@ -89,6 +90,11 @@ def node_lock_timeout(q: Queries) -> Stmt[str | None]:
 def bucket_table_exists(q: Queries) -> Stmt[bool]:
     """Whether the schema has the bucket table (migration 0021)."""
     return Stmt(q.bucket_table_exists, None, lambda rows: bool(first(rows)))
+
+
+def migrate_finished(q: Queries) -> Stmt[bool]:
+    """Whether a migrate ever finished on the schema (its functions are installed)."""
+    return Stmt(q.migrate_finished, None, lambda rows: bool(first(rows)))
 
 
 def read_bucket(q: Queries) -> Stmt[tuple[int, int] | None]:
