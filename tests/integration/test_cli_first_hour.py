@@ -100,6 +100,33 @@ def test_a_signal_the_execution_does_not_wait_for_says_what_it_waits_for(
     assert code == 0 and err == ""  # the right name: no note
 
 
+def test_signal_strict_exits_5_when_no_wait_can_take_it(
+    cli: Any, pg_dsn: str, schema: str
+) -> None:
+    """Issue 43 item 10: a misspelled signal exited 0 with a note a script cannot catch, and
+    one sent to an execution that finished as it arrived printed "delivered" and then a note.
+    ``--strict`` exits 5 when no wait can take it; the signal is kept (a later wait of that
+    name may take it)."""
+    client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+    h = client.submit(app.waiter)
+    run_worker_until(pg_dsn, config(schema),
+                     lambda: client.get(h.id).status.value == "waiting")
+    wanted = client.get(h.id).waiting_for
+    assert wanted
+    code, out, err = cli("signal", str(h.id), wanted + "x", "--strict", "--json")
+    assert code == 5 and json.loads(out)["taken"] is False
+    assert err.startswith("kestrel-runtime signal: error: ") and len(err.splitlines()) == 1
+    code, out, err = cli("signal", str(h.id), wanted + "x", "--strict")
+    assert code == 5 and out.strip().endswith("kept, not taken")
+    code, out, err = cli("signal", str(h.id), wanted, "--payload", "1", "--strict")
+    assert (code, err) == (0, "") and out.strip().endswith("delivered")
+    run_worker_until(pg_dsn, config(schema), lambda: client.get(h.id).status.terminal)
+    # A finished execution refuses a signal outright (exit 1, nothing kept), strict or not.
+    for strict in ((), ("--strict",)):
+        code, out, err = cli("signal", str(h.id), wanted, *strict)
+        assert code == 1 and out == "" and "completed" in err, (code, out, err)
+
+
 def test_show_places_patch_markers_and_names_the_execution_a_fork_came_from(
     cli: Any, pg_dsn: str, schema: str
 ) -> None:

@@ -120,6 +120,9 @@ class NotFinished(KestrelError):
 EXIT_NOT_FINISHED = 3
 """Exit status of ``submit --wait``/``show --wait`` when the execution has not finished."""
 
+EXIT_NOT_TAKEN = 5
+"""Exit status of ``signal --strict`` when no wait can take the signal (4 is ``replay``'s)."""
+
 
 def client(cfg: Config) -> tuple[Any, Any]:
     """A :class:`~kestrel.client.SyncClient` without a pool for one command, and the

@@ -18,6 +18,7 @@ from typing import Any
 from kestrel.cli import common
 from kestrel.cli.common import (
     CONNECTION,
+    EXIT_NOT_TAKEN,
     PAYLOAD,
     Command,
     NotFinished,
@@ -360,29 +361,42 @@ def cmd_fork(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
-    """``kestrel-runtime signal``: send a signal; print whether it was delivered.
+    """``kestrel-runtime signal``: send a signal; print whether a wait takes it.
 
     The payload is JSON (``--payload``); a signal sent before under the same
-    ``--idempotency-key`` is not delivered again.
+    ``--idempotency-key`` is not delivered again. A signal no wait can take (the execution
+    has finished, or waits for a signal of another name: a misspelling, often) is kept and
+    said so on stderr; with ``--strict`` the command then exits
+    :data:`EXIT_NOT_TAKEN`, for scripts to catch.
     """
     payload = json_arg(ns.payload, "--payload")
     client, _server = common.client(cfg)
     eid = parse_id(ns.id)
     sent = client.signal(eid, ns.name, payload, idempotency_key=ns.idempotency_key)
-    msg = (f"{eid}: signal {ns.name!r} delivered" if sent else
-           f"{eid}: signal {ns.name!r} with key {ns.idempotency_key!r} was already delivered")
     ex = client.get(eid)
     waiting = (ex.waiting_for if ex.status.value == "waiting" and ex.waiting_for
                and not ex.waiting_for.startswith("kestrel.") else None)
     if ex.status.terminal:
-        print(f"kestrel-runtime signal: note: execution {eid} has {ex.status.value}; "
-              "nothing will take this signal", file=sys.stderr)
+        why: str | None = (f"execution {eid} has {ex.status.value}; nothing will take "
+                           "this signal")
     elif waiting is not None and waiting != ns.name:
-        print(f"kestrel-runtime signal: note: execution {eid} waits for signal "
-              f"{waiting!r}, not {ns.name!r}; this one is kept for a later "
-              f"wait_for_signal({ns.name!r}), if the workflow has one", file=sys.stderr)
-    return emit(ns, {"id": eid, "signal": ns.name, "delivered": sent,
-                      "status": ex.status.value, "waiting_for": waiting}, lambda: print(msg))
+        why = (f"execution {eid} waits for signal {waiting!r}, not {ns.name!r}; this one is "
+               f"kept for a later wait_for_signal({ns.name!r}), if the workflow has one")
+    else:
+        why = None
+    if not sent:
+        msg = (f"{eid}: signal {ns.name!r} with key {ns.idempotency_key!r} was already "
+               "sent")
+    elif why is None:
+        msg = f"{eid}: signal {ns.name!r} delivered"
+    else:
+        msg = f"{eid}: signal {ns.name!r} kept, not taken"
+    if why is not None:
+        print(f"kestrel-runtime signal: {'error' if ns.strict else 'note'}: {why}",
+              file=sys.stderr)
+    emit(ns, {"id": eid, "signal": ns.name, "delivered": sent, "taken": why is None,
+              "status": ex.status.value, "waiting_for": waiting}, lambda: print(msg))
+    return EXIT_NOT_TAKEN if ns.strict and why is not None else 0
 
 
 def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
@@ -468,6 +482,10 @@ def signal_options(sig: argparse.ArgumentParser) -> None:
     sig.add_argument("--payload", default="null", help="JSON payload (default: null).")
     sig.add_argument("--idempotency-key", default=None, metavar="KEY",
                      help="Send at most once per key.")
+    sig.add_argument("--strict", action="store_true",
+                     help=f"Exit {EXIT_NOT_TAKEN} when no wait can take the signal: the "
+                          "execution has finished, or waits for a signal of another name "
+                          "(the signal is kept either way).")
     json_flag(sig)
 
 
