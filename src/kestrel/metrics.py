@@ -25,6 +25,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from kestrel.errors import ConfigError
+
 if TYPE_CHECKING:
     from prometheus_client.metrics import MetricWrapperBase
 
@@ -316,10 +318,23 @@ def serve(host: str, port: int, *, ready: Callable[[], tuple[bool, str]],
         def log_message(self, format: str, *args: Any) -> None:  # scrapes are not events
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as exc:
+        # One line naming the setting and the fix, not a traceback (README, "Operating").
+        raise ConfigError(
+            f"invalid setting --metrics-port={port}: cannot listen on {host}:{port} "
+            f"({exc.strerror or exc}); choose a free port (or stop what holds it) with "
+            "--metrics-port / KESTREL_METRICS_PORT, or 0 to serve no metrics") from None
     if certfile:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(certfile, keyfile)
+        try:
+            ctx.load_cert_chain(certfile, keyfile)
+        except OSError as exc:  # ssl.SSLError is one
+            server.server_close()
+            raise ConfigError(
+                f"invalid setting --metrics-certfile={certfile!r}: cannot load the "
+                f"certificate and key ({exc.strerror or exc})") from None
         server.socket = ctx.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, name="kestrel-metrics", daemon=True).start()
     return server

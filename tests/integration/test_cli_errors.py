@@ -318,3 +318,28 @@ def test_hostile_input_is_one_line_and_writes_nothing(
     assert len(line) < 2000
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_executions") == 0
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.signals") == 0
+
+
+def test_a_metrics_port_in_use_is_one_line_naming_the_setting(pg_dsn: str,
+                                                               schema: str) -> None:
+    """Issue 43 item 5: a port already in use gave a raw ``OSError: [Errno 98]`` traceback;
+    the README promises one line naming the problem and the fix (exit 2, a setting)."""
+    import socket
+    import subprocess
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "kestrel", "--dsn", pg_dsn, "--schema", schema, "--app",
+             "tests.apps.ledger_app", "--procs", "1", "--metrics-port", str(port),
+             "--log-level", "error"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    finally:
+        holder.close()
+    assert out.returncode == 2, out
+    line = one_line(out.stderr, "run")
+    assert f"--metrics-port={port}" in line and f"127.0.0.1:{port}" in line, line
+    assert "choose a free port" in line
