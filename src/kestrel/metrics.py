@@ -182,6 +182,10 @@ class Metrics:
         got = _children.get(key)
         if got is None:
             got = _children[key] = metric.labels(*labels)
+            if metric is self.step_seconds:
+                # A step's retries exist, at 0, from its first run: a rate() over them has
+                # data before anything retried (the dashboard's panel said "No data").
+                self.step_retries.labels(*labels)
         return cast(M, got)
 
 

@@ -194,13 +194,16 @@ class Stats:
     name = "stats"
 
     def __init__(self, pool: Pool, q: Queries, *, workflows: list[str], collect_queues: bool,
-                 interval: float, running: Callable[[], int]) -> None:
+                 interval: float, running: Callable[[], int],
+                 queues: tuple[str, ...] = ()) -> None:
         self._pool, self._q = pool, q
         self._workflows = workflows
         self._collect_queues = collect_queues
         self._interval = interval
         self._running = running
-        self._known: set[tuple[str, str]] = set()
+        # The queues this runtime serves have a depth and an oldest age (0) from the first
+        # round, not only once something queued there (a dashboard panel said "No data").
+        self._known: set[tuple[str, str]] = {(queue, "queued") for queue in queues}
         self._known_waits: set[tuple[str, str]] = set()
         # Counting finishes no worker saw: this collector's name, and the finish ids it has
         # counted and not yet seen deleted (acknowledged in the next round).

@@ -117,7 +117,7 @@ class Worker:
         self.scheduler = Scheduler(self._pool, self._q, cfg, self._schedules)
         self._stats = Stats(self._pool, self._q, workflows=sorted(workflows),
                             collect_queues=collect_queue_stats, interval=stats_interval,
-                            running=lambda: len(self.leases))
+                            running=lambda: len(self.leases), queues=cfg.queues)
         self.registration = Registration(self._pool, self._q, cfg, worker_id=self.id,
                                          workflows=sorted(workflows),
                                          collect=collect_queue_stats)

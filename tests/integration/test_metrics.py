@@ -279,3 +279,38 @@ def test_cancelling_a_parked_or_queued_execution_counts_as_finished(
         assert _finished(port, "cancelled") == {"waiter": 3, "sleeper": 1, "quick": 2}
         assert client.get(parked[0].id).error == {"type": "Cancelled",
                                                   "message": "cancelled by request"}
+
+
+def test_every_series_the_dashboard_reads_exists_before_anything_retried_or_queued(
+    pg_dsn: str, schema: str, tmp_path: Path
+) -> None:
+    """Issue 43 item 9: on a runtime where nothing retried and nothing is queued, the step
+    retries and oldest-queued panels showed "No data": their series appeared only once
+    something retried or queued. They exist at 0 from the first run of a step and the first
+    round of the queue gauges."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = free_port()
+
+    def samples() -> dict[str, list[tuple[dict[str, str], float]]]:
+        found: dict[str, list[tuple[dict[str, str], float]]] = {}
+        for family in text_string_to_metric_families(get(f"http://127.0.0.1:{port}/metrics")[1]):
+            for s in family.samples:
+                found.setdefault(s.name, []).append((s.labels, s.value))
+        return found
+
+    with runtime(pg_dsn, schema, procs=1, args=["--metrics-port", str(port)],
+                 log=tmp_path / "rt.log"):
+        # Nothing submitted yet: the queue it serves has its gauges all the same.
+        wait_until(lambda: "kestrel_oldest_queued_seconds" in samples(), timeout=30,
+                   what="the queue gauges' first round")
+        queued = samples()
+        submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 5)
+        wait_until(lambda: finished_count(pg_dsn, schema) >= 5, timeout=60, what="the load")
+        got = samples()
+    ran = {(labels["workflow"], labels["step"]) for labels, _ in got["kestrel_step_runs_total"]}
+    retries = got.get("kestrel_step_retries_total", [])
+    assert ran and {(labels["workflow"], labels["step"]) for labels, _ in retries} == ran
+    assert {value for _, value in retries} == {0.0}  # one per step that ran, none retried
+    assert queued["kestrel_oldest_queued_seconds"] == [({"queue": "default"}, 0.0)]
+    assert queued["kestrel_queue_depth"] == [({"queue": "default", "status": "queued"}, 0.0)]
