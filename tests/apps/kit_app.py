@@ -56,6 +56,24 @@ async def cooldown(ctx: kestrel.Context, days: int) -> dict[str, Any]:
     return {"slept_s": (woke - started).total_seconds(), "pr": await ctx.step(open_pr, fix)}
 
 
+@kestrel.step(name="kit.flaky", retries=3, base_delay=0.01, max_delay=0.02,
+              retry_on=(TimeoutError,))
+async def flaky() -> list[int]:
+    """The README's "fail twice, then succeed", by ``kestrel.current_step().attempt``."""
+    tries.append(kestrel.current_step().attempt)
+    if kestrel.current_step().attempt < 3:
+        raise TimeoutError()
+    return list(tries)
+
+
+tries: list[int] = []
+
+
+@kestrel.workflow(name="kit.flaky_twice")
+async def flaky_twice(ctx: kestrel.Context) -> list[int]:
+    return await ctx.step(flaky)  # type: ignore[no-any-return]
+
+
 kestrel.queue("kit-ai", concurrency=1, rate=100, period=60)
 
 

@@ -78,6 +78,14 @@ def test_an_injected_failure_goes_through_the_retry_policy(kestrel_env: KestrelT
     assert app.bodies["kit.analyze"] == 1
 
 
+def test_current_step_attempt_counts_the_tries_as_the_readme_says(
+        kestrel_env: KestrelTestEnv) -> None:
+    app.tries.clear()
+    run = kestrel_env.run_to_completion(app.flaky_twice)
+    assert run.assert_completed() == [1, 2, 3]
+    assert run.timeline == [("kit.flaky", 3, "ok")]
+
+
 def test_a_failure_past_the_retries_is_the_workflows_to_handle(
     kestrel_env: KestrelTestEnv,
 ) -> None:
