@@ -110,6 +110,10 @@ def run(cfg: Config, *, incidents: int) -> int:
 
     incidents = max(incidents, 3)
     prog = command_name()
+    # SIGTERM (a terminal closed, `kill`) ends the demo the way Ctrl-C does: through the
+    # `finally` below, which stops the runtime it started, and the exit handlers, which stop
+    # the embedded PostgreSQL. Python's default for SIGTERM skips both: orphans.
+    signal.signal(signal.SIGTERM, _terminate)
     dsn, server = resolve_dsn(cfg)
     print(f"kestrel demo: PostgreSQL at {dsn or '(PG* environment)'}, schema {cfg.schema}")
     migrate(dsn, cfg.schema, history_interval=cfg.history_interval,
@@ -206,6 +210,10 @@ def run(cfg: Config, *, incidents: int) -> int:
         runtime.send_signal(signal.SIGTERM)
         runtime.wait(timeout=60)
         del server
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def command_name() -> str:

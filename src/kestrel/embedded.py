@@ -7,13 +7,16 @@ line saying how to give one.
 
 It keeps its data in ``--data-dir`` (default ``.kestrel/pgdata`` under the current
 directory), listens on a Unix socket in that directory only, and stops when the last
-process that started it exits. Every start logs a warning saying so and where the data is.
+process that started or joined it exits: a command given the server's own DSN (``kestrel-runtime
+dsn``) joins it too. Every start logs a warning saying so and where the data is.
 For development and the demo; point ``--dsn`` at a real server in production.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
+import json
 import logging
 import os
 import warnings
@@ -82,10 +85,61 @@ def start(data_dir: str | os.PathLike[str], *, create: bool = True) -> tuple[str
         warnings.simplefilter("ignore")
         from pgserver import get_server  # type: ignore[attr-defined]
 
+        _forget_the_dead(path)
         server = get_server(path, cleanup_mode="stop")
+        if path not in _pruned_at_exit:
+            # Registered after pgserver's own exit handler, so it runs first (atexit is
+            # last in, first out): the last live holder then sees itself alone, and stops it.
+            _pruned_at_exit.add(path)
+            atexit.register(_forget_the_dead, path)
     dsn = str(server.get_uri())
     log.debug("embedded PostgreSQL running in %s (%s)", path, dsn)
     return dsn, server
+
+
+def embedded_home(dsn: str) -> Path | None:
+    """The data directory of the embedded server *dsn* reaches, or None: its host is a Unix
+    socket directory that holds an embedded database (the server listens in its own data
+    directory, nowhere else)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        host = str(conninfo_to_dict(dsn).get("host") or "")
+    except Exception:  # psycopg.ProgrammingError: the command reports a bad DSN itself
+        return None
+    if not host.startswith("/") or "," in host:
+        return None
+    return Path(host) if exists(host) else None
+
+
+_pruned_at_exit: set[Path] = set()
+
+
+def _forget_the_dead(path: Path) -> None:
+    """Drop from the server's list of holders (pgserver's ``.handle_pids.json``, under its
+    lock) the processes that died without letting go, SIGKILLed say: the server stops when
+    its last holder exits, and a dead one left on the list would keep it running for ever."""
+    from pgserver.postgres_server import PostgresServer
+
+    holders = path / ".handle_pids.json"
+    with PostgresServer._lock:
+        try:
+            pids = json.loads(holders.read_text())
+        except (OSError, ValueError):
+            return
+        alive = [pid for pid in pids if isinstance(pid, int) and _alive(pid)]
+        if alive != pids:
+            holders.write_text(json.dumps(alive))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's: alive
+        return True
+    return True
 
 
 def resolve_dsn(cfg: Config, *, create: bool = True) -> tuple[str, Any]:
@@ -98,6 +152,13 @@ def resolve_dsn(cfg: Config, *, create: bool = True) -> tuple[str, Any]:
             *create*) there is no embedded database in ``--data-dir``.
     """
     if cfg.dsn:
+        home = embedded_home(cfg.dsn)
+        if home is not None and available():
+            # The DSN of a running embedded server (`kestrel-runtime dsn`): join it, so it
+            # stays up while this process uses it, whoever started it (a v2 runtime of a
+            # rolling deploy outlives the v1 that started the server).
+            _, server = start(home, create=False)
+            return cfg.dsn, server
         return cfg.dsn, None
     if dsn_from_environment():
         return "", None  # libpq reads PGHOST/PGDATABASE/… itself
