@@ -59,3 +59,10 @@ SELECT name, payload, created_at
         SELECT name, payload, created_at FROM __schema__.signal_history
          WHERE execution_id = %(id)s AND idempotency_key = %(key)s) AS s
  LIMIT 1;
+
+-- name: ui_retried
+-- Whether a form of the execution page retried it under this idempotency key: the retry
+-- recorded the key with the execution (sql/functions: retry), which the notice after the
+-- form's redirect reads back rather than trusting the link.
+SELECT EXISTS (SELECT 1 FROM __schema__.idempotency_keys
+                WHERE idempotency_key = %(key)s AND execution_id = %(id)s);

@@ -153,6 +153,7 @@ class Queries:
     search_history: str
     ui_waits: str
     ui_sent_signal: str
+    ui_retried: str
     # sql/queries/versions.sql (kestrel/statements/versions.py)
     register_worker: str
     unregister_worker: str

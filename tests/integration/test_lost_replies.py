@@ -922,6 +922,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "search_history": Read("searches history"),
     "ui_waits": Read("reads what listed executions wait for"),
     "ui_sent_signal": Read("reads the signal a UI form sent"),
+    "ui_retried": Read("reads whether a UI form retried an execution"),
     "live_workers": Read("lists live workers"),
     "unclaimable_total": Read("counts unclaimable executions"),
     "unclaimable_by_workflow": Read("lists unclaimable executions"),

@@ -626,3 +626,46 @@ def test_a_fork_links_its_source_and_shows_reused_steps_and_markers_in_place(
     assert "new code&#39;s path from step 1 on" in shown or "new code's path from step 1 on" \
         in shown
     assert "<dt>Attempts</dt><dd>1 <small" in shown and "Claims" not in shown
+
+
+def test_a_notice_comes_from_the_database_never_from_the_link(
+        server: UiServer, client: SyncClient) -> None:
+    """Issue 41 row 9: ``?done=approve`` said "Approval sent." when nothing was sent. A
+    notice now shows only what the database bears out: the signal sent under the form's
+    key, a cancelled execution, a retried one."""
+    eid = waiting_incident(server, client)
+    hold(server, eid)
+    ui = server.client("operator")
+    page = ui.get(f"/ui/executions/{eid}")
+    key = FORM_KEY.search(page.body)
+    assert key
+    for link in ("?done=approve", "?done=reject", "?done=signal", "?done=duplicate",
+                 f"?done=approve&sent=approve%3A{key.group(1).decode()}",
+                 "?done=approve&sent=approve%3Anever-sent", "?done=cancel", "?done=retry"):
+        forged = ui.get(f"/ui/executions/{eid}{link}")
+        assert forged.status == 200, link
+        assert b'id="notice"' not in forged.body, link
+    assert signals_sent(server, eid) == 0
+    assert status_of(client, eid) == "waiting"
+    # The real thing still says what happened.
+    sent = ui.post_form(f"/ui/executions/{eid}/approve",
+                        {"csrf": ui.csrf(page), "key": key.group(1).decode(),
+                         "name": "approval"})
+    assert sent.status == 303
+    assert b"Approval sent." in ui.get(sent.headers["location"]).body
+    cancelled = ui.post_form(f"/ui/executions/{eid}/cancel", {"csrf": ui.csrf(page)})
+    assert cancelled.status == 303
+    after = ui.get(cancelled.headers["location"])
+    assert b"Cancelled." in after.body
+    # Cancelled: a retry link without the form's retry says nothing; the form's, sent twice
+    # (a double click), retries once and says so.
+    assert b'id="notice"' not in ui.get(f"/ui/executions/{eid}?done=retry").body
+    retry_key = FORM_KEY.search(after.body)
+    assert retry_key
+    form = {"csrf": ui.csrf(after), "key": retry_key.group(1).decode()}
+    retried = [ui.post_form(f"/ui/executions/{eid}/retry", form) for _ in range(2)]
+    assert [r.status for r in retried] == [303, 303]
+    assert retried[0].headers["location"] == (
+        f"/ui/executions/{eid}?done=retry&sent=retry%3A{form['key']}")
+    assert b"Queued again from its last checkpoint." in ui.get(
+        retried[1].headers["location"]).body

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Stmt
+from kestrel.statements.stmt import Stmt, first
 
 Row = dict[str, Any]
 
@@ -31,6 +31,11 @@ def ui_sent_signal(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[Row | None]:
     return Stmt(q.ui_sent_signal, {"id": id, "key": key},
                 lambda rows: {"name": rows[0][0], "payload": rows[0][1], "at": rows[0][2]}
                 if rows else None)
+
+
+def ui_retried(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[bool]:
+    """Whether the UI retried *id* under idempotency key *key*."""
+    return Stmt(q.ui_retried, {"id": id, "key": key}, lambda rows: bool(first(rows)))
 
 
 def search_history(q: Queries, *, since: datetime, until: datetime, status: str | None,

@@ -117,7 +117,7 @@ async def act(request: Request) -> Response:
     # goes along so that its notice shows what was sent.
     back = {"done": done}
     key = form.get("key")
-    if action in SIGNAL_ACTIONS and key:
+    if (action in SIGNAL_ACTIONS or action == "retry") and key:
         back["sent"] = f"{action}:{key}"
     return RedirectResponse(f"/ui/executions/{eid}?{urlencode(back)}", 303)
 
@@ -155,7 +155,7 @@ async def _perform(request: Request, session: Session, action: str, eid: uuid.UU
     if action == "cancel":
         await client.cancel(eid)
         return action
-    await client.retry(eid)
+    await client.retry(eid, idempotency_key=form_key)  # sent twice, retried once
     return action
 
 

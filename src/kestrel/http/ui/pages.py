@@ -230,7 +230,7 @@ async def execution(request: Request, session: Session) -> Response:
     eid = execution_id(request.path_params["id"])
     client = request.app.state.client
     ex = await client.get(eid)
-    notice = await _notice(request, eid, params)
+    notice = await _notice(request, eid, params, ex)
     steps = await client.steps(eid)
     wait = await read_of(request, eid, lambda q: statements.http.get_wait(q, id=eid)) or {}
     waits = await _waits(request, [eid]) if ex.status.value == "waiting" else {}
@@ -273,20 +273,37 @@ def _timeline_order(step: Any) -> tuple[int, int]:
     return (step.step_id, 1) if at is None else (at, 0)
 
 
-async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str],
+async def _notice(request: Request, eid: uuid.UUID, params: Mapping[str, str], ex: Any,
                   ) -> dict[str, Any] | None:
-    """The notice after a form's redirect (``?done=ACTION``): for a signal, what was sent
-    (``&sent=ACTION:KEY``, the form's idempotency key: the signal is read back from the
-    database, so the notice shows what arrived, name and payload, not what a link says)."""
+    """The notice after a form's redirect (``?done=ACTION``), only where the database bears it
+    out, never because a link says so (issue 41 row 9: ``?done=approve`` said "Approval
+    sent." when nothing was). A signal's (``&sent=ACTION:KEY``, the form's idempotency key)
+    is read back: the notice shows what arrived, name and payload, or nothing when no signal
+    was sent under that key; a retry's likewise (``&sent=retry:KEY``: the key the retry
+    recorded). A cancel's shows once the execution is cancelled."""
     done = params.get("done")
     if done not in NOTICES:
         return None
-    notice: dict[str, Any] = {"text": NOTICES[done], "signal": None}
     sent = checked(params, "sent", what="sent", max_chars=80, required=False)
-    if sent and sent.partition(":")[0] in SIGNAL_ACTIONS:
-        notice["signal"] = await read_of(request, eid, lambda q: statements.ui.ui_sent_signal(
+    if done in (*SIGNAL_ACTIONS, "duplicate"):
+        if not sent or sent.partition(":")[0] not in SIGNAL_ACTIONS:
+            return None
+        signal = await read_of(request, eid, lambda q: statements.ui.ui_sent_signal(
             q, id=eid, key=f"ui:{sent}"))
-    return notice
+        return {"text": NOTICES[done], "signal": signal} if signal else None
+    status = ex.status.value
+    if done == "cancel" and status != "cancelled":
+        return None
+    if done == "retry" and not (sent and sent.startswith("retry:") and await _retried(
+            request, eid, sent)):
+        return None
+    return {"text": NOTICES[done], "signal": None}
+
+
+async def _retried(request: Request, eid: uuid.UUID, sent: str) -> bool:
+    """Whether the form's retry (``retry:KEY``) was recorded for *eid*."""
+    return bool(await read_of(request, eid, lambda q: statements.ui.ui_retried(
+        q, id=eid, key=f"ui:{sent}")))
 
 
 def _state(ex: Any, wait: dict[str, Any] | None) -> str:
