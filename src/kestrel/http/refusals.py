@@ -52,8 +52,8 @@ def status_of(exc: KestrelError) -> int:
 def classify(exc: Exception, request: Request, *, internal: str = "internal error",
              ) -> Refusal:
     """The refusal for *exc*, raised while answering *request*: a :class:`Refusal` as it
-    is, a kestrel error by :func:`status_of`, the database unavailable 503, another database
-    error 500 with its SQLSTATE, a client gone before its body 400, anything else (a bug of
+    is, a kestrel error by :func:`status_of`, the database unavailable 503, a value the
+    database refuses (class 22) 400, another database error 500 with its SQLSTATE, a client gone before its body 400, anything else (a bug of
     ours) 500 with *internal* as the reason. The last three are logged."""
     if isinstance(exc, Refusal):
         return exc
@@ -62,6 +62,16 @@ def classify(exc: Exception, request: Request, *, internal: str = "internal erro
     if isinstance(exc, psycopg.OperationalError):
         log.warning("database unavailable on %s %s", request.method, template(request))
         return Refusal(503, "database unavailable; try again")
+    if isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("22"):
+        # A data exception: the database refused a value the request carried (a hook's body
+        # parsed by PostgreSQL: `1e1000000` overflows numeric). The client's to fix, as the
+        # API's own checks say; the reply names the class, never the message (it may quote
+        # the value).
+        log.info("database refused a value (%s) on %s %s", exc.sqlstate, request.method,
+                 template(request))
+        what = ("a number in the request is out of range" if exc.sqlstate == "22003"
+                else "a value in the request is malformed")
+        return Refusal(400, f"{what} (SQLSTATE {exc.sqlstate})")
     if isinstance(exc, psycopg.Error):
         log.error("database error %s on %s %s", exc.sqlstate, request.method,
                   template(request))
