@@ -149,6 +149,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("http_body_timeout", float, "Seconds a client has to send a request's whole body "
          "once its headers are in; then 408 and the connection is closed (a body trickled a "
          "byte at a time holds nothing longer).", "SECONDS"),
+    Knob("http_statement_timeout", float, "Seconds a request of the HTTP API and web UI may "
+         "wait on the database (a pool connection, a lock, a slow statement); then the "
+         "statement is cancelled, its connection goes back to the pool, and the request is "
+         "answered 503 with Retry-After.", "SECONDS"),
     Knob("http_max_connections", int, "Most open connections the HTTP API keeps. At the "
          "limit a new one first displaces the oldest connection that is idle or still "
          "sending its headers; only when every connection carries a request is it refused "
@@ -210,6 +214,7 @@ class Config:
     http_max_header_bytes: int = 64 * 1024
     http_header_timeout: float = 10.0
     http_body_timeout: float = 30.0
+    http_statement_timeout: float = 5.0
     http_max_connections: int = 1000
     http_hook_pool_size: int = 2
     data_dir: str = ".kestrel/pgdata"
@@ -279,7 +284,7 @@ class Config:
             _bad("http_max_body_bytes", self.http_max_body_bytes, "must be 1 KiB-256 MiB")
         if not 1024 <= self.http_max_header_bytes <= 1024 * 1024:
             _bad("http_max_header_bytes", self.http_max_header_bytes, "must be 1 KiB-1 MiB")
-        for name in ("http_header_timeout", "http_body_timeout"):
+        for name in ("http_header_timeout", "http_body_timeout", "http_statement_timeout"):
             if not 0 < getattr(self, name) <= 3600:
                 _bad(name, getattr(self, name), "must be greater than 0 and at most 3600")
         if not 1 <= self.http_max_connections <= 100_000:

@@ -443,3 +443,50 @@ def test_the_list_refuses_hostile_filters_and_reads_sql_looking_ones_as_text(
         assert reply.status == 200, (sql_like[:40], reply.status, reply.body[:200])
         assert reply.json() == {"executions": [], "next_cursor": None}
     assert executions(server) == before
+
+
+def test_a_table_lock_gets_503_with_retry_after_and_holds_no_pool_connection(
+        pg_dsn: str, tmp_path: Path) -> None:
+    """Issue 41 row 5: the door's statements had no timeout: a table lock hung every API and
+    UI request for as long as it lasted, each holding a pool connection, and later ones
+    waited 30 s for one. Now each request waits on the database at most
+    --http-statement-timeout: its statement is cancelled on the server, its connection goes
+    back to the pool idle, and it is answered 503 with Retry-After."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kestrel.migrate import migrate
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(pg_dsn, schema)
+    token = make_token(pg_dsn, schema, "locked", "read")
+    metrics_port = free_port()
+    env = {"KESTREL_HTTP_STATEMENT_TIMEOUT": "1", "KESTREL_POOL_SIZE": "2"}
+    try:
+        with serve_process(pg_dsn, schema, port=free_port(), log=tmp_path / "serve.log",
+                           args=["--metrics-port", str(metrics_port)], env=env) as api:
+            api.token = token
+            assert api.get(f"{API}/executions").status == 200
+            locker = psycopg.connect(pg_dsn)
+            locker.execute(pgsql.SQL("LOCK TABLE {}.workflow_executions").format(
+                pgsql.Identifier(schema)))
+            try:
+                # Four at once on a pool of two: each answered, none waits out the lock.
+                with ThreadPoolExecutor(4) as pool:
+                    replies = list(pool.map(lambda _: api.get(f"{API}/executions"), range(4)))
+                for reply in replies:
+                    assert reply.status == 503, reply
+                    assert {k.lower(): v for k, v in reply.headers.items()}["retry-after"] == "1"
+                    assert "did not answer within 1 s" in reply.json()["error"]
+                # Nothing of the door's waits on the lock any more: cancelled, not left.
+                assert q1(pg_dsn, schema, "SELECT count(*) FROM pg_stat_activity WHERE "
+                          "wait_event_type = 'Lock' AND pid <> pg_backend_pid()") == 0
+                assert api.get("/healthz", token=None).status == 200
+            finally:
+                locker.close()
+            # The lock gone, the same pool answers at once.
+            assert api.get(f"{API}/executions").status == 200
+            text = scrape({"metrics_port": metrics_port})
+            assert 'kestrel_http_refused_total{reason="statement_timeout"} 4.0' in text
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))

@@ -21,6 +21,7 @@ what a log line names).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -37,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import buckets, codec, ids, statements, tracing
+from kestrel import buckets, codec, ids, metrics, statements, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -203,7 +204,8 @@ async def _lifespan(app: Starlette) -> AsyncIterator[None]:
                               pool_size=max(2, state.cfg.pool_size),
                               connection_mode=state.cfg.connection_mode,
                               listen_dsn=state.cfg.listen_dsn or None,
-                              hook_pool_size=state.cfg.http_hook_pool_size)
+                              hook_pool_size=state.cfg.http_hook_pool_size,
+                              statement_timeout=state.cfg.http_statement_timeout)
     try:
         yield
     finally:
@@ -221,9 +223,11 @@ class HttpClient(Client):
     while :data:`POOL` is ``hooks``): a burst of deliveries cannot take the API's and the
     web UI's connections, nor they the hooks'."""
 
-    def __init__(self, *args: Any, hook_pool_size: int = 2, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hook_pool_size: int = 2, statement_timeout: float = 5.0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._hooks = Client(*args, **{**kwargs, "pool_size": hook_pool_size})
+        self._statement_timeout = statement_timeout
 
     async def read(self, stmt: statements.Stmt[Any]) -> Any:
         """Run one read statement of :mod:`kestrel.statements.http` on a pooled connection.
@@ -268,12 +272,21 @@ class HttpClient(Client):
     @asynccontextmanager
     async def _borrow(self, timeout: float | None = None,
                       ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        if POOL.get() == "hooks":
-            async with self._hooks._borrow(timeout) as conn:
+        """A connection of the request's pool, for at most ``statement_timeout`` seconds,
+        the wait for it included: past them the statement running is cancelled on the
+        server (psycopg does so when its task is cancelled), the connection goes back to
+        the pool idle, and the request is refused 503 with Retry-After. A table lock held
+        elsewhere cannot hold the door's connections for as long as it lasts (issue 41 row
+        5); no setting is left on a pooled connection (PgBouncer-safe)."""
+        borrow = self._hooks._borrow if POOL.get() == "hooks" else super()._borrow
+        try:
+            async with asyncio.timeout(self._statement_timeout), borrow(timeout) as conn:
                 yield conn
-            return
-        async with super()._borrow(timeout) as conn:
-            yield conn
+        except TimeoutError:
+            metrics.get().http_refused.labels("statement_timeout").inc()
+            raise Refusal(503, f"the database did not answer within "
+                               f"{self._statement_timeout:g} s (a lock or a slow statement); "
+                               "try again", {"Retry-After": "1"}) from None
 
     async def close(self) -> None:
         """Close both pools."""

@@ -53,8 +53,9 @@ def classify(exc: Exception, request: Request, *, internal: str = "internal erro
              ) -> Refusal:
     """The refusal for *exc*, raised while answering *request*: a :class:`Refusal` as it
     is, a kestrel error by :func:`status_of`, the database unavailable 503, a value the
-    database refuses (class 22) 400, another database error 500 with its SQLSTATE, a client gone before its body 400, anything else (a bug of
-    ours) 500 with *internal* as the reason. The last three are logged."""
+    database refuses (class 22) 400, another database error 500 with its SQLSTATE, a client
+    gone before its body 400, anything else (a bug of ours) 500 with *internal* as the
+    reason. The database's answers and our bugs are logged."""
     if isinstance(exc, Refusal):
         return exc
     if isinstance(exc, KestrelError):
