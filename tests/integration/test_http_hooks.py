@@ -114,10 +114,23 @@ def test_github_push_runs_once_per_delivery(server: dict[str, Any]) -> None:
     before = executions(server)
     again = api.post("/hooks/gh", body, headers=github(body, delivery), token=None)
     assert again.status == 200 and again.json()["id"] == eid
-    other = json.dumps({"ref": "refs/heads/evil"}).encode()
-    clash = api.post("/hooks/gh", other, headers=github(other, delivery), token=None)
-    assert clash.status == 409
+    # A captured delivery replayed under new delivery ids, and with another event type (the
+    # signature covers neither header): the same signed body, the same execution (issue 41
+    # row 6: one signed body made 4 executions).
+    for event in ("push", "push", "push", "issues"):
+        replay = {**github(body, str(uuid.uuid4())), "X-GitHub-Event": event}
+        again = api.post("/hooks/gh", body, headers=replay, token=None)
+        assert again.status == 200 and again.json()["id"] == eid, again.body
+    # As a form (Content-Type is not signed either): read otherwise, refused, not new work.
+    form = {**github(body, str(uuid.uuid4())),
+            "Content-Type": "application/x-www-form-urlencoded"}
+    assert api.post("/hooks/gh", body, headers=form, token=None).status in (400, 409)
     assert executions(server) == before
+    # Another signed body is another event, whatever delivery id it came with.
+    other = json.dumps({"ref": "refs/heads/next"}).encode()
+    second = api.post("/hooks/gh", other, headers=github(other, delivery), token=None)
+    assert second.status == 200 and second.json()["id"] != eid
+    assert executions(server) == before + 1
 
 
 def test_github_ping_and_unlisted_events_start_nothing(server: dict[str, Any]) -> None:

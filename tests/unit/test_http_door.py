@@ -47,7 +47,10 @@ def hook(fmt: str, secret: str) -> Hook:
 def test_github_published_vector() -> None:
     gh = hook("github", GH_SECRET)
     headers = {"x-hub-signature-256": GH_SIG, "x-github-delivery": "d-1"}
-    assert verify(gh, headers, GH_BODY) == "hook:h:github:d-1"
+    assert verify(gh, headers, GH_BODY) == "hook:h:github:" + GH_SIG.removeprefix("sha256=")
+    # The key is the signed content's: another delivery id, the same key.
+    assert verify(gh, {**headers, "x-github-delivery": "d-2"}, GH_BODY) == verify(
+        gh, headers, GH_BODY)
     for bad in ({**headers, "x-hub-signature-256": GH_SIG[:-1] + "8"},
                 {**headers, "x-hub-signature-256": GH_SIG.upper()},
                 {"x-github-delivery": "d-1"}):

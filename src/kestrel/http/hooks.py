@@ -232,12 +232,15 @@ def verify(hook: Hook, headers: Any, body: bytes, *, now: float | None = None) -
         SignatureError: the reason, in words that never include the secret or the body.
     """
     if hook.format == "github":
-        _check_prefixed(hook, headers.get("x-hub-signature-256"), "X-Hub-Signature-256",
-                        body)
-        delivery = headers.get("x-github-delivery")
-        if not delivery:
+        signature = _check_prefixed(hook, headers.get("x-hub-signature-256"),
+                                    "X-Hub-Signature-256", body)
+        if not headers.get("x-github-delivery"):
             raise SignatureError("missing X-GitHub-Delivery header")
-        return f"hook:{hook.name}:github:{delivery}"
+        # Keyed by what GitHub signed, the body, not by the delivery id beside it: a
+        # captured delivery replayed under a new X-GitHub-Delivery (or X-GitHub-Event, which
+        # the signature does not cover either) finds the first execution, where it started
+        # new work (issue 41 row 6). GitHub's own redeliveries are the same bytes.
+        return f"hook:{hook.name}:github:{signature}"
     if hook.format == "slack":
         return _verify_slack(hook, headers, body, time.time() if now is None else now)
     signature = _check_prefixed(hook, headers.get("x-signature-256"), "X-Signature-256", body)

@@ -71,6 +71,9 @@ async def hook(request: Request) -> Response:
     if spec.format == "slack":
         return await _slack_hook(request, spec, key, body)
     event = request.headers.get("x-github-event")
+    if spec.format == "github":  # not in the key, but in the envelope: the same rules
+        codec.check_text(request.headers.get("x-github-delivery"),
+                         what="X-GitHub-Delivery header")
     if spec.format == "github" and not spec.accepts(event):
         return ok({"ignored": codec.printable(event or "", 100)})
     if _is_form(request):
