@@ -82,7 +82,32 @@ def test_idempotency_key_header_returns_the_first_execution(server: dict[str, An
                      headers={"Idempotency-Key": key})
     assert other.status == 409 and "already used" in other.json()["error"]
     assert q1(server["dsn"], server["schema"],
-              "SELECT count(*) FROM {s}.idempotency_keys WHERE idempotency_key = %s", [key]) == 1
+              "SELECT count(*) FROM {s}.idempotency_keys WHERE idempotency_key LIKE %s",
+              ["http:%:" + key]) == 1
+
+
+def test_an_idempotency_key_belongs_to_the_token_that_sent_it(server: dict[str, Any]) -> None:
+    """Issue 41 row 8: keys were shared by every token: a submit-only token sending a key
+    another caller had used got a 409 naming that caller's execution, or that execution back
+    as its own with the same body, and could squat keys others would use. Scoped to the
+    token, each caller's key is its own."""
+    api: Api = server["api"]
+    key = f"shared-{uuid.uuid4()}"
+    mine = submit(api, "http.echo", {"owner": "all"}, key=key)
+    other = Api(api.port, token=server["tokens"]["submit"])
+    # The same body and key from another token: its own execution, not the first one.
+    theirs = other.post(f"{API}/workflows/http.echo/submit", {"args": [{"owner": "all"}]},
+                        headers={"Idempotency-Key": key})
+    assert theirs.status == 201 and theirs.json()["id"] != mine
+    # Another body under that key: no 409, nothing about the first caller's execution.
+    squat = other.post(f"{API}/workflows/http.echo/submit", {"args": [{"owner": "x"}]},
+                       headers={"Idempotency-Key": f"new-{key}"})
+    assert squat.status == 201 and mine not in squat.body.decode()
+    # And the first token's key still answers the first token with its own execution.
+    assert submit(api, "http.echo", {"owner": "all"}, key=key) == mine
+    again = other.post(f"{API}/workflows/http.echo/submit", {"args": [{"owner": "y"}]},
+                       headers={"Idempotency-Key": key})
+    assert again.status == 409 and mine not in again.body.decode()
 
 
 def test_a_waiting_execution_shows_what_it_waits_for_and_a_signal_completes_it(

@@ -71,11 +71,16 @@ def execution_id(request: Request) -> uuid.UUID:
                        ) from None
 
 
-def _header_key(request: Request) -> str | None:
+def _header_key(request: Request, caller: auth.Caller) -> str | None:
+    """The request's ``Idempotency-Key``, scoped to the caller's token: two callers using
+    the same key get an execution each, and neither ever sees the other's (issue 41 row 8:
+    a submit-only token learned another caller's execution from a 409, got it back as its
+    own, and could squat keys others would use)."""
     key = request.headers.get("idempotency-key")
-    if key is not None:
-        codec.check_text(key, what="Idempotency-Key header")
-    return key
+    if key is None:
+        return None
+    codec.check_text(key, what="Idempotency-Key header")
+    return f"http:{caller.token_id}:{key}"
 
 
 def _number(body: dict[str, Any], name: str) -> float | None:
@@ -120,7 +125,7 @@ async def submit(request: Request) -> Response:
     another body 409. The key covers every field (args, queue, priority, timeout, delay,
     dedup_key) and the workflow. A well-formed W3C ``traceparent`` header (and
     ``tracestate``) is the execution's trace context; a malformed one is ignored."""
-    await require(request, "submit")
+    caller = await require(request, "submit")
     state = request.app.state
     name = request.path_params["workflow"]
     if state.workflows is not None and name not in state.workflows:
@@ -133,7 +138,7 @@ async def submit(request: Request) -> Response:
     priority = body.get("priority", 0)
     eid, created = await state.client.submit_created(
         name, *args, queue=_text(body, "queue", "default"), priority=priority,
-        idempotency_key=_header_key(request), timeout=_number(body, "timeout"),
+        idempotency_key=_header_key(request, caller), timeout=_number(body, "timeout"),
         delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"),
         trace=trace_context(request))
     return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
@@ -143,14 +148,14 @@ async def signal(request: Request) -> Response:
     """Send a signal (``name``, ``payload``) to an execution, at most once per
     ``Idempotency-Key``: sent again, ``delivered`` is false (the first signal sent under a
     key is the one delivered)."""
-    await require(request, "operate")
+    caller = await require(request, "operate")
     eid = execution_id(request)
     body = _object(await read_json(request), ("name", "payload"))
     name = body.get("name")
     if not isinstance(name, str):
         raise Refusal(400, "name (the signal's name, a string) is required")
     delivered = await send_signal(request.app, eid, name, body.get("payload"),
-                                  _header_key(request))
+                                  _header_key(request, caller))
     return ok({"id": str(eid), "signal": name, "delivered": delivered})
 
 
@@ -183,9 +188,9 @@ async def cancel(request: Request) -> Response:
 
 async def retry(request: Request) -> Response:
     """Re-run a failed, cancelled or quarantined execution from its last checkpoint."""
-    await require(request, "operate")
+    caller = await require(request, "operate")
     eid = execution_id(request)
-    await request.app.state.client.retry(eid, idempotency_key=_header_key(request))
+    await request.app.state.client.retry(eid, idempotency_key=_header_key(request, caller))
     return ok({"id": str(eid), "status": "queued"})
 
 
@@ -193,13 +198,13 @@ async def fork(request: Request) -> Response:
     """Start a new execution that reuses the first ``from_step`` checkpoints: 201 with its
     id. With an ``Idempotency-Key`` the same key and body answer 200 with the fork the first
     request made; the same key for another execution or step, 409."""
-    await require(request, "operate")
+    caller = await require(request, "operate")
     eid = execution_id(request)
     body = _object(await read_json(request), ("from_step",))
     step = body.get("from_step")
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 2**31:
         raise Refusal(400, "from_step must be an integer in [0, 2^31)")
-    key = _header_key(request)
+    key = _header_key(request, caller)
     if key is None:
         handle = await request.app.state.client.fork(eid, step)
         return ok({"id": str(handle.id), "forked_from": str(eid), "from_step": step}, 201)
@@ -229,8 +234,8 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
         if source is None:
             return False
         if source != (eid, step):
-            raise Refusal(409, f"Idempotency-Key {codec.printable(key, 80)!r} was used for "
-                                f"the fork of {source[0]} from step {source[1]}")
+            raise Refusal(409, f"Idempotency-Key {codec.printable(key.split(':', 2)[-1], 80)!r} "
+                                f"was used for the fork of {source[0]} from step {source[1]}")
         return True
 
     if await made_before():
