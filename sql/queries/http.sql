@@ -68,6 +68,11 @@ SELECT t.id, t.name, t.scopes
 -- deletes nothing and is still done.
 DELETE FROM __schema__.ui_sessions WHERE secret_hash = %(secret_hash)s;
 
+-- name: end_token_sessions
+-- Log out everywhere: every session of the token is gone, in every browser, while the token
+-- itself (and its API callers) goes on. Sent again, it deletes nothing and is still done.
+DELETE FROM __schema__.ui_sessions WHERE token_id = %(token_id)s;
+
 -- name: page_executions
 -- Newest first, live and finished, filtered (NULL = any), after a keyset cursor
 -- (created_at, id): each branch reads its (created_at DESC, id DESC) index and stops after

@@ -83,6 +83,7 @@ class Queries:
     create_session: str
     get_session: str
     end_session: str
+    end_token_sessions: str
     page_executions: str
     get_wait: str
     list_events: str

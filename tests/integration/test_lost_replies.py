@@ -680,6 +680,27 @@ def ui_logout(env: Env) -> None:
     assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.ui_sessions") == 0
 
 
+def ui_logout_everywhere(env: Env) -> None:
+    # Log out everywhere: the DELETE of every session of the token commits and its reply is
+    # lost; sent again it deletes nothing and every session is gone all the same.
+    from kestrel.statements import http as store
+
+    failpoints.disarm()  # two sessions of one token are made first, with their replies
+    make = _ui_session(env, lambda secret: store.create_session(
+        env.q, secret_hash=secret, token_id="kst_sweep0001", ttl_s=60.0), lose_first=False)
+    assert make(b"d" * 32) is not None and make(b"e" * 32) is not None
+    lose("end_token_sessions")
+
+    async def end(pool: Any) -> Any:
+        async with pool.connection() as conn:
+            return await db.run(conn, store.end_token_sessions(env.q, token_id="kst_sweep0001"))
+
+    with pytest.raises(psycopg.OperationalError):
+        env.run_async(end)
+    env.run_async(end)
+    assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.ui_sessions") == 0
+
+
 def migrate_again(env: Env, *, test_clock: bool = False) -> None:
     # A transaction per migration (the schema first, the functions last); run again after
     # one's reply was lost, migrate goes on from the last migration that committed, applying
@@ -951,6 +972,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "hook_submit": Lost((hook_submit,)),
     "create_session": Lost((ui_login,)),
     "end_session": Lost((ui_logout,)),
+    "end_token_sessions": Lost((ui_logout_everywhere,)),
     "get_session": Read("reads a UI session"),
     "fork_source": Read("reads what a fork copied"),
     "applied_migrations": Read("reads the migration record"),

@@ -186,6 +186,40 @@ def test_a_revoked_token_ends_its_sessions(server: UiServer, client: SyncClient,
     client.cancel(eid)
 
 
+def test_log_out_everywhere_ends_the_tokens_sessions_in_every_browser(
+        server: UiServer, client: SyncClient) -> None:
+    """Issue 41 row 10: a session in another browser survived logout and could still
+    approve; only revoking the token (which also cut its API users) ended it. "Log out
+    everywhere" ends every session of the token; the token itself goes on."""
+    from tests.http_helpers import Api, make_token
+
+    token = make_token(server.dsn, server.schema, "two-browsers", "read,operate")
+    laptop, phone, bystander = Browserless(server.api), Browserless(server.api), \
+        server.client("operator")
+    laptop.login(token)
+    phone.login(token)
+    eid = waiting_incident(server, client)
+    on_phone = phone.get(f"/ui/executions/{eid}")
+    assert on_phone.status == 200 and b'id="logout-everywhere"' in on_phone.body
+    # A plain logout on the laptop ends the laptop's session only.
+    home = laptop.get("/ui/")
+    assert laptop.post_form("/ui/logout", {"csrf": laptop.csrf(home)}).status == 303
+    assert laptop.get("/ui/").status == 303 and phone.get("/ui/").status == 200
+    laptop.login(token)
+    home = laptop.get("/ui/")
+    out = laptop.post_form("/ui/logout", {"csrf": laptop.csrf(home), "everywhere": "1"})
+    assert out.status == 303
+    assert laptop.get("/ui/").status == 303 and phone.get("/ui/").status == 303
+    refused = phone.post_form(f"/ui/executions/{eid}/approve",
+                              {"csrf": phone.csrf(on_phone), "name": "approval"})
+    one_line_refusal(refused, 403)
+    assert signals_sent(server, eid) == 0
+    # The token still works for the API, and another token's session is untouched.
+    assert Api(server.api.port, token=token).get(f"/api/v1/executions/{eid}").status == 200
+    assert bystander.get("/ui/").status == 200
+    client.cancel(eid)
+
+
 HOSTILE_QUERIES = [
     ("/ui/?status=%00", 400), ("/ui/?workflow=a%00b", 400), ("/ui/?workflow=%ED%A0%80", 400),
     ("/ui/?status=running%27%20OR%201%3D1", 400), ("/ui/?queue=a%20b", 400),

@@ -119,10 +119,16 @@ async def start(request: Request, token: str) -> tuple[auth.Caller, str]:
     return caller, cookie
 
 
-async def end(request: Request, session: Session) -> None:
-    """End *session* on the server: its row is deleted, its cookie opens nothing more."""
+async def end(request: Request, session: Session, *, everywhere: bool = False) -> None:
+    """End *session* on the server: its row is deleted, its cookie opens nothing more. With
+    *everywhere*, every session of its token, in any browser (the token stays valid)."""
     state = request.app.state
-    await state.client.read(statements.http.end_session(state.q, secret_hash=session.secret_hash))
+    if everywhere:
+        await state.client.read(statements.http.end_token_sessions(
+            state.q, token_id=session.caller.token_id))
+    else:
+        await state.client.read(statements.http.end_session(
+            state.q, secret_hash=session.secret_hash))
 
 
 def set_cookie(response: Response, request: Request, cookie: str) -> None:

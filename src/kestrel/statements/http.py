@@ -75,6 +75,11 @@ def end_session(q: Queries, *, secret_hash: bytes) -> Stmt[None]:
     return Stmt(q.end_session, {"secret_hash": secret_hash}, nothing)
 
 
+def end_token_sessions(q: Queries, *, token_id: str) -> Stmt[None]:
+    """Delete every UI session of token *token_id* (log out everywhere)."""
+    return Stmt(q.end_token_sessions, {"token_id": token_id}, nothing)
+
+
 def _summary(r: Sequence[Any]) -> Row:
     return {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
             "claims": r[4], "created_at": _iso(r[5]), "finished_at": _iso(r[6]),

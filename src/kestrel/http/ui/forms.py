@@ -74,16 +74,19 @@ async def login(request: Request) -> Response:
 
 async def logout(request: Request) -> Response:
     """End the session: delete it on the server and clear the cookie (the token itself
-    stays valid)."""
+    stays valid). With ``everywhere=1`` (the "Log out everywhere" button), every session of
+    the token ends, in every browser."""
     try:
         try:
             session = await current_session(request)
         except Refusal:  # a token without read: nothing to protect, just log out
             session = None
         if session is not None:
-            await sessions.checked_form(request, session, cap=8192)
-            await sessions.end(request, session)
-            log.info("UI logout by %s", auth.describe(session.caller))
+            form = await sessions.checked_form(request, session, cap=8192)
+            everywhere = form.get("everywhere") == "1"
+            await sessions.end(request, session, everywhere=everywhere)
+            log.info("UI logout%s by %s", " everywhere" if everywhere else "",
+                     auth.describe(session.caller))
     except Exception as exc:
         return refusal_page(request, exc, None)
     response = RedirectResponse("/ui/login", 303)
