@@ -114,7 +114,7 @@ def test_cancel_retry_signal(cli, pg_dsn: str, schema: str) -> None:  # type: ig
     assert code == 0 and "delivered" in out
     code, out, _ = cli("signal", str(waiting.id), "go", "--idempotency-key", "x", "--json")
     assert json.loads(out) == {"id": str(waiting.id), "signal": "go", "delivered": True,
-                               "status": "waiting", "waiting_for": "go"}
+                               "taken": True, "status": "waiting", "waiting_for": "go"}
     code, out, _ = cli("signal", str(waiting.id), "go", "--idempotency-key", "x")
     assert code == 0 and "already delivered" in out
     code, _, err = cli("signal", str(waiting.id), "go", "--payload", "{oops")

@@ -386,7 +386,7 @@ def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
         why = None
     if not sent:
         msg = (f"{eid}: signal {ns.name!r} with key {ns.idempotency_key!r} was already "
-               "sent")
+               "delivered")
     elif why is None:
         msg = f"{eid}: signal {ns.name!r} delivered"
     else:
