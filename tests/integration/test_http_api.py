@@ -284,3 +284,47 @@ def test_a_killed_http_child_is_restarted_and_the_workers_never_notice(
     assert "HTTP server" in Path(server["log"]).read_text()
     assert re.search(r"HTTP server \d+ exited \(killed by SIGKILL\); restarting in [12]s",
                      Path(server["log"]).read_text())
+
+
+def test_every_status_a_route_answers_is_in_the_openapi_document(
+        server: dict[str, Any]) -> None:
+    """Issue 41 row 11: the document left out answers the routes give (400 on GET
+    …/executions/{id}, 401 on /hooks/{name}, 405, 503, 500). Each route is called the ways
+    a client gets it wrong (no token, the wrong scope, the wrong method, a bad id, an unknown
+    one, a bad body, too big a body, a conflict) and right; every status seen is one the
+    document gives for that route."""
+    api: Api = server["api"]
+    tokens = server["tokens"]
+    doc = api.get(f"{API}/openapi.json", token=None).json()
+    done = submit(api, "http.echo", 1)
+    finished(api, done)
+    key = f"k-{uuid.uuid4()}"
+    submit(api, "http.echo", 1, key=key)
+    values = {"{id}": [done, str(uuid.uuid4()), "not-a-uuid"],
+              "{workflow}": ["http.echo", "no.such.workflow"], "{name}": ["nope"]}
+    bodies: list[Any] = [None, b"{oops", {"args": [1]}, {"name": "go"}, {"from_step": 0},
+                         {"unknown": 1}, b"x" * (2 * 1024 * 1024)]
+    seen: dict[tuple[str, str], set[int]] = {}
+
+    def expand(path: str) -> list[str]:
+        for slot, options in values.items():
+            if slot in path:
+                return [p for v in options for p in expand(path.replace(slot, v, 1))]
+        return [path]
+
+    for path, ops in doc["paths"].items():
+        for method in ops:
+            got = seen.setdefault((path, method), set())
+            for url in expand(path):
+                for token in (None, "bogus", *tokens.values()):
+                    for body in bodies if method == "post" else [None]:
+                        headers = {"Idempotency-Key": key} if method == "post" else None
+                        reply = api.request(method.upper(), url, body, token=token,
+                                            headers=headers)
+                        got.add(reply.status)
+                got.add(api.request("DELETE", url).status)
+    for (path, method), statuses in seen.items():
+        documented = {int(code) for code in doc["paths"][path][method]["responses"]}
+        assert statuses <= documented, (method, path, sorted(statuses - documented))
+    # The battery reached the refusals it is about, not only successes.
+    assert {400, 401, 403, 404, 405, 409, 413} <= set().union(*seen.values())
