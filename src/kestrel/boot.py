@@ -270,10 +270,13 @@ def run(cfg: Config, *, config_file: str | None = None) -> int:
     _first_upkeep(dsn, cfg)
     http = None
     if cfg.http_port:  # the HTTP door, in a child process of its own (kestrel.http)
+        from kestrel.http.server import prepare
         from kestrel.http.server import serve as serve_http
 
+        hooks = _hooks(config_file)
+        prepare(cfg, hooks)  # here, where a refusal stops the start in one line
         http = functools.partial(serve_http, cfg, dsn=dsn, workflows=list(workflows),
-                                 hooks=_hooks(config_file))
+                                 hooks=hooks)
     try:
         observe(cfg, dsn)
         code = Supervisor(cfg, workflows, dsn=dsn, http=http, schemas=schemas).run()
@@ -303,8 +306,11 @@ def serve(cfg: Config, *, config_file: str | None = None) -> int:
     if not cfg.app:
         raise ConfigError("invalid setting --app / KESTREL_APP: serve accepts the workflows "
                           "that module registers, e.g. --app myapp.workflows")
+    from kestrel.http.server import prepare
+
     workflows = import_app(cfg.app)
     hooks = _hooks(config_file)
+    prepare(cfg, hooks)
     dsn, server = _database(cfg)
     _migrate_or_check(dsn, cfg)
     refuse_one_bucket(dsn, cfg)

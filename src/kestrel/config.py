@@ -157,6 +157,15 @@ KNOBS: tuple[Knob, ...] = (
          "limit a new one first displaces the oldest connection that is idle or still "
          "sending its headers; only when every connection carries a request is it refused "
          "with 503.", "N"),
+    Knob("http_max_connections_per_client", int, "Most open connections of the HTTP API "
+         "from one client address (0: no cap). At the cap a client's new connection "
+         "displaces its own oldest idle or slowest one, else it is refused with 503: one "
+         "client cannot take the door. Behind a reverse proxy every client has the proxy's "
+         "address: set 0 there and let the proxy cap each client (deploy/nginx).", "N"),
+    Knob("http_hook_body_budget_bytes", int, "Most bytes of webhook bodies the HTTP process "
+         "holds at once before their signatures are checked (and while they are handled); "
+         "a delivery past it is refused with 503 and Retry-After as its bytes arrive. At "
+         "least the largest hook's max_body_bytes.", "BYTES"),
     Knob("http_hook_pool_size", int, "Database connections reserved for webhooks in the HTTP "
          "process, apart from the --pool-size connections of the API and web UI, so neither "
          "kind of traffic can take the other's.", "N"),
@@ -216,6 +225,8 @@ class Config:
     http_body_timeout: float = 30.0
     http_statement_timeout: float = 5.0
     http_max_connections: int = 1000
+    http_max_connections_per_client: int = 100
+    http_hook_body_budget_bytes: int = 64 * 1024 * 1024
     http_hook_pool_size: int = 2
     data_dir: str = ".kestrel/pgdata"
     log_level: str = "info"
@@ -289,6 +300,12 @@ class Config:
                 _bad(name, getattr(self, name), "must be greater than 0 and at most 3600")
         if not 1 <= self.http_max_connections <= 100_000:
             _bad("http_max_connections", self.http_max_connections, "must be 1-100000")
+        if not 0 <= self.http_max_connections_per_client <= 100_000:
+            _bad("http_max_connections_per_client", self.http_max_connections_per_client,
+                 "must be 0-100000 (0: no cap)")
+        if not 1024 * 1024 <= self.http_hook_body_budget_bytes <= 64 * 1024 ** 3:
+            _bad("http_hook_body_budget_bytes", self.http_hook_body_budget_bytes,
+                 "must be 1 MiB-64 GiB")
         if not 1 <= self.http_hook_pool_size <= 100:
             _bad("http_hook_pool_size", self.http_hook_pool_size, "must be 1-100")
         if self.log_level not in {"debug", "info", "warning", "error"}:

@@ -164,9 +164,12 @@ class Metrics:
         self.http_refused = Counter("kestrel_http_refused_total",
                                     "HTTP connections refused or cut by the door itself, by "
                                     "reason: header_timeout, body_timeout, header_too_large, "
-                                    "connection_limit, displaced, malformed; and requests "
+                                    "trailers_too_large, connection_limit, client_limit, "
+                                    "displaced, displaced_body, malformed; and requests "
                                     "refused 503 because the database did not answer within "
-                                    "--http-statement-timeout (statement_timeout)", ["reason"])
+                                    "--http-statement-timeout (statement_timeout) or the "
+                                    "webhook body budget was spent (hook_body_budget)",
+                                    ["reason"])
         self.http_connections = Gauge("kestrel_http_connections",
                                       "Open connections of the HTTP door",
                                       multiprocess_mode="livesum")

@@ -62,7 +62,7 @@ from kestrel.http.hooks import Hook
 from kestrel.http.observe import RequestMetrics, route_templates
 from kestrel.http.openapi import document
 from kestrel.http.refusals import Refusal, classify, template
-from kestrel.http.requests import read_json
+from kestrel.http.requests import BodyBudget, read_json
 from kestrel.http.webhooks import hook
 from kestrel.sql import Queries, queries
 
@@ -339,6 +339,7 @@ def create_app(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     app.state.q = queries(cfg.schema)
     app.state.workflows = frozenset(workflows) if workflows is not None else None
     app.state.hooks = dict(hooks or {})
+    app.state.hook_budget = BodyBudget(cfg.http_hook_body_budget_bytes)
     return app
 
 

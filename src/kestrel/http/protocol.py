@@ -13,10 +13,20 @@ connections stay open. :func:`protocol_class` returns a subclass of its
   yet, the clock is not the client's and starts again);
 - refuses a request line and headers over ``max_header_bytes``, counted as they arrive,
   before httptools has buffered more than one read past the cap;
+- refuses a request line and headers over ``max_header_bytes``, and as much again of chunk
+  framing and trailers after them (httptools joins a trailer's value piece by piece
+  without limit: three connections once grew the server by 280 MiB);
+- keeps at most ``max_per_client`` connections open from one client address: at its cap, a
+  client's new connection displaces that client's own oldest one that is idle, sending its
+  headers or sending its body, else it is refused, so one client cannot take the door;
 - keeps at most ``max_connections`` open: at the limit, a new connection displaces the
-  oldest connection that is idle (keep-alive) or still sending its headers, so stalled
-  clients cannot lock others out; only when every connection carries a request is the new
-  one refused;
+  oldest connection that is idle (keep-alive) or still sending its headers, else the one
+  whose body has been arriving longest (a request that announces a body and never sends
+  it held its slot for the whole body timeout); only when every connection has a request
+  in the app is the new one refused;
+- counts the sockets of refused connections until they close: at most
+  ``lingering_cap`` of them linger for their answer to be read, the oldest beyond that
+  are closed at once (the process's open-file limit is checked at start, :func:`check_files`);
 - answers every refusal of its own (400 malformed, 408, 431, 503) as one line of JSON,
   ``{"error": "..."}``, like the app's, with ``Connection: close``, then closes after
   the client has had a moment (``LINGER_S``) to read it: the write side is shut first and
@@ -45,6 +55,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kestrel import metrics
 from kestrel.config import Config
+from kestrel.errors import ConfigError
 
 LINGER_S = 2.0
 """Seconds a refused connection stays half-open so that the client reads the answer."""
@@ -58,15 +69,54 @@ class DoorLimits:
     header_timeout: float
     body_timeout: float
     max_connections: int
+    max_per_client: int = 0  # 0: no cap per client address
 
     @classmethod
     def of(cls, cfg: Config) -> DoorLimits:
         """The limits set by ``--http-max-header-bytes``, ``--http-header-timeout``,
-        ``--http-body-timeout`` and ``--http-max-connections``."""
+        ``--http-body-timeout``, ``--http-max-connections`` and
+        ``--http-max-connections-per-client``."""
         return cls(max_header_bytes=cfg.http_max_header_bytes,
                    header_timeout=cfg.http_header_timeout,
                    body_timeout=cfg.http_body_timeout,
-                   max_connections=cfg.http_max_connections)
+                   max_connections=cfg.http_max_connections,
+                   max_per_client=cfg.http_max_connections_per_client)
+
+    @property
+    def lingering_cap(self) -> int:
+        """Refused connections left half-open for their answer to be read, at most."""
+        return max(16, self.max_connections // 8)
+
+    @property
+    def sockets(self) -> int:
+        """The most sockets the door holds at once: its connections and the lingering."""
+        return self.max_connections + self.lingering_cap
+
+
+def check_files(limits: DoorLimits, *, others: int) -> str | None:
+    """Make sure this process may open the door's sockets and *others* files (its database
+    connections, logs, a margin): raise the soft open-file limit up to the hard one where
+    needed. Returns what was done, for the log, or None.
+
+    Raises:
+        ConfigError: the hard limit is too low (accept() would fail with EMFILE and new
+            clients get no answer at all: 5 to 7 of 8 did, at the defaults under a soft
+            limit of 1,024).
+    """
+    import resource
+
+    need = limits.sockets + others
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return None
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(
+            f"invalid setting --http-max-connections={limits.max_connections}: the door "
+            f"needs about {need} open files and this process may open {hard} at most "
+            "(ulimit -Hn); raise the limit (LimitNOFILE= for systemd, ulimits in Docker) or "
+            "lower --http-max-connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    return f"raised the open-file limit from {soft} to {need} (hard limit {hard})"
 
 
 def refusal(status: int, reason: str, *, retry_after: int | None = None) -> bytes:
@@ -82,7 +132,7 @@ def refusal(status: int, reason: str, *, retry_after: int | None = None) -> byte
 
 def protocol_class(limits: DoorLimits) -> type[GuardedProtocol]:
     """The protocol class to give uvicorn (``http=``), with *limits*."""
-    return type("GuardedProtocol", (GuardedProtocol,), {"limits": limits})
+    return type("GuardedProtocol", (GuardedProtocol,), {"limits": limits, "lingering": {}})
 
 
 class _Refused(Exception):
@@ -94,6 +144,9 @@ class GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the door's deadlines and caps."""
 
     limits: DoorLimits
+    lingering: dict[GuardedProtocol, None]
+    """Refused connections still open for their answer to be read, oldest first (one dict
+    per server: :func:`protocol_class`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -103,6 +156,11 @@ class GuardedProtocol(HttpToolsProtocol):
         self._header_bytes = 0  # bytes received while the current headers are incomplete
         self._headers_seen = False  # a header block completed in the current read
         self._since = 0.0  # when it became idle or started sending headers (displacement)
+        self._body_since = 0.0  # when its body started to arrive (displacement)
+        self._raw_body = 0  # bytes received for the current body, framing and trailers too
+        self._body_bytes = 0  # bytes of the current body itself
+        self._chunks = 0  # chunks of the current body (their framing is allowed for)
+        self._peer: str | None = None
         self._done = False  # the door refused or cut it: discard whatever still comes
         self._open = False
 
@@ -112,11 +170,20 @@ class GuardedProtocol(HttpToolsProtocol):
         """Start its header clock; over the connection limit, displace or refuse."""
         super().connection_made(transport)
         self._open = True
+        self._peer = self.client[0] if self.client else None
         metrics.get().http_connections.inc()
         self._start_headers()
-        if len(self.connections) > self.limits.max_connections and not self._displace():
+        cap = self.limits.max_per_client
+        if cap and self._peer is not None and sum(
+                1 for c in self.connections
+                if isinstance(c, GuardedProtocol) and c._peer == self._peer) > cap and \
+                not self._displace(same_client=True):
+            self._refuse(503, f"this client has {cap} connections open, the most one client "
+                         "may; finish or close some, then try again", "client_limit")
+        elif len(self.connections) > self.limits.max_connections and not self._displace():
             self._refuse(503, "the server is at its connection limit; try again",
                          "connection_limit")
+        self._shed_lingering()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Stop its clocks."""
@@ -124,6 +191,7 @@ class GuardedProtocol(HttpToolsProtocol):
             if timer is not None:
                 timer.cancel()
         self._header_timer = self._body_timer = self._linger = None
+        self.lingering.pop(self, None)
         if self._open:
             self._open = False
             metrics.get().http_connections.dec()
@@ -137,6 +205,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._idle():
             self._start_headers()  # the first byte after a keep-alive pause
         self._headers_seen = False
+        in_body = self._body_timer is not None
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -154,6 +223,14 @@ class GuardedProtocol(HttpToolsProtocol):
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, "request line and headers over the cap of "
                              f"{self.limits.max_header_bytes} bytes", "header_too_large")
+        elif in_body and self._body_timer is not None:
+            # Still the same body: what is not body is chunk framing (a few bytes a chunk)
+            # or trailers, which get the headers' cap and no more.
+            self._raw_body += len(data)
+            if (self._raw_body - self._body_bytes - 32 * self._chunks
+                    > self.limits.max_header_bytes):
+                self._refuse(431, "chunk framing and trailers over the cap of "
+                             f"{self.limits.max_header_bytes} bytes", "trailers_too_large")
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's plain-text 400, as the door's JSON refusal."""
@@ -179,7 +256,18 @@ class GuardedProtocol(HttpToolsProtocol):
                          f"{self.limits.max_header_bytes} bytes", "header_too_large")
             raise _Refused
         super().on_headers_complete()
+        self._body_since = self.loop.time()
+        self._raw_body = self._body_bytes = self._chunks = 0
         self._body_timer = self.loop.call_later(self.limits.body_timeout, self._body_late)
+
+    def on_body(self, body: bytes) -> None:
+        """Count the body's own bytes (the rest of what arrives is framing or trailers)."""
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_chunk_header(self) -> None:
+        """Another chunk: its size line and CRLFs are framing, allowed for."""
+        self._chunks += 1
 
     def on_message_complete(self) -> None:
         """Body in: stop its clock."""
@@ -223,30 +311,56 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(408, f"request body not received within {self.limits.body_timeout:g} s",
                      "body_timeout")
 
-    def _displace(self) -> bool:
-        """Make room for this connection: close the oldest that is idle or still sending
-        its headers (a refused one first). False when every other carries a request."""
-        victim: GuardedProtocol | None = None
+    def _displace(self, *, same_client: bool = False) -> bool:
+        """Make room for this connection: close another (of this client's, with
+        *same_client*): a refused one first, else the oldest that is idle or still sending
+        its headers, else the one whose body has been arriving longest. False when every
+        other has a request in the app."""
+        waiting: GuardedProtocol | None = None  # idle or sending its headers
+        sending: GuardedProtocol | None = None  # sending its body
         for conn in self.connections:
             if conn is self or not isinstance(conn, GuardedProtocol):
                 continue
+            if same_client and conn._peer != self._peer:
+                continue
             if conn._done:
-                victim = conn
+                waiting = conn
                 break
-            if (conn._header_timer is not None or conn._idle()) and (
-                    victim is None or conn._since < victim._since):
-                victim = conn
+            if conn._header_timer is not None or conn._idle():
+                if waiting is None or conn._since < waiting._since:
+                    waiting = conn
+            elif conn._body_timer is not None and (
+                    sending is None or conn._body_since < sending._body_since):
+                sending = conn
+        victim = waiting or sending
         if victim is None:
             return False
-        if victim._done or victim._header_timer is None:
+        answered = victim.cycle is not None and victim.cycle.response_complete
+        if victim._done or (victim is waiting and victim._header_timer is None):
             victim.transport.close()  # idle: a client retries on a closed keep-alive
             if not victim._done:
                 metrics.get().http_refused.labels("displaced").inc()
-        else:
+        elif victim is sending and answered:
+            # Answered already (a route that never reads the body it was announced): the
+            # body still awaited is only holding the slot.
+            victim.transport.close()
+            metrics.get().http_refused.labels("displaced_body").inc()
+        elif victim is waiting:
             victim._refuse(503, "the server is at its connection limit and this request's "
                            "headers were the slowest; try again", "displaced")
-        self.connections.discard(victim)  # closing: it no longer takes a slot
+        else:
+            victim._refuse(503, "the server is at its connection limit and this request's "
+                           "body was the slowest; try again", "displaced_body")
+        self.connections.discard(victim)  # closing: it takes no connection's slot
         return True
+
+    def _shed_lingering(self) -> None:
+        """Close at once the oldest refused connections past :attr:`DoorLimits.lingering_cap`:
+        their sockets count against the process's open files until closed."""
+        while len(self.lingering) > self.limits.lingering_cap:
+            oldest = next(iter(self.lingering))
+            del self.lingering[oldest]
+            oldest.transport.abort()
 
     def _refuse(self, status: int, reason: str, label: str) -> None:
         """Answer *status* with *reason* (when no other answer is under way on this
@@ -261,10 +375,13 @@ class GuardedProtocol(HttpToolsProtocol):
         metrics.get().http_refused.labels(label).inc()
         cycle = self.cycle
         answer = True
-        if cycle is not None and not cycle.response_complete:
+        in_body = label in ("body_timeout", "displaced_body", "trailers_too_large")
+        if cycle is not None and cycle.response_complete and in_body:
+            answer = False  # answered already (its route never read the body): just close
+        elif cycle is not None and not cycle.response_complete:
             # A request is in flight: its handler sees a disconnect, its answer is dropped.
             # Only a request cut in its own body, with nothing sent yet, gets the refusal.
-            answer = label == "body_timeout" and not cycle.response_started
+            answer = in_body and not cycle.response_started
             cycle.disconnected = True
             cycle.message_event.set()
         if self.transport.is_closing():
@@ -278,5 +395,6 @@ class GuardedProtocol(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
             self._linger = self.loop.call_later(LINGER_S, self.transport.close)
+            self.lingering[self] = None
         else:
             self.transport.close()

@@ -10,7 +10,9 @@ import base64
 import binascii
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl
@@ -44,9 +46,16 @@ def check_query_text(request: Request) -> None:
                 raise Refusal(400, "a query parameter holds NUL or bytes that are not UTF-8")
 
 
-async def read_capped(request: Request, cap: int) -> bytes | None:
+async def read_capped(request: Request, cap: int,
+                      budget: BodyBudget | None = None) -> bytes | None:
     """The raw body, or None once it passes *cap* bytes, announced or streamed: a client
-    that lies about Content-Length is cut off at the cap too, and nothing past it is read."""
+    that lies about Content-Length is cut off at the cap too, and nothing past it is read.
+    With *budget*, each chunk is taken from it as it arrives (given back by the caller,
+    :meth:`BodyBudget.holding`).
+
+    Raises:
+        Refusal: 503 with Retry-After when *budget* has no room left for a chunk.
+    """
     announced = request.headers.get("content-length")
     if announced is not None and (not DIGITS.fullmatch(announced) or int(announced) > cap):
         return None
@@ -55,8 +64,53 @@ async def read_capped(request: Request, cap: int) -> bytes | None:
         size += len(chunk)
         if size > cap:
             return None
+        if budget is not None:
+            budget.take(len(chunk))
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class BodyBudget:
+    """The bytes of request bodies one HTTP process holds before they are verified (webhook
+    bodies: a signature covers the whole body, so it is read first), across connections.
+    One event loop takes and gives: no lock. Use :meth:`holding` around a request's read and
+    handling; :func:`read_capped` takes as chunks arrive."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._mine: ContextVar[list[int] | None] = ContextVar("kestrel_body_budget",
+                                                              default=None)
+
+    def take(self, n: int) -> None:
+        """Hold *n* more bytes for the current request.
+
+        Raises:
+            Refusal: 503 with Retry-After when they do not fit (the door's whole budget,
+                not this request's cap: try again shortly).
+        """
+        mine = self._mine.get()
+        if self.held + n > self.limit:
+            from kestrel import metrics
+
+            metrics.get().http_refused.labels("hook_body_budget").inc()
+            raise Refusal(503, "the server holds as many unverified webhook bodies as it may "
+                               "(--http-hook-body-budget-bytes); try again",
+                          {"Retry-After": "1"})
+        self.held += n
+        if mine is not None:
+            mine[0] += n
+
+    @asynccontextmanager
+    async def holding(self) -> AsyncIterator[None]:
+        """What the request takes inside the block is given back when it ends."""
+        mine = [0]
+        token = self._mine.set(mine)
+        try:
+            yield
+        finally:
+            self._mine.reset(token)
+            self.held -= mine[0]
 
 
 async def read_body(request: Request) -> bytes:

@@ -15,14 +15,42 @@ from collections.abc import Iterable, Mapping, Sequence
 from starlette.routing import BaseRoute
 
 from kestrel.config import Config
+from kestrel.errors import ConfigError
 from kestrel.http.app import create_app
 from kestrel.http.hooks import Hook
-from kestrel.http.protocol import DoorLimits, protocol_class
+from kestrel.http.protocol import DoorLimits, check_files, protocol_class
 from kestrel.http.ui import routes as ui_routes
 
 log = logging.getLogger("kestrel.http")
 
 DEFAULT_PORT = 8080
+
+
+def prepare(cfg: Config, hooks: Mapping[str, Hook] | None) -> None:
+    """What the door needs of this process and its settings, checked before it starts (in
+    the supervisor, before the fork, for ``--http-port``): the open files for its sockets
+    (raised up to the hard limit where needed) and a webhook body budget that holds the
+    largest hook's body.
+
+    Raises:
+        ConfigError: too few open files may be had, or the budget is below a hook's cap.
+    """
+    done = check_files(DoorLimits.of(cfg),
+                       others=cfg.pool_size + cfg.http_hook_pool_size + FILES_MARGIN)
+    if done:
+        log.info("HTTP door: %s", done)
+    for hook in (hooks or {}).values():
+        cap = hook.max_body_bytes or cfg.http_max_body_bytes
+        if cap > cfg.http_hook_body_budget_bytes:
+            raise ConfigError(
+                f"invalid setting --http-hook-body-budget-bytes="
+                f"{cfg.http_hook_body_budget_bytes}: hook {hook.name!r} takes bodies of up to "
+                f"{cap} bytes, which would never fit; raise the budget to {cap} or more")
+
+
+FILES_MARGIN = 64
+"""Open files the HTTP process needs besides its sockets and pools (logs, the metrics
+directory, the listening socket, TLS files...)."""
 
 
 def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
@@ -35,6 +63,7 @@ def serve(cfg: Config, *, dsn: str, workflows: Iterable[str] | None,
     supervisor's, which merges its children's)."""
     import uvicorn
 
+    prepare(cfg, hooks)
     port = cfg.http_port or DEFAULT_PORT
     app = create_app(cfg, dsn=dsn, workflows=workflows, hooks=hooks,
                      routes=[*ui_routes(), *routes])  # the web UI under /ui

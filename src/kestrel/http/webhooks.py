@@ -59,8 +59,18 @@ async def hook(request: Request) -> Response:
         precheck_signature(spec, request.headers)
     except SignatureError as exc:
         raise Refusal(401, str(exc), challenge) from None
+    # Every hook body held in this process, signed or not yet known, counts against one
+    # budget until its request is answered: unsigned senders once grew the server by 578 MiB.
+    async with state.hook_budget.holding():
+        return await _verified(request, spec, challenge)
+
+
+async def _verified(request: Request, spec: Hook, challenge: dict[str, str]) -> Response:
+    """The rest of :func:`hook`: read the body within the budget, verify, submit or
+    signal."""
+    state = request.app.state
     cap = spec.max_body_bytes or state.cfg.http_max_body_bytes
-    body = await read_capped(request, cap)
+    body = await read_capped(request, cap, state.hook_budget)
     if body is None:
         raise Refusal(413, f"request body over hook {spec.name}'s cap of {cap} bytes")
     try:
