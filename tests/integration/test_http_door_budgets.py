@@ -158,33 +158,40 @@ def test_a_trailer_of_megabytes_is_refused_at_the_header_cap(
     with ctx as api:
         server = psutil.Process(api.proc.pid)
         before = server.memory_info().rss
-        head = (b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
-                b"Content-Type: application/json\r\nX-Signature-256: sha256=" + b"0" * 64
-                + b"\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
-        told = [b"", b"", b""]
-
-        def bomb(i: int) -> None:
-            sock = connect(api.port, f"127.0.0.{20 + i}", head)
-            try:
-                for _ in range(8 * 16):  # 8 MiB in 64 KiB pieces
-                    sock.sendall(b"a" * 65536)
-            except OSError:
-                pass  # cut off
-            finally:
-                told[i] = answer(sock, 5.0)
-                sock.close()
-
-        threads = [threading.Thread(target=bomb, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        told = trailer_bombs(api.port)
         assert api.get("/healthz", token=None).status == 200
         grown = server.memory_info().rss - before
         assert grown < 48 * 1024 * 1024, grown  # 256-284 MiB before
         assert refused(metrics, "trailers_too_large") == 3
         assert all(t.startswith(b"HTTP/1.1 431 ") and b"trailers over the cap" in t
                    for t in told), told
+
+
+def trailer_bombs(port: int, n: int = 3) -> list[bytes]:
+    """*n* chunked hook requests at once, each from its own address, whose trailer is 8 MiB
+    (sent in 64 KiB pieces until the server cuts it off); what each was answered."""
+    head = (b"POST /hooks/alerts HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+            b"Content-Type: application/json\r\nX-Signature-256: sha256=" + b"0" * 64
+            + b"\r\n\r\n2\r\n{}\r\n0\r\nX-Trailer: ")
+    told = [b""] * n
+
+    def bomb(i: int) -> None:
+        sock = connect(port, f"127.0.0.{20 + i}", head)
+        try:
+            for _ in range(8 * 16):
+                sock.sendall(b"a" * 65536)
+        except OSError:
+            pass  # cut off
+        finally:
+            told[i] = answer(sock, 5.0)
+            sock.close()
+
+    threads = [threading.Thread(target=bomb, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return told
 
 
 def signed(body: bytes) -> dict[str, str]:

@@ -156,3 +156,17 @@ def test_the_recipes_check_would_catch_the_old_mistakes() -> None:
     [cmd] = [json.loads(rest) for word, rest in old if word == "CMD"]
     with pytest.raises(SystemExit):
         _parses(cmd)
+
+
+def test_the_proxy_profile_serves_the_tested_nginx_file_in_front_of_the_runtimes_door() -> None:
+    proxy = compose()["services"]["proxy"]
+    assert proxy["profiles"] == ["proxy"]
+    [mount] = proxy["volumes"]
+    assert mount.startswith("./deploy/nginx/kestrel.conf.template:/etc/nginx/templates/")
+    runtime = compose()["services"]["runtime"]
+    port = runtime["command"][runtime["command"].index("--http-port") + 1]
+    assert proxy["environment"]["DOOR_UPSTREAM"] == f"runtime:{port}"
+    template = (ROOT / "deploy" / "nginx" / "kestrel.conf.template").read_text()
+    assert set(re.findall(r"\$\{(\w+)\}", template)) == set(proxy["environment"])
+    # Behind one address (the proxy's, Docker's gateway) a cap per address would cap all.
+    assert runtime["environment"]["KESTREL_HTTP_MAX_CONNECTIONS_PER_CLIENT"] == "0"
