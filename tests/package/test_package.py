@@ -117,6 +117,7 @@ def test_the_sdist_and_wheel_pass_twine_check_and_carry_the_sql_and_the_ui(dist:
     assert any(n.startswith("kestrel/sql/migrations/0001_") for n in names)
     assert len(ui) > 5 and ui <= names, sorted(ui - names)
     assert "kestrel/py.typed" in names  # users' mypy reads kestrel's annotations
+    assert "kestrel/grafana/kestrel.json" in names  # `kestrel-runtime dashboard` prints it
     assert f"kestrel_runtime-{VERSION}.dist-info/licenses/LICENSE" in names
     assert not [n for n in names if n.startswith(("tests/", "bench/", "sql/"))]
     assert b"kestrel-runtime = kestrel.cli:main" in entry_points

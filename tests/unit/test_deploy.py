@@ -170,3 +170,13 @@ def test_the_proxy_profile_serves_the_tested_nginx_file_in_front_of_the_runtimes
     assert set(re.findall(r"\$\{(\w+)\}", template)) == set(proxy["environment"])
     # Behind one address (the proxy's, Docker's gateway) a cap per address would cap all.
     assert runtime["environment"]["KESTREL_HTTP_MAX_CONNECTIONS_PER_CLIENT"] == "0"
+
+
+def test_the_dashboard_command_prints_the_dashboard_grafana_provisions(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43 item 7: the dashboard was only in the repository, not in an install."""
+    from kestrel.cli import main
+
+    assert main(["dashboard"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads((ROOT / "grafana/dashboards/kestrel.json").read_text())

@@ -58,7 +58,7 @@ TABLE: tuple[Command, ...] = (
     runtime.SERVE_COMMAND,  # the HTTP door (kestrel.http)
     tokens.TOKEN,
     replay.REPLAY, replay.EXPORT_HISTORIES,
-    runtime.DEMO,
+    runtime.DASHBOARD, runtime.DEMO,
 )
 """Every command, in the order ``kestrel-runtime --help`` lists them. A new command is a
 :class:`~kestrel.cli.common.Command` in its module, added here."""

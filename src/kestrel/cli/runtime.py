@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from kestrel import boot
@@ -149,6 +151,21 @@ def dsn_options(dsn: argparse.ArgumentParser) -> None:
     dsn.add_argument("--json", action="store_true", help="Print JSON instead of a line.")
 
 
+def dashboard_file() -> Path:
+    """The Grafana dashboard: in the wheel (``kestrel/grafana/kestrel.json``), or in the
+    checkout (``grafana/dashboards/kestrel.json``)."""
+    packaged = Path(__file__).resolve().parents[1] / "grafana" / "kestrel.json"
+    if packaged.is_file():
+        return packaged
+    return Path(__file__).resolve().parents[3] / "grafana" / "dashboards" / "kestrel.json"
+
+
+def cmd_dashboard(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime dashboard``: print the Grafana dashboard (JSON) for an import."""
+    sys.stdout.write(dashboard_file().read_text(encoding="utf-8"))
+    return 0
+
+
 def cmd_demo(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime demo``: run the incident-response demo; return its exit status.
 
@@ -192,6 +209,10 @@ SERVE_COMMAND = Command(
              "127.0.0.1:8080); needs --app, hooks come from [hooks.NAME] in --config; with "
              "--metrics-port, its HTTP metrics on /metrics there.", cmd_serve,
     settings=CONNECTION + HISTORY + SERVE)
+DASHBOARD = Command(
+    "dashboard", "Print the Grafana dashboard (JSON) of kestrel's metrics, for Grafana's "
+                 "Dashboards > Import or a provisioning folder.", cmd_dashboard,
+    settings=(), examples=("kestrel-runtime dashboard > kestrel.json",))
 DEMO = Command(
     "demo", "Run the incident-response demo end to end on the embedded database.", cmd_demo,
     demo_options, settings=None)
