@@ -81,9 +81,10 @@ DELETE FROM __schema__.ui_sessions WHERE token_id = %(token_id)s;
 -- their branch sorts them, a set as small as the work in flight. (One branch over a
 -- UNION ALL of both halves of the hot table reads nothing in order: PostgreSQL 15 sorts
 -- the whole union.) The filters: sql/fragments/list.sql.
-SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version
+SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version,
+       lease_epoch
   FROM ((SELECT id, workflow, queue, status, attempts, created_at,
-                NULL::timestamptz AS finished_at, parent_id, app_version
+                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch
            FROM __schema__.workflow_executions
           WHERE status <> 'running'
             -- include: page_filter
@@ -91,7 +92,7 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
           LIMIT %(limit)s)
         UNION ALL
         (SELECT id, workflow, queue, status, attempts, created_at,
-                NULL::timestamptz AS finished_at, parent_id, app_version
+                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch
            FROM __schema__.workflow_executions
           WHERE status = 'running'
             -- include: page_filter
@@ -99,7 +100,7 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
           LIMIT %(limit)s)
         UNION ALL
         (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
-                app_version
+                app_version, lease_epoch
            FROM __schema__.workflow_history
           WHERE true
             -- include: page_filter

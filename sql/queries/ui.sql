@@ -19,7 +19,7 @@ SELECT status, count(*), false
 -- contain %(pattern)s (an ILIKE pattern the caller escaped), newest first. The finish-time
 -- range prunes history partitions, and LIMIT bounds the rows read back.
 SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
-       error ->> 'type', error ->> 'message'
+       error ->> 'type', error ->> 'message', lease_epoch
   FROM __schema__.workflow_history
  WHERE finished_at >= %(since)s::timestamptz
    AND finished_at < %(until)s::timestamptz

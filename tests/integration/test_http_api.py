@@ -328,3 +328,23 @@ def test_every_status_a_route_answers_is_in_the_openapi_document(
         assert statuses <= documented, (method, path, sorted(statuses - documented))
     # The battery reached the refusals it is about, not only successes.
     assert {400, 401, 403, 404, 405, 409, 413} <= set().union(*seen.values())
+
+
+def test_claims_count_every_claim_and_attempts_those_since_the_last_wait(
+        server: dict[str, Any]) -> None:
+    """Issue 43 item 10: the list said "claims": 0 for executions that ran and parked (it
+    showed the attempts --max-attempts counts, which a clean wait resets). "claims" now
+    counts every claim (the lease epoch), "attempts" those since the last wait."""
+    api: Api = server["api"]
+    eid = submit(api, "http.approval", {"alert": "claims"})
+
+    def parked() -> dict[str, Any] | None:
+        row = api.get(f"{API}/executions/{eid}").json()
+        return row if row["status"] == "waiting" else None
+
+    one = wait_until(parked, timeout=60, what="the approval to park")
+    assert (one["claims"], one["attempts"]) == (1, 0)
+    listed = [r for r in api.get(f"{API}/executions?workflow=http.approval").json()[
+        "executions"] if r["id"] == eid]
+    assert [(r["claims"], r["attempts"]) for r in listed] == [(1, 0)]
+    api.post(f"{API}/executions/{eid}/cancel")

@@ -311,7 +311,8 @@ async def get_execution(request: Request) -> Response:
     wait = await state.client.read_of(eid, lambda q: statements.http.get_wait(q, id=eid)) or {}
     return ok({
         "id": str(ex.id), "workflow": ex.workflow, "queue": ex.queue, "priority": ex.priority,
-        "status": ex.status.value, "claims": ex.attempts, "args": ex.args,
+        "status": ex.status.value, "claims": ex.lease_epoch, "attempts": ex.attempts,
+        "args": ex.args,
         "result": ex.result, "error": ex.error,
         "created_at": ex.created_at.isoformat(),
         "started_at": ex.started_at.isoformat() if ex.started_at else None,

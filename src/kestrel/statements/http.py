@@ -81,9 +81,12 @@ def end_token_sessions(q: Queries, *, token_id: str) -> Stmt[None]:
 
 
 def _summary(r: Sequence[Any]) -> Row:
+    # claims: every time a worker took it (its lease epoch); attempts: the claims since it
+    # last parked, which --max-attempts counts (0 for one that ran and now waits).
     return {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
-            "claims": r[4], "created_at": _iso(r[5]), "finished_at": _iso(r[6]),
-            "parent_id": str(r[7]) if r[7] else None, "app_version": r[8]}
+            "claims": r[9], "attempts": r[4], "created_at": _iso(r[5]),
+            "finished_at": _iso(r[6]), "parent_id": str(r[7]) if r[7] else None,
+            "app_version": r[8]}
 
 
 def page_executions(q: Queries, *, status: str | None, workflow: str | None,

@@ -45,6 +45,6 @@ def search_history(q: Queries, *, since: datetime, until: datetime, status: str 
     return Stmt(q.search_history, {"since": since, "until": until, "status": status,
                                    "pattern": pattern, "limit": limit}, lambda rows: [
         {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
-         "claims": r[4], "created_at": r[5], "finished_at": r[6],
+         "claims": r[10], "attempts": r[4], "created_at": r[5], "finished_at": r[6],
          "parent_id": str(r[7]) if r[7] else None,
          "error": f"{r[8]}: {r[9]}" if r[8] else None} for r in rows])
