@@ -30,6 +30,15 @@ citus-cluster: ## as root: build Citus from CITUS_SRC if missing, start the loca
 	@test -x $(CITUS_SRC)/build.sh || { echo "no Citus source in $(CITUS_SRC): set CITUS_SRC, or KESTREL_CITUS_DSN for a running cluster" >&2; exit 1; }
 	bash $(CITUS_SRC)/build.sh
 	bash $(CITUS_SRC)/cluster.sh up >/dev/null
+	@# The rebalancer's default shard moves use logical replication (tests/citus move a tenant
+	@# that way under load): every node at wal_level = logical, restarted once if it was not.
+	@for c in citusc citusw1 citusw2; do \
+	    port=$$(pg_lsclusters -h | awk -v c=$$c '$$2 == c {print $$3}'); \
+	    if [ "$$(psql -qAt -h 127.0.0.1 -p $$port -U postgres -c 'SHOW wal_level' postgres)" != logical ]; then \
+	        psql -q -h 127.0.0.1 -p $$port -U postgres -c "ALTER SYSTEM SET wal_level = logical" postgres && \
+	        pg_ctlcluster 15 $$c restart; \
+	    fi; \
+	done
 
 test-citus: $(STAMP) ## the Citus tier (tests/citus): on KESTREL_CITUS_DSN, else on the local cluster it builds and starts (citus-cluster)
 	@if [ -z "$$KESTREL_CITUS_DSN" ]; then $(MAKE) --no-print-directory citus-cluster; fi

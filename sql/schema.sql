@@ -23,6 +23,8 @@ CREATE TABLE __schema__.event_history (
 )
 PARTITION BY RANGE (execution_finished_at);
 
+ALTER TABLE ONLY __schema__.event_history REPLICA IDENTITY FULL;
+
 CREATE TABLE __schema__.event_history_default (
     execution_id uuid NOT NULL,
     key text NOT NULL,
@@ -30,6 +32,8 @@ CREATE TABLE __schema__.event_history_default (
     updated_at timestamp with time zone NOT NULL,
     execution_finished_at timestamp with time zone NOT NULL
 );
+
+ALTER TABLE ONLY __schema__.event_history_default REPLICA IDENTITY FULL;
 
 CREATE TABLE __schema__.events (
     execution_id uuid NOT NULL,
@@ -95,6 +99,8 @@ CREATE TABLE __schema__.workflow_history (
     CONSTRAINT workflow_history_status_check CHECK ((status = ANY (ARRAY['completed'::text, 'failed'::text, 'cancelled'::text, 'quarantined'::text])))
 )
 PARTITION BY RANGE (finished_at);
+
+ALTER TABLE ONLY __schema__.workflow_history REPLICA IDENTITY FULL;
 
 CREATE VIEW __schema__.executions AS
  SELECT workflow_executions.id,
@@ -270,6 +276,8 @@ CREATE TABLE __schema__.signal_history (
 )
 PARTITION BY RANGE (execution_finished_at);
 
+ALTER TABLE ONLY __schema__.signal_history REPLICA IDENTITY FULL;
+
 CREATE TABLE __schema__.signal_history_default (
     id bigint NOT NULL,
     execution_id uuid NOT NULL,
@@ -281,6 +289,8 @@ CREATE TABLE __schema__.signal_history_default (
     consumed_at timestamp with time zone,
     execution_finished_at timestamp with time zone NOT NULL
 );
+
+ALTER TABLE ONLY __schema__.signal_history_default REPLICA IDENTITY FULL;
 
 CREATE TABLE __schema__.signals (
     id bigint NOT NULL,
@@ -388,6 +398,8 @@ CREATE TABLE __schema__.workflow_history_default (
     app_version text,
     CONSTRAINT workflow_history_status_check CHECK ((status = ANY (ARRAY['completed'::text, 'failed'::text, 'cancelled'::text, 'quarantined'::text])))
 );
+
+ALTER TABLE ONLY __schema__.workflow_history_default REPLICA IDENTITY FULL;
 
 ALTER TABLE ONLY __schema__.event_history ATTACH PARTITION __schema__.event_history_default DEFAULT;
 

@@ -78,6 +78,12 @@ BEGIN
                            v_table);
             EXECUTE format('CREATE TABLE %I.%I (LIKE %I.%I INCLUDING DEFAULTS INCLUDING CONSTRAINTS)',
                            '__schema_name__', v_name, '__schema_name__', v_table);
+            IF v_table <> 'operation_outputs' THEN
+                -- No key to find a row by: the whole row is its identity, so that Citus's
+                -- rebalancer can move it by logical replication (migration 0022).
+                EXECUTE format('ALTER TABLE %I.%I REPLICA IDENTITY FULL', '__schema_name__',
+                               v_name);
+            END IF;
             EXECUTE format('WITH moved AS (DELETE FROM %I.%I WHERE %I >= %L AND %I < %L RETURNING *) '
                            'INSERT INTO %I.%I SELECT * FROM moved',
                            '__schema_name__', v_table || '_default', v_column, v_lo, v_column,
