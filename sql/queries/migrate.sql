@@ -9,7 +9,14 @@ SELECT pg_advisory_xact_lock(hashtext('kestrel.migrate.__schema_name__'));
 CREATE SCHEMA IF NOT EXISTS __schema__;
 
 -- name: migrations_table_exists
-SELECT to_regclass('__schema__.schema_migrations') IS NOT NULL;
+-- Read from the catalog tables, not to_regclass(): a transaction that waited for another
+-- migrate's advisory lock may still hold that backend's cached "no such table" from before
+-- the wait (to_regclass takes no lock, so it processes no invalidation; a concurrent migrate
+-- then applied migration 1 twice). Scanning pg_class takes its lock, which does. The same
+-- for the three checks below.
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
+                WHERE relnamespace = '__schema_name__'::regnamespace
+                  AND relname = 'schema_migrations');
 
 -- name: applied_migrations
 SELECT version FROM __schema__.schema_migrations;
@@ -32,7 +39,9 @@ SELECT set_config('kestrel.test_clock', %(test_clock)s, true);
 
 -- name: has_test_clock
 -- Whether the schema was made for tests: it has the clock tests move (migration 0016).
-SELECT to_regclass('__schema__.clock_offset') IS NOT NULL;
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
+                WHERE relnamespace = '__schema_name__'::regnamespace
+                  AND relname = 'clock_offset');
 
 -- name: lock_test_clock
 -- Wait for a test moving the clock to commit: migrate and the clock trigger both replace
@@ -67,13 +76,16 @@ $$;
 -- name: bucket_table_exists
 -- Whether the schema has the bucket table (migration 0021): a schema that does not exist
 -- yet, or is older, has none and is no bucket.
-SELECT to_regclass('__schema__.bucket') IS NOT NULL;
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
+                WHERE relnamespace = '__schema_name__'::regnamespace AND relname = 'bucket');
 
 -- name: migrate_finished
 -- Whether a migrate ever finished on this schema: its last transaction installs the functions
 -- (sql/functions), the first of which says their version. A schema whose migrate stopped
 -- part-way has migrations and no functions.
-SELECT to_regproc('__schema__.kestrel_functions_version') IS NOT NULL;
+SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc
+                WHERE pronamespace = '__schema_name__'::regnamespace
+                  AND proname = 'kestrel_functions_version');
 
 -- name: read_bucket
 -- The bucket this schema is of its namespace, and the namespace's bucket count (migration
