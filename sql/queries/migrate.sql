@@ -15,7 +15,8 @@ CREATE SCHEMA IF NOT EXISTS __schema__;
 -- then applied migration 1 twice). Scanning pg_class takes its lock, which does. The same
 -- for the three checks below.
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
-                WHERE relnamespace = '__schema_name__'::regnamespace
+                WHERE relnamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                                     WHERE nspname = '__schema_name__')
                   AND relname = 'schema_migrations');
 
 -- name: applied_migrations
@@ -40,7 +41,8 @@ SELECT set_config('kestrel.test_clock', %(test_clock)s, true);
 -- name: has_test_clock
 -- Whether the schema was made for tests: it has the clock tests move (migration 0016).
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
-                WHERE relnamespace = '__schema_name__'::regnamespace
+                WHERE relnamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                                     WHERE nspname = '__schema_name__')
                   AND relname = 'clock_offset');
 
 -- name: lock_test_clock
@@ -77,14 +79,16 @@ $$;
 -- Whether the schema has the bucket table (migration 0021): a schema that does not exist
 -- yet, or is older, has none and is no bucket.
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_class
-                WHERE relnamespace = '__schema_name__'::regnamespace AND relname = 'bucket');
+                WHERE relnamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                                     WHERE nspname = '__schema_name__') AND relname = 'bucket');
 
 -- name: migrate_finished
 -- Whether a migrate ever finished on this schema: its last transaction installs the functions
 -- (sql/functions), the first of which says their version. A schema whose migrate stopped
 -- part-way has migrations and no functions.
 SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_proc
-                WHERE pronamespace = '__schema_name__'::regnamespace
+                WHERE pronamespace = (SELECT oid FROM pg_catalog.pg_namespace
+                                     WHERE nspname = '__schema_name__')
                   AND proname = 'kestrel_functions_version');
 
 -- name: read_bucket

@@ -98,7 +98,9 @@ def _door(srv: dict[str, Any], door: str, text: str) -> str | None:
         reply = api.post(f"/api/v1/workflows/{WORKFLOW}/submit", f'{{"args": [{text}]}}',
                          headers={"Content-Type": "application/json"})
     elif door == "github":
-        body = f'{{"n": {text}}}'.encode()
+        # A delivery is known by its signed body (a replay under a new delivery id is the
+        # same one): a nonce makes each example's a delivery of its own, as hmac's below.
+        body = f'{{"n": {text}, "nonce": "{uuid.uuid4()}"}}'.encode()
         reply = api.post("/hooks/num-gh", body, token=None, headers={
             "X-Hub-Signature-256": _sign(body), "X-GitHub-Delivery": str(uuid.uuid4()),
             "X-GitHub-Event": "push", "Content-Type": "application/json"})
