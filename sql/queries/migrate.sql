@@ -8,6 +8,17 @@ SELECT pg_advisory_xact_lock(hashtext('kestrel.migrate.__schema_name__'));
 -- name: create_schema
 CREATE SCHEMA IF NOT EXISTS __schema__;
 
+-- name: may_migrate
+-- Whether this role may migrate the schema: own it (or be a member of its owner's role, or
+-- a superuser) when it exists, or be allowed to create schemas in the database when it does
+-- not. A least-privilege runtime then checks the schema instead of sending DDL it may not
+-- run, which would leave an ERROR in the server's log (and, on Citus, in every worker
+-- node's) at each start.
+SELECT CASE WHEN n.oid IS NULL THEN has_database_privilege(current_database(), 'CREATE')
+            ELSE pg_has_role(current_user, n.nspowner, 'USAGE') END
+  FROM (SELECT NULL) AS one
+  LEFT JOIN pg_catalog.pg_namespace AS n ON n.nspname = '__schema_name__';
+
 -- name: migrations_table_exists
 -- Read from the catalog tables, not to_regclass(): a transaction that waited for another
 -- migrate's advisory lock may still hold that backend's cached "no such table" from before

@@ -114,9 +114,13 @@ def _migrate_or_check(dsn: str, cfg: Config) -> None:
     """Migrate the schema; where this role may not run DDL, check that it is current."""
     from psycopg.errors import InsufficientPrivilege
 
-    from kestrel.migrate import migrate_namespace
+    from kestrel.migrate import may_migrate, migrate_namespace
 
     try:
+        # Asked first: DDL this role may not run would leave an ERROR in the server's log
+        # (on Citus, in every worker node's) at each start.
+        if not may_migrate(dsn, cfg.schema):
+            raise InsufficientPrivilege("not the schema's owner")
         migrate_namespace(dsn, cfg.schema, buckets=cfg.buckets,
                           history_interval=cfg.history_interval,
                           history_ahead=cfg.history_ahead)
@@ -186,7 +190,11 @@ def _first_upkeep(dsn: str, cfg: Config) -> None:
     round is only a warning (the workers retry every --maintenance-interval)."""
     from psycopg.errors import InsufficientPrivilege, LockNotAvailable
 
+    from kestrel.migrate import may_migrate
+
     try:
+        if not may_migrate(dsn, cfg.schema):  # asked, not tried: no ERROR in the server log
+            raise InsufficientPrivilege("not the schema's owner")
         upkeep(dsn, cfg)
     except LockNotAvailable:
         log.warning("history partition upkeep skipped: the history tables are busy; the "

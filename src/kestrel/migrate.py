@@ -274,6 +274,13 @@ def _another_bucket(schema: str, made: tuple[int, int], want: tuple[int, int],
         "id names its bucket by it)")
 
 
+def may_migrate(dsn: str, schema: str) -> bool:
+    """Whether this role may migrate *schema*: it owns it (superusers own everything), or
+    may create it when it does not exist yet."""
+    with connections.connect(dsn, prepare_threshold=None) as conn:
+        return db.run_sync(conn, statements.migrate.may_migrate(queries(schema)))
+
+
 def current_version_of(dsn: str, schema: str) -> int:
     """:func:`current_version` of *schema* on a connection of its own."""
     with connections.connect(dsn, prepare_threshold=None) as conn:

@@ -99,6 +99,7 @@ class Upkeep:
     def __init__(self, pool: Pool, q: Queries, cfg: Config) -> None:
         self._pool, self._q, self._cfg = pool, q, cfg
         self.stood_down = False
+        self._asked = False  # whether this role may run upkeep's DDL, asked once
 
     async def run(self) -> NoReturn:
         """Call :meth:`run_once` forever, a jittered ``--maintenance-interval`` apart.
@@ -114,6 +115,12 @@ class Upkeep:
             return False, 0, 0
         try:
             async with self._pool.connection() as conn:
+                if not self._asked:
+                    # Asked before it is tried: DDL this role may not run would leave an
+                    # ERROR in the server's log (on Citus, in each worker node's).
+                    if not await db.run(conn, statements.migrate.may_migrate(self._q)):
+                        raise psycopg.errors.InsufficientPrivilege("not the schema's owner")
+                    self._asked = True
                 ran, created, dropped = await db.run_script(
                     conn, statements.history.run_maintenance(
                         self._q, interval=self._cfg.history_interval,

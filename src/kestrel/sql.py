@@ -96,6 +96,7 @@ class Queries:
     # sql/queries/migrate.sql (kestrel/statements/migrate.py)
     migrate_lock: str
     create_schema: str
+    may_migrate: str
     migrations_table_exists: str
     applied_migrations: str
     current_migration: str

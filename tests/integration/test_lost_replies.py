@@ -966,6 +966,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "bucket_table_exists": Read("reads the catalog"),
     "read_bucket": Read("reads which bucket a schema is"),
     "migrate_finished": Read("reads the catalog"),
+    "may_migrate": Read("reads the catalog"),
     "set_clock_kind": Read("a setting local to migrate's transaction; writes nothing"),
     "expire_worker_leases": Lost((dead_worker,)),
     "wake_workers": Lost((dead_worker,)),

@@ -18,6 +18,11 @@ def create_schema(q: Queries) -> Stmt[None]:
     return command(q.create_schema)
 
 
+def may_migrate(q: Queries) -> Stmt[bool]:
+    """Whether this role may migrate the schema (owns it, or may create it)."""
+    return Stmt(q.may_migrate, None, lambda rows: bool(first(rows)))
+
+
 def migrations_table_exists(q: Queries) -> Stmt[bool]:
     """Whether the schema has its migration record."""
     return Stmt(q.migrations_table_exists, None, lambda rows: bool(first(rows)))
