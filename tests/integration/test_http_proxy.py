@@ -22,6 +22,7 @@ from tests.integration.test_http_door_budgets import (
     answer,
     connect,
     door,
+    one_response,
     probes,
     signed,
     trailer_bombs,
@@ -123,7 +124,7 @@ def test_unsigned_bodies_are_spooled_by_the_proxy_and_refused_by_the_door(
     socks = [connect(api.port, f"127.0.0.{30 + i}", head) for i in range(8)]
     for sock in socks:
         sock.sendall(b" " * size)
-    told = [answer(sock, 20.0) for sock in socks]
+    told = [one_response(sock, 30.0) for sock in socks]
     for sock in socks:
         sock.close()
     assert all(t.startswith(b"HTTP/1.1 401 ") for t in told), [t[:40] for t in told]
