@@ -98,9 +98,9 @@ def start(data_dir: str | os.PathLike[str], *, create: bool = True) -> tuple[str
 
 
 def embedded_home(dsn: str) -> Path | None:
-    """The data directory of the embedded server *dsn* reaches, or None: its host is a Unix
-    socket directory that holds an embedded database (the server listens in its own data
-    directory, nowhere else)."""
+    """The data directory of the running embedded server *dsn* reaches, or None: its host is
+    a Unix socket directory that holds an embedded database (the server listens in its own
+    data directory, nowhere else)."""
     from psycopg.conninfo import conninfo_to_dict
 
     try:
@@ -109,7 +109,10 @@ def embedded_home(dsn: str) -> Path | None:
         return None
     if not host.startswith("/") or "," in host:
         return None
-    return Path(host) if exists(host) else None
+    home = Path(host)
+    # Running (its postmaster.pid is there): a server that is down is not started by a
+    # command that was only given its DSN; the connection fails as it would anywhere.
+    return home if exists(home) and (home / "postmaster.pid").is_file() else None
 
 
 _pruned_at_exit: set[Path] = set()
