@@ -210,8 +210,7 @@ SERVE_COMMAND = Command(
              "--metrics-port, its HTTP metrics on /metrics there.", cmd_serve,
     settings=CONNECTION + HISTORY + SERVE)
 DASHBOARD = Command(
-    "dashboard", "Print the Grafana dashboard (JSON) of kestrel's metrics, for Grafana's "
-                 "Dashboards > Import or a provisioning folder.", cmd_dashboard,
+    "dashboard", "Print the Grafana dashboard of kestrel's metrics (JSON).", cmd_dashboard,
     settings=(), examples=("kestrel-runtime dashboard > kestrel.json",))
 DEMO = Command(
     "demo", "Run the incident-response demo end to end on the embedded database.", cmd_demo,
