@@ -7,9 +7,9 @@ line saying how to give one.
 
 It keeps its data in ``--data-dir`` (default ``.kestrel/pgdata`` under the current
 directory), listens on a Unix socket in that directory only, and stops when the last
-process that started or joined it exits: a command given the server's own DSN (``kestrel-runtime
-dsn``) joins it too. Every start logs a warning saying so and where the data is.
-For development and the demo; point ``--dsn`` at a real server in production.
+process that started or joined it exits: a runtime, door or migrate given the server's own
+DSN (``kestrel-runtime dsn``) joins it too. Every start logs a warning saying so and where
+the data is. For development and the demo; point ``--dsn`` at a real server in production.
 """
 
 from __future__ import annotations
@@ -155,11 +155,12 @@ def resolve_dsn(cfg: Config, *, create: bool = True) -> tuple[str, Any]:
             *create*) there is no embedded database in ``--data-dir``.
     """
     if cfg.dsn:
-        home = embedded_home(cfg.dsn)
+        home = embedded_home(cfg.dsn) if create else None
         if home is not None and available():
-            # The DSN of a running embedded server (`kestrel-runtime dsn`): join it, so it
-            # stays up while this process uses it, whoever started it (a v2 runtime of a
-            # rolling deploy outlives the v1 that started the server).
+            # A runtime, door or migrate given the DSN of a running embedded server
+            # (`kestrel-runtime dsn`) joins it, so it stays up while this process uses it,
+            # whoever started it (a v2 runtime of a rolling deploy outlives the v1 that
+            # started the server). An operator command, a moment long, does not.
             _, server = start(home, create=False)
             return cfg.dsn, server
         return cfg.dsn, None
