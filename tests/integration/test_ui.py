@@ -577,17 +577,24 @@ def test_the_alert_comes_first_and_a_failure_shows_its_traceback_as_text(
     assert b"Traceback (most recent call last):\\n" in raw.group(1)  # the JSON, as stored
 
 
-def test_after_approve_the_page_shows_what_was_sent_and_the_new_state(
-        server: UiServer, client: SyncClient) -> None:
-    """POST/redirect/GET: the page read again after the form says what was sent (read back
-    from the database) and shows the new state: the signal received, no Approve button,
-    and a state that changes (for the page's script to reload) when the execution moves."""
+def held_incident_page(server: UiServer, client: SyncClient) -> tuple[str, Any, Any, Any]:
+    """A waiting incident no worker takes, the operator's UI client, its page and the page's
+    form key (a match: ``key.group(1)``)."""
     eid = waiting_incident(server, client)
     hold(server, eid)
     ui = server.client("operator")
     page = ui.get(f"/ui/executions/{eid}")
     key = FORM_KEY.search(page.body)
     assert key
+    return eid, ui, page, key
+
+
+def test_after_approve_the_page_shows_what_was_sent_and_the_new_state(
+        server: UiServer, client: SyncClient) -> None:
+    """POST/redirect/GET: the page read again after the form says what was sent (read back
+    from the database) and shows the new state: the signal received, no Approve button,
+    and a state that changes (for the page's script to reload) when the execution moves."""
+    eid, ui, page, key = held_incident_page(server, client)
     csrf = ui.csrf(page)
     state_url = f"/ui/executions/{eid}/state"
     state = ui.get(state_url).json()
@@ -667,12 +674,7 @@ def test_a_notice_comes_from_the_database_never_from_the_link(
     """Issue 41 row 9: ``?done=approve`` said "Approval sent." when nothing was sent. A
     notice now shows only what the database bears out: the signal sent under the form's
     key, a cancelled execution, a retried one."""
-    eid = waiting_incident(server, client)
-    hold(server, eid)
-    ui = server.client("operator")
-    page = ui.get(f"/ui/executions/{eid}")
-    key = FORM_KEY.search(page.body)
-    assert key
+    eid, ui, page, key = held_incident_page(server, client)
     for link in ("?done=approve", "?done=reject", "?done=signal", "?done=duplicate",
                  f"?done=approve&sent=approve%3A{key.group(1).decode()}",
                  "?done=approve&sent=approve%3Anever-sent", "?done=cancel", "?done=retry"):
