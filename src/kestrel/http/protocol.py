@@ -37,7 +37,7 @@ A refusal never reaches the app: the request is counted in ``kestrel_http_refuse
 mid-body, the app's handler sees a disconnect and its answer is dropped.
 
 It relies on uvicorn's httptools protocol internals (``parser``, ``cycle``, ``flow``,
-``connections``), as of uvicorn 0.30-0.54; httptools is a dependency of kestrel-runtime.
+``connections``), as of uvicorn 0.30-0.55; httptools is a dependency of kestrel-runtime.
 A TLS handshake is not a connection here until it completes (asyncio bounds a handshake to
 60 s).
 """
