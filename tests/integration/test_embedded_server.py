@@ -82,7 +82,13 @@ def test_a_second_runtime_given_the_servers_dsn_keeps_it_up_after_the_first_stop
         try:
             wait_until(lambda: kestrel("submit", "three_steps", "--args", "[1]", "--dsn", url,
                                        "--allow-unknown", "--wait", "30").returncode == 0,
-                       timeout=90, what="v2 to serve")
+                       timeout=90, what="the server to serve")
+            # That execution may have been v1's: v2 has joined the server once its supervisor
+            # starts its workers (it joins before it migrates). On a busy machine v2 can take
+            # longer to start than v1 takes to run three steps.
+            wait_until(lambda: "starting 1 worker processes" in
+                       (tmp_path / "v2.log").read_text(errors="replace"),
+                       timeout=90, what="v2's supervisor to start")
             v1.send_signal(signal.SIGTERM)
             assert v1.wait(timeout=60) == 0
             # v1 started the server and is gone; v2 still has it, and works.
