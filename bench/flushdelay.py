@@ -68,16 +68,18 @@ def running_delay(conn: psycopg.Connection[Any]) -> int:
 
 def commit_latency_ms(dsn: str, n: int = 200) -> dict[str, float]:
     """Median and mean milliseconds of a single-row INSERT commit, one client, one at a
-    time (a scratch table, dropped after)."""
+    time (a scratch table in a schema of its own, dropped after: the bench needs CREATE on
+    the database only, not on schema public, which PostgreSQL 15+ grants its owner alone)."""
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
-        conn.execute("DROP TABLE IF EXISTS bench_commit_latency")
-        conn.execute("CREATE TABLE bench_commit_latency (id int)")
+        conn.execute("DROP SCHEMA IF EXISTS bench_commit_latency CASCADE")
+        conn.execute("CREATE SCHEMA bench_commit_latency")
+        conn.execute("CREATE TABLE bench_commit_latency.t (id int)")
         times = []
         try:
             for i in range(n):
                 t = time.perf_counter()
-                conn.execute("INSERT INTO bench_commit_latency VALUES (%s)", [i])
+                conn.execute("INSERT INTO bench_commit_latency.t VALUES (%s)", [i])
                 times.append((time.perf_counter() - t) * 1000)
         finally:
-            conn.execute("DROP TABLE bench_commit_latency")
+            conn.execute("DROP SCHEMA bench_commit_latency CASCADE")
     return {"p50": statistics.median(times), "mean": statistics.fmean(times)}

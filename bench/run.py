@@ -24,6 +24,10 @@ with ``--rate`` or ``--backlog`` the start is in the figures. ``--statements`` p
 each side's statements on the server (pg_stat_statements, on a server given by ``--dsn``;
 bench/statements.py), ``--py-spy`` samples each side's client processes
 (bench/profiles.py).
+Before anything starts it reads the server's max_connections, superuser_reserved_connections,
+reserved_connections (16+) and the connections in use, drops the sweep points and floor loop
+counts that cannot fit (a line each), or stops at once with one line naming the setting and
+the value it needs (bench/preflight.py); ``--plan`` prints that and exits.
 Results go to bench/results/<stamp>.json (and .png with --plot).
 """
 
@@ -46,7 +50,7 @@ from typing import Any
 import psycopg
 from psycopg import sql as pgsql
 
-from bench import floor, profiles, statements
+from bench import floor, preflight, profiles, statements
 from bench.common import (
     ROOT,
     DbCounters,
@@ -342,6 +346,8 @@ def _runtime_metrics(port: int) -> tuple[dict[str, float], float]:
 
 
 FLOOR_NAMES = {"group": "group floor", "step": "per-step floor"}
+BOUNCER_POOL = 20
+"""Server connections of the PgBouncer that --pgbouncer puts in front of the server."""
 
 
 def _conc(r: dict[str, Any]) -> str:
@@ -353,14 +359,16 @@ def _conc(r: dict[str, Any]) -> str:
     return f"0→{end / r['params']['procs']:.0f}"
 
 
-def run_floor(dsn: str, p: dict[str, Any], mode: str, quiet: bool = False) -> dict[str, Any]:
-    """A floor at its best number of loops per process (swept), same procs and work."""
+def run_floor(dsn: str, p: dict[str, Any], mode: str, quiet: bool = False,
+              loops: tuple[int, ...] = floor.CONCURRENCIES) -> dict[str, Any]:
+    """A floor at its best number of loops per process (swept over *loops*, those that fit
+    the server: bench/preflight.py), same procs and work."""
     name = FLOOR_NAMES[mode]
     if not quiet:
-        print(f"  {name}: {p['procs']} procs × {floor.CONCURRENCIES} loops, best kept …",
-              flush=True)
+        print(f"  {name}: {p['procs']} procs × {loops} loops, best kept …", flush=True)
     best = floor.run_best(dsn, f"bench_floor_{mode}", n=p["workflows"], steps=p["steps"],
-                          procs=p["procs"], mode=mode, profile=bool(p.get("statements")),
+                          procs=p["procs"], mode=mode, concurrencies=loops,
+                          profile=bool(p.get("statements")),
                           py_spy=Path(p["py_spy"]) if p.get("py_spy") else None)
     if not quiet:
         print(f"  {name}: " + ", ".join(f"{t['concurrency']} loops: {t['workflows_per_s']}/s"
@@ -506,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
                          "workflows run; raw profiles next to the results, their top "
                          "functions printed (bench/profiles.py)")
     ap.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
+    ap.add_argument("--plan", action="store_true",
+                    help="check the server's connection slots and print the sweep that fits "
+                         "them (bench/preflight.py), then exit without running anything")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--label", default="run")
@@ -542,7 +553,38 @@ def main(argv: list[str] | None = None) -> int:
         except profiles.NotAvailable as exc:
             ap.error(str(exc))
     delay = ns.flush_delay_us or 0
+    base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
+                                        "concurrency", "batch_size", "lease", "heartbeat",
+                                        "rate", "timeout", "with_limited", "prepare",
+                                        "backlog", "wal_by_relation", "statements")}
+    base["connection_mode"] = "pgbouncer" if ns.pgbouncer else "direct"
+    points = parse_sweep(ns.sweep) or [{}]
+    keys = list(points[0])
     dsn, server = database(ns.dsn, ns.data_dir, delay)
+    # Before anything is created or started: what the server's connection slots allow
+    # (bench/preflight.py). A sweep point or floor loop count that cannot fit is dropped with
+    # a line saying so; when nothing fits, one line names the setting and stops here.
+    try:
+        limits = preflight.read(dsn)
+        fit = preflight.plan(limits, base, points, floors=not ns.no_floor,
+                             loops=floor.CONCURRENCIES,
+                             bouncer_pool=BOUNCER_POOL if ns.pgbouncer else None)
+    except preflight.Refused as exc:
+        print(f"bench.run: {exc}", file=sys.stderr)
+        return 1
+    print(preflight.describe(limits, fit))
+    for note in fit.notes:
+        print(note)
+    points = fit.points
+    if ns.plan:
+        for point in points:
+            p = {**base, **point}
+            loops = fit.floor_loops.get(p["procs"])
+            print(f"- {json.dumps(point) if point else 'run'}: kestrel "
+                  f"{preflight.kestrel_need(p)} connections"
+                  + (f"; floors {p['procs']} procs × {loops} loops" if loops else ""))
+        del server
+        return 0
     with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
         sync_method = (conn.execute("SHOW wal_sync_method").fetchone() or ["?"])[0]
         if ns.statements:
@@ -554,22 +596,14 @@ def main(argv: list[str] | None = None) -> int:
     server_note = (f"flush delay {delay} µs" if not ns.dsn else "server given by --dsn")
     print(f"PostgreSQL: {server_note}, wal_sync_method {sync_method}; single-client commit "
           f"p50 {latency['p50']:.2f} ms, mean {latency['mean']:.2f} ms")
-    base = {k: getattr(ns, k) for k in ("workflows", "steps", "kind", "work", "procs",
-                                        "concurrency", "batch_size", "lease", "heartbeat",
-                                        "rate", "timeout", "with_limited", "prepare",
-                                        "backlog", "wal_by_relation", "statements")}
-    base["connection_mode"] = "direct"
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     base["py_spy"] = str(Path(ns.out) / f"{ns.label}-{stamp}-py-spy") if ns.py_spy else ""
     bouncer = None
     if ns.pgbouncer:
         from tests.pgbouncer import PgBouncer
 
-        bouncer = PgBouncer(dsn, pool_size=20)
+        bouncer = PgBouncer(dsn, pool_size=BOUNCER_POOL)
         dsn = bouncer.dsn
-        base["connection_mode"] = "pgbouncer"
-    points = parse_sweep(ns.sweep) or [{}]
-    keys = list(points[0])
     print(f"kestrel bench on {machine()}, commit {git_rev()}")
     rows: list[dict[str, Any]] = []
     floors: dict[tuple[int, int, int], dict[str, dict[str, Any]]] = {}
@@ -582,7 +616,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ns.no_floor:
             key = (p["procs"], p["workflows"], p["steps"])
             if key not in floors:
-                floors[key] = {mode: run_floor(dsn, p, mode) for mode in floor.MODES}
+                floors[key] = {mode: run_floor(dsn, p, mode,
+                                               loops=fit.floor_loops[p["procs"]])
+                               for mode in floor.MODES}
             r["floors"] = floors[key]
             for mode, f in floors[key].items():
                 r[f"ratio_to_{mode}_floor"] = r["workflows_per_s"] / f["workflows_per_s"]
@@ -611,6 +647,8 @@ def main(argv: list[str] | None = None) -> int:
                                 "flush_delay_us": None if ns.dsn else delay,
                                 "wal_sync_method": sync_method,
                                 "single_client_commit_ms": latency,
+                                "connections": {"room": limits.free, "peak_planned": fit.peak,
+                                                "cut": fit.notes},
                                 "command": " ".join(["python -m bench.run", *(argv or
                                                      sys.argv[1:])]),
                                 "results": rows}, indent=2))
