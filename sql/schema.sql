@@ -176,6 +176,7 @@ CREATE TABLE __schema__.operation_outputs (
     lease_epoch integer NOT NULL,
     started_at timestamp with time zone NOT NULL,
     finished_at timestamp with time zone DEFAULT __schema__.kestrel_now() NOT NULL,
+    tries jsonb,
     CONSTRAINT operation_outputs_check CHECK (((output IS NULL) OR (error IS NULL)))
 )
 PARTITION BY RANGE (execution_id);
@@ -190,6 +191,7 @@ CREATE TABLE __schema__.operation_outputs_default (
     lease_epoch integer NOT NULL,
     started_at timestamp with time zone NOT NULL,
     finished_at timestamp with time zone DEFAULT __schema__.kestrel_now() NOT NULL,
+    tries jsonb,
     CONSTRAINT operation_outputs_check CHECK (((output IS NULL) OR (error IS NULL)))
 );
 
@@ -206,7 +208,8 @@ CREATE VIEW __schema__.workflow_steps AS
     o.started_at,
     o.finished_at,
     (o.finished_at - o.started_at) AS duration,
-    NULL::timestamp with time zone AS execution_finished_at
+    NULL::timestamp with time zone AS execution_finished_at,
+    o.tries
    FROM (__schema__.operation_outputs o
      JOIN __schema__.workflow_executions e ON ((e.id = o.execution_id)))
 UNION ALL
@@ -222,7 +225,8 @@ UNION ALL
     o.started_at,
     o.finished_at,
     (o.finished_at - o.started_at) AS duration,
-    h.finished_at AS execution_finished_at
+    h.finished_at AS execution_finished_at,
+    o.tries
    FROM (__schema__.operation_outputs o
      JOIN __schema__.workflow_history h ON ((h.id = o.execution_id)));
 

@@ -10,14 +10,15 @@
 -- name: kestrel_functions_version
 -- The version of these functions that code relies on: raised here when a function changes
 -- so that code calling it depends on the change (2: finish_batch() writes the completion's
--- tail, issue 23). migrate installs it with the rest, every time; a runtime role that may
--- not migrate checks it at boot (boot.check_schema_current) as it checks the migration:
+-- tail, issue 23; 3: save_steps() and finish_batch() keep a step's failed tries, issue
+-- 42). migrate installs it with the rest, every time; a runtime role that may not migrate
+-- checks it at boot (boot.check_schema_current) as it checks the migration:
 -- functions older than its code needs refuse the boot (a call would silently do the old
 -- thing), newer ones serve it (a function keeps serving code one version older). The number
 -- is read from this text by kestrel.sql.functions_version(): this is its one home.
 CREATE OR REPLACE FUNCTION __schema__.kestrel_functions_version() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT 2
+    SELECT 3
 $$;
 
 -- name: kestrel_now
@@ -975,8 +976,9 @@ BEGIN
     END LOOP;
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
-            finished_at)
-    SELECT v_new, step_id, step_name, output, error, attempt, 0, started_at, finished_at
+            finished_at, tries)
+    SELECT v_new, step_id, step_name, output, error, attempt, 0, started_at, finished_at,
+           tries
       FROM __schema__.workflow_steps
      WHERE execution_id = p_execution
        AND CASE WHEN step_id >= 0 THEN step_id < p_from_step
@@ -1150,13 +1152,14 @@ BEGIN
         FOR v_key IN
             INSERT INTO __schema__.operation_outputs AS o
                    (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-                    started_at, finished_at)
+                    started_at, finished_at, tries)
             SELECT (r->>0)::uuid, (r->>2)::integer, r->>3,
                    CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
                    CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
                    (r->>6)::integer, (r->>1)::integer,
                    __schema__.kestrel_now() - make_interval(secs => (r->>7)::float8),
-                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8)
+                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8),
+                   CASE WHEN jsonb_typeof(r->9) = 'array' THEN r->9 END
               FROM jsonb_array_elements(p_rows) AS r
              WHERE (r->>0) || '/' || (r->>1) = ANY (v_owned)
                AND (r->>0)::uuid = ANY (v_writable)
@@ -1169,13 +1172,14 @@ BEGIN
         FOR v_key IN
             INSERT INTO __schema__.operation_outputs AS o
                    (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-                    started_at, finished_at)
+                    started_at, finished_at, tries)
             SELECT (r->>0)::uuid, (r->>2)::integer, r->>3,
                    CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
                    CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
                    (r->>6)::integer, (r->>1)::integer,
                    __schema__.kestrel_now() - make_interval(secs => (r->>7)::float8),
-                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8)
+                   __schema__.kestrel_now() - make_interval(secs => (r->>8)::float8),
+                   CASE WHEN jsonb_typeof(r->9) = 'array' THEN r->9 END
               FROM jsonb_array_elements(p_rows) AS r
              WHERE (r->>0) || '/' || (r->>1) = ANY (v_owned)
                AND (r->>0)::uuid = ANY (v_writable)
@@ -1341,13 +1345,14 @@ BEGIN
         -- position is recorded already leaves its execution unfinished).
         INSERT INTO __schema__.operation_outputs
                (execution_id, step_id, step_name, output, error, attempt, lease_epoch,
-                started_at, finished_at)
+                started_at, finished_at, tries)
         SELECT (r->>0)::uuid, (r->>5)::integer, r->>6,
                CASE WHEN jsonb_typeof(r->7) = 'array' THEN r->7->0 END,
                CASE WHEN jsonb_typeof(r->8) = 'array' THEN r->8->0 END,
                (r->>9)::integer, (r->>1)::integer,
                __schema__.kestrel_now() - make_interval(secs => (r->>10)::float8),
-               __schema__.kestrel_now() - make_interval(secs => (r->>11)::float8)
+               __schema__.kestrel_now() - make_interval(secs => (r->>11)::float8),
+               CASE WHEN jsonb_typeof(r->12) = 'array' THEN r->12 END
           FROM jsonb_array_elements(p_rows) AS r
          WHERE (r->>0)::uuid = ANY (v_ids)
            AND r->>5 IS NOT NULL;

@@ -55,7 +55,8 @@ SELECT id, workflow, queue, priority, status, args, result, error,
 
 -- name: list_steps
 -- Checkpoints of one execution, live or finished: they never leave operation_outputs.
-SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at
+SELECT step_id, step_name, output, error, attempt, lease_epoch, started_at, finished_at,
+       tries
   FROM __schema__.operation_outputs
  WHERE execution_id = %(id)s
  ORDER BY step_id;

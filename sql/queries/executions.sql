@@ -188,7 +188,7 @@ RETURNING e.id, e.cancel_requested, true AS extended;
 -- committed after this statement's snapshot fails it with unique_violation, and the worker
 -- sends it again (Stmt.if_recorded), when the next snapshot sees the row.
 WITH finished(id, epoch, status, result, error, step_id, step_name, output, step_error,
-              attempt, ran_s, waited_s) AS (
+              attempt, ran_s, waited_s, tries) AS (
     -- One JSON array of rows, as in save_steps_batch (statements/executions.py); the tail's
     -- seven fields follow the five of the end, or are absent.
     SELECT (r->>0)::uuid, (r->>1)::integer, r->>2,
@@ -197,7 +197,8 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
            (r->>5)::integer, r->>6,
            CASE WHEN jsonb_typeof(r->7) = 'array' THEN r->7->0 END,
            CASE WHEN jsonb_typeof(r->8) = 'array' THEN r->8->0 END,
-           (r->>9)::integer, (r->>10)::float8, (r->>11)::float8
+           (r->>9)::integer, (r->>10)::float8, (r->>11)::float8,
+           CASE WHEN jsonb_typeof(r->12) = 'array' THEN r->12 END
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), locked AS (
     -- Every row this statement will change, the finishing executions and the parents they
@@ -230,10 +231,10 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
 ), tails AS (
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
-            finished_at)
+            finished_at, tries)
     SELECT f.id, f.step_id, f.step_name, f.output, f.step_error, f.attempt, f.epoch,
            __schema__.kestrel_now() - make_interval(secs => f.ran_s),
-           __schema__.kestrel_now() - make_interval(secs => f.waited_s)
+           __schema__.kestrel_now() - make_interval(secs => f.waited_s), f.tries
       FROM finished AS f
       JOIN removed AS r ON r.id = f.id
      WHERE f.step_id IS NOT NULL

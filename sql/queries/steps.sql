@@ -11,7 +11,7 @@
 -- and ended (the worker's monotonic clock): a worker whose wall clock is skewed or jumps
 -- never writes its time into a row.
 WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
-           waited_s) AS (
+           waited_s, tries) AS (
     -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
     -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
     -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
@@ -19,7 +19,9 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
     SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
            CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
            CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
-           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8,
+           -- The failed tries before this outcome (migration 0023), or none.
+           CASE WHEN jsonb_typeof(r->9) = 'array' THEN r->9 END
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
@@ -35,10 +37,10 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), inserted AS (
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
-            finished_at)
+            finished_at, tries)
     SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
            __schema__.kestrel_now() - make_interval(secs => i.ran_s),
-           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s), i.tries
       FROM input AS i
       JOIN owned AS o
         ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'
@@ -75,7 +77,7 @@ SELECT i.execution_id, i.step_id,
 -- save_steps_batch instead (Stmt.if_recorded), which keeps the first committed output and
 -- returns it, as before.
 WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_s,
-           waited_s) AS (
+           waited_s, tries) AS (
     -- One JSON array of rows (statements/steps.py), not nine arrays: psycopg dumped those in
     -- Python at ~10 µs a checkpoint. Output and error come wrapped in a one-element array,
     -- so SQL NULL (none) and JSON null (a step that returned None) stay apart.
@@ -83,7 +85,9 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
     SELECT (r->>0)::uuid, (r->>1)::integer, (r->>2)::integer, r->>3,
            CASE WHEN jsonb_typeof(r->4) = 'array' THEN r->4->0 END,
            CASE WHEN jsonb_typeof(r->5) = 'array' THEN r->5->0 END,
-           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8
+           (r->>6)::integer, (r->>7)::float8, (r->>8)::float8,
+           -- The failed tries before this outcome (migration 0023), or none.
+           CASE WHEN jsonb_typeof(r->9) = 'array' THEN r->9 END
       FROM jsonb_array_elements(%(rows)s::jsonb) AS r
 ), owned AS (
     -- One row per execution (a batch can hold several steps of one), and text_results
@@ -99,10 +103,10 @@ WITH input(execution_id, epoch, step_id, step_name, output, error, attempt, ran_
 ), inserted AS (
     INSERT INTO __schema__.operation_outputs
            (execution_id, step_id, step_name, output, error, attempt, lease_epoch, started_at,
-            finished_at)
+            finished_at, tries)
     SELECT i.execution_id, i.step_id, i.step_name, i.output, i.error, i.attempt, i.epoch,
            __schema__.kestrel_now() - make_interval(secs => i.ran_s),
-           __schema__.kestrel_now() - make_interval(secs => i.waited_s)
+           __schema__.kestrel_now() - make_interval(secs => i.waited_s), i.tries
       FROM input AS i
       JOIN owned AS o
         ON o.id = i.execution_id AND o.lease_epoch = i.epoch AND o.status = 'running'

@@ -25,7 +25,7 @@ from kestrel.errors import (
 )
 from kestrel.queues import QueueSpec, queue
 from kestrel.schedule import scheduled
-from kestrel.types import Execution, Status, StepRow
+from kestrel.types import Execution, FailedTry, Status, StepRow
 from kestrel.workflow import (
     ChildHandle,
     Context,
@@ -50,6 +50,7 @@ __all__ = [
     "DuplicateExecution",
     "Execution",
     "ExecutionNotFound",
+    "FailedTry",
     "Handle",
     "IdempotencyConflict",
     "InvalidState",

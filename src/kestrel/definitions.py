@@ -204,14 +204,45 @@ def current_step() -> StepInfo:
 def describe_error(exc: BaseException) -> dict[str, str]:
     """Return the stored form of an exception: type, message and traceback. Never raises,
     whatever the exception's ``__str__`` does."""
-    kind = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    try:
-        message = str(exc)
-    except Exception as broken:
-        message = f"<str() of this {type(exc).__name__} raised {type(broken).__name__}>"
+    kind, message = _kind_and_message(exc)
     try:
         trace = "".join(traceback.format_exception(exc))
     except Exception:
         trace = "".join(traceback.format_tb(exc.__traceback__)) + f"{kind}: {message}\n"
     return {"type": kind, "message": codec.printable(message, 8192),
             "traceback": codec.printable(trace)}
+
+
+def _kind_and_message(exc: BaseException) -> tuple[str, str]:
+    # A class can be named anything (type("a\0b", …)): its name is stored as text too.
+    kind = codec.printable(f"{type(exc).__module__}.{type(exc).__qualname__}", 512)
+    try:
+        return kind, str(exc)
+    except Exception as broken:
+        return kind, f"<str() of this {type(exc).__name__} raised {type(broken).__name__}>"
+
+
+TRIES_KEPT = 20
+"""How many failed tries of one step its checkpoint keeps: the last ones (each has its
+attempt number, so a gap says how many came before). A step retried a thousand times stays
+one bounded row."""
+
+TRY_MESSAGE_CHARS = 2000
+"""The most of a failed try's message kept (the outcome's own error keeps 8,192 and its
+traceback)."""
+
+
+def note_failed_try(tries: list[dict[str, Any]] | None, attempt: int, exc: BaseException,
+                    after_s: float) -> list[dict[str, Any]]:
+    """Add the try *attempt* that raised *exc*, *after_s* seconds into the step, to *tries*
+    (a new list when None), keeping the last :data:`TRIES_KEPT`; return it. Stored with the
+    checkpoint (``operation_outputs.tries``, migration 0023); the database gives it a time
+    (``started_at + after_s``), not this process's clock."""
+    kind, message = _kind_and_message(exc)
+    entry = {"attempt": attempt, "type": kind,
+             "message": codec.printable(message, TRY_MESSAGE_CHARS),
+             "after_s": round(max(0.0, after_s), 6)}
+    kept = [] if tries is None else tries
+    kept.append(entry)
+    del kept[:-TRIES_KEPT]
+    return kept

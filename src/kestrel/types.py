@@ -86,6 +86,9 @@ class StepWrite:
     # (group commit, an outage) does not shift them.
     ran_s: float
     ended_at: float = field(default_factory=time.monotonic)
+    # The failed tries before this outcome, a JSON array (definitions.note_failed_try), or
+    # None: the first try stood.
+    tries: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,17 @@ class Execution:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class FailedTry:
+    """A try of a step that raised and was retried: its attempt number, the exception's
+    type and message (up to 2,000 characters), and when it failed (the database's clock)."""
+
+    attempt: int
+    type: str
+    message: str
+    failed_at: datetime
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StepRow:
     """A checkpoint as ``show`` lists it."""
 
@@ -185,6 +199,9 @@ class StepRow:
     lease_epoch: int
     started_at: datetime
     finished_at: datetime
+    tries: tuple[FailedTry, ...] = ()
+    """The failed tries before the outcome, oldest first (the last 20 of them): empty when
+    the first try stood."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -436,3 +436,27 @@ def test_a_runtime_on_citus_warns_when_lock_timeout_cannot_reach_the_nodes(
     text = log.read_text()
     assert "--lock-timeout" in text and "does not reach the worker nodes" in text, text[-2000:]
     assert "ALTER ROLE CURRENT_USER SET lock_timeout" in text
+
+
+def test_failed_tries_are_kept_on_a_tenant(citus_dsn: str, tenant: str,
+                                           tmp_path: Path) -> None:
+    """Issue 42 item 5 on a distributed schema: the failed tries reach the checkpoint through
+    save_steps() (a step follows) and finish_batch() (the last step's tail), the functions
+    the tenant's node runs, and read back through the coordinator."""
+    middle = submit(citus_dsn, tenant, "tries_middle")
+    last = submit(citus_dsn, tenant, "tries_last")
+    with runtime(citus_dsn, tenant, procs=1, app="tests.apps.tries_app",
+                 log=tmp_path / "runtime.log"):
+        wait_until(lambda: all(status(citus_dsn, tenant, i) == "completed"
+                               for i in (middle, last)), timeout=60, what="both finished")
+
+    def tries(eid: str) -> list[list[Any]]:
+        return [[t["attempt"], t["type"], t["message"]] for t in q1(
+            citus_dsn, tenant, "SELECT tries FROM {s}.workflow_steps "
+            "WHERE execution_id = %s AND step_id = 0", [eid])]
+
+    assert tries(middle) == [[1, "builtins.ConnectionError", "middle: try 1 refused"],
+                             [2, "builtins.ConnectionError", "middle: try 2 refused"]]
+    assert tries(last) == [[1, "builtins.ConnectionError", "last: try 1 refused"]]
+    assert q1(citus_dsn, tenant, "SELECT tries FROM {s}.workflow_steps "
+              "WHERE execution_id = %s AND step_id = 1", [middle]) is None

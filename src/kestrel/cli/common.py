@@ -219,3 +219,11 @@ def short(value: Any, width: int = 90) -> str:
     """*value* as JSON, cut to *width* characters."""
     text = json.dumps(value)
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def one_line(text: str, width: int = 120) -> str:
+    """*text* on one terminal line: control characters (a newline, an escape sequence a
+    message may carry) shown as escapes, cut to *width* characters."""
+    shown = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                    for c in text)
+    return shown if len(shown) <= width else shown[: width - 1] + "…"

@@ -28,6 +28,7 @@ from kestrel.cli.common import (
     json_arg,
     json_flag,
     ms,
+    one_line,
     parse_id,
     short,
     since,
@@ -211,7 +212,10 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         "forked_from": ({"id": forked[0], "from_step": forked[1]} if forked else None),
         "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
                    "duration_ms": ms(s.finished_at - s.started_at), "output": s.output,
-                   "error": s.error} for s in steps],
+                   "error": s.error,
+                   "failed_tries": [{"attempt": t.attempt, "type": t.type,
+                                     "message": t.message, "failed_at": t.failed_at}
+                                    for t in s.tries]} for s in steps],
     }
 
     def table() -> None:
@@ -249,6 +253,13 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
                        else short(s.output, 60))
             print(f"    #{s.step_id:<3} {when}  {s.name[:34]:<34} "
                   f"try {s.attempt}  {ms(s.finished_at - s.started_at):>8.1f} ms  {outcome}")
+            if s.tries and s.tries[0].attempt > 1:
+                print(f"{'':<15}(tries 1-{s.tries[0].attempt - 1} failed too; only the last "
+                      f"{len(s.tries)} are kept)")
+            for t in s.tries:  # each failed try before the outcome
+                after = ms(t.failed_at - ex.created_at) / 1000
+                print(f"{'':<15}try {t.attempt} failed at +{after:.2f}s  "
+                      f"{one_line(f'{t.type}: {t.message}')}")
 
     emit(ns, data, table)
     if late is not None:

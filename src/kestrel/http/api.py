@@ -297,7 +297,9 @@ def _step(s: Any, created: datetime) -> dict[str, Any]:
             "started_at": s.started_at.isoformat(), "finished_at": s.finished_at.isoformat(),
             "offset_ms": round((s.started_at - created).total_seconds() * 1000, 1),
             "duration_ms": round((s.finished_at - s.started_at).total_seconds() * 1000, 1),
-            "output": s.output, "error": s.error}
+            "output": s.output, "error": s.error,
+            "failed_tries": [{"attempt": t.attempt, "type": t.type, "message": t.message,
+                              "failed_at": t.failed_at.isoformat()} for t in s.tries]}
 
 
 async def get_execution(request: Request) -> Response:

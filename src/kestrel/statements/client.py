@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from kestrel.sql import Queries
@@ -14,6 +14,7 @@ from kestrel.statements.stmt import Script, Stmt, command, first, value
 from kestrel.types import (
     Execution,
     ExecutionSummary,
+    FailedTry,
     QueueStat,
     Stats,
     Status,
@@ -108,7 +109,19 @@ def _step_row(row: Sequence[Any]) -> StepRow:
     return StepRow(
         step_id=row[0], name=row[1], output=row[2], error=row[3], attempt=row[4],
         lease_epoch=row[5], started_at=row[6], finished_at=row[7],
+        tries=_failed_tries(row[6], row[8]),
     )
+
+
+def _failed_tries(started_at: datetime, tries: Any) -> tuple[FailedTry, ...]:
+    """The stored tries (definitions.note_failed_try), each dated from its step's start."""
+    if not isinstance(tries, list):
+        return ()
+    return tuple(FailedTry(attempt=int(t.get("attempt", 0)), type=str(t.get("type", "")),
+                           message=str(t.get("message", "")),
+                           failed_at=started_at + timedelta(
+                               seconds=float(t.get("after_s", 0.0))))
+                 for t in tries if isinstance(t, dict))
 
 
 def get_event(q: Queries, *, id: uuid.UUID, key: str) -> Stmt[tuple[bool, Any]]:

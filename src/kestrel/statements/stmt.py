@@ -73,13 +73,14 @@ def wrapped(encoded: str | None) -> list[orjson.Fragment] | None:
 
 def checkpoint_fields(w: StepWrite, now: float) -> list[Any]:
     """A checkpoint as the batched writes carry it after its execution and epoch: position,
-    step name, output and error (:func:`wrapped`), attempt, and the seconds since its body
+    step name, output and error (:func:`wrapped`), attempt, the seconds since its body
     started and ended at *now* (``time.monotonic()``), which the database subtracts from its
-    own clock. One layout for a checkpoint batch's rows (``save_steps``) and a completion's
-    tail (``complete_batch``)."""
+    own clock, and the failed tries before the outcome (a JSON array, or null). One layout
+    for a checkpoint batch's rows (``save_steps``) and a completion's tail
+    (``complete_batch``)."""
     waited = max(0.0, now - w.ended_at)
     return [w.step_id, w.name, wrapped(w.output), wrapped(w.error), w.attempt,
-            w.ran_s + waited, waited]
+            w.ran_s + waited, waited, None if w.tries is None else orjson.Fragment(w.tries)]
 
 
 def json_rows(rows: Iterable[list[Any]]) -> str:

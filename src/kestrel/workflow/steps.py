@@ -41,6 +41,7 @@ from kestrel.definitions import (
     _current_step,
     _spec,
     describe_error,
+    note_failed_try,
 )
 from kestrel.errors import (
     Cancelled,
@@ -247,6 +248,7 @@ class StepContext:
         output: str | None = None
         error: str | None = None
         attempt = 1
+        tries: list[dict[str, Any]] | None = None  # the failed ones before the outcome
         labels = (self.workflow, metrics.step_label(spec.name))
         while True:
             info = StepInfo(self.execution_id, step_id, spec.name, attempt, self.claimed.epoch)
@@ -271,6 +273,7 @@ class StepContext:
                 if attempt >= spec.retry.attempts or not isinstance(exc, spec.retry.retry_on):
                     error = codec.encode(describe_error(exc), what="step error")
                     break
+                tries = note_failed_try(tries, attempt, exc, time.perf_counter() - clock)
                 metrics.get().step_retries.labels(*labels).inc()
                 if span is not None:
                     span.retried(attempt, exc)
@@ -286,10 +289,13 @@ class StepContext:
         m.child(m.step_seconds, *labels).observe(ran)
         m.child(m.step_runs, *labels, "error" if error else "ok").inc()
         return await self._record(step_id, spec.name, output, error, attempt, ran,
-                                  defer=not self.read_only)
+                                  defer=not self.read_only,
+                                  tries=None if tries is None else codec.encode(
+                                      tries, what="failed tries", max_bytes=1 << 20))
 
     async def _record(self, step_id: int, name: str, output: str | None, error: str | None,
-                      attempt: int, ran_s: float, *, defer: bool = False) -> Any:
+                      attempt: int, ran_s: float, *, defer: bool = False,
+                      tries: str | None = None) -> Any:
         """Checkpoint what the step at *step_id* returned or raised and return (or raise)
         what is recorded. *defer*: a step body's checkpoint is not sent now but held as the
         tail, and the workflow goes on with the value the write will store
@@ -299,7 +305,7 @@ class StepContext:
         next call only the workflow's own code runs, which touches nothing outside."""
         await self._settle()
         write = StepWrite(self.execution_id, self.claimed.epoch, step_id, name, output, error,
-                          attempt, ran_s)
+                          attempt, ran_s, tries=tries)
         handed = RecordedStep(name, None if output is None else codec.stored(output),
                               None if error is None else codec.stored(error))
         if defer and self._lanes.in_flight == 1:
