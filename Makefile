@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help venv run test test-citus citus-cluster test-fast soak bench-soak bench-micro lint typecheck check clean unasync
+.PHONY: help venv run test test-citus citus-cluster test-fast soak bench-soak bench-micro lint typecheck check clean unasync docs
 
 help: ## list targets
 	@grep -E '^[a-z/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
@@ -64,6 +64,9 @@ lint: $(STAMP) ## ruff
 
 unasync: $(STAMP) ## regenerate the sync client (client_sync.py) from the async one
 	$(BIN)/python tools/unasync.py
+
+docs: $(STAMP) ## the manual (mkdocs.yml, docs/) into site/; --strict: a broken link or reference fails
+	$(BIN)/mkdocs build --strict -d site
 
 typecheck: $(STAMP) ## mypy --strict on src
 	$(BIN)/mypy
