@@ -1,6 +1,6 @@
-"""Workflows for tests/integration/test_testing_kit.py: the README's incident response in
-small, with in-process counters of how often each step body ran (the kit runs its worker in
-the test's process, so a dict is an honest ledger)."""
+"""Workflows for tests/integration/test_testing_kit.py: the manual's incident response
+(docs/reference/workflows.md) in small, with in-process counters of how often each step body
+ran (the kit runs its worker in the test's process, so a dict is an honest ledger)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,8 @@ async def cooldown(ctx: kestrel.Context, days: int) -> dict[str, Any]:
 @kestrel.step(name="kit.flaky", retries=3, base_delay=0.01, max_delay=0.02,
               retry_on=(TimeoutError,))
 async def flaky() -> list[int]:
-    """The README's "fail twice, then succeed", by ``kestrel.current_step().attempt``."""
+    """The manual's "fail twice, then succeed" (docs/reference/workflows.md), by
+    ``kestrel.current_step().attempt``."""
     tries.append(kestrel.current_step().attempt)
     if kestrel.current_step().attempt < 3:
         raise TimeoutError()
@@ -98,7 +99,8 @@ async def parent_of_a_sleeper(ctx: kestrel.Context, days: int) -> dict[str, Any]
 @kestrel.workflow(name="kit.every_internal")
 async def every_internal(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[str, Any]:
     """Every context call that records a step of its own, around two steps of the workflow's
-    (the timeline's internal names: kestrel.testing.INTERNAL_STEPS, README)."""
+    (the timeline's internal names: kestrel.testing.INTERNAL_STEPS,
+    docs/tutorials/testing.md)."""
     new = await ctx.patched("kit-v2")
     rca = await ctx.step(analyze, alert)
     await ctx.now()

@@ -1,4 +1,5 @@
-"""Workflows that make kestrel calls in parallel (FAULTS C1; README, "Parallel steps").
+"""Workflows that make kestrel calls in parallel (FAULTS C1; docs/reference/workflows.md,
+"Parallel steps").
 
 Every body appends to the side-effect ledger (tests.apps.ledger_app), so a test counts how
 often each ran; a durable sleep after the fan-out makes the next claim replay it from its

@@ -1,5 +1,5 @@
-"""Moving from one PostgreSQL to the cluster (issue 24; README, "Scaling past one
-PostgreSQL"): a kestrel schema made and used on a plain PostgreSQL that becomes a Citus
+"""Moving from one PostgreSQL to the cluster (issue 24; docs/howto/scaling.md, "Moving
+from one PostgreSQL"): a kestrel schema made and used on a plain PostgreSQL that becomes a Citus
 coordinator is distributed where it is, with its work in flight, and goes on."""
 
 from __future__ import annotations

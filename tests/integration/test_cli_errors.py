@@ -139,8 +139,13 @@ def test_migrate_without_privileges_says_run_it_as_the_owner(
 
 
 def readme_grants(schema: str, role: str) -> str:
-    """The least-privilege block of the README, for *schema* and *role*."""
-    text = (ROOT / "README.md").read_text()
+    """The least-privilege block of the manual, for *schema* and *role*: in
+    docs/howto/operating.md, where the README's "Least privilege" section (the one the
+    error above names) sends the reader."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Least privilege\n"):]
+    assert "(docs/howto/operating.md#least-privilege)" in section.split("\n## ", 2)[1]
+    text = (ROOT / "docs" / "howto" / "operating.md").read_text()
     block = text.split("<!-- least-privilege grants: tested verbatim -->", 1)[1]
     sql_text = block.split("```sql\n", 1)[1].split("```", 1)[0]
     sql_text = re.sub(r"\bkestrel_runtime\b", role, sql_text)

@@ -216,7 +216,7 @@ def signed(body: bytes) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("budget", "size", "senders"), [
-    (None, 16 * 1024 * 1024, 6),  # the default budget (64 MiB), the README's GitHub cap
+    (None, 16 * 1024 * 1024, 6),  # the default budget (64 MiB), docs/howto/http.md's GitHub cap
     (8 * 1024 * 1024, 4 * 1024 * 1024, 8),
 ], ids=["default-budget", "8MiB-budget"])
 def test_unsigned_hook_bodies_share_one_budget(pg_dsn: str, schema: str, tmp_path: Path,

@@ -318,7 +318,8 @@ def read_only_role(direct_dsn: str, schema: str) -> Iterator[str]:
 
 def test_a_role_that_may_only_read_can_export_and_replay(
         schema: str, recorded: dict[str, Any], read_only_role: str, tmp_path: Path) -> None:
-    """What the README's CI recipe asks for: export and replay as a role with SELECT only."""
+    """What the manual's CI recipe asks for (docs/tutorials/deploying.md): export and
+    replay as a role with SELECT only."""
     out = tmp_path / "h.jsonl"
     ex = cli("export-histories", "--dsn", read_only_role, "--schema", schema,
              "--out", str(out))

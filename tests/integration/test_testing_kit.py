@@ -22,7 +22,6 @@ import pytest
 import kestrel
 from kestrel.testing import INTERNAL_STEPS, KestrelTestEnv, TimelineEntry, Waiting
 from tests.apps import kit_app as app
-from tests.helpers import ROOT
 
 ALERT = {"workload": "api"}
 APPROVED = {"approval": {"approved": True}}
@@ -471,37 +470,6 @@ def test_a_database_that_does_not_answer_is_one_line_naming_the_dsn(
     assert "s3cret" not in out and "Traceback" not in out, out
 
 
-# -- the README's own example (section "Testing your workflows"), run as written ------------
-
-TESTING_BLOCK = re.compile(r"<!-- testing:(\w+) ?([^>]*?) ?-->\n```(\w+)\n(.*?)```", re.DOTALL)
-
-
-def readme_testing_example() -> list[tuple[str, str, str]]:
-    """(kind, argument, text) of each marked code block of README "Testing your workflows"."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Testing your workflows"):]
-    section = section[:section.index("\n## ", 1)]
-    return [(m.group(1), m.group(2), m.group(4)) for m in TESTING_BLOCK.finditer(section)]
-
-
-def test_the_readme_testing_example_passes_as_written(pg_dsn: str, tmp_path: Path) -> None:
-    blocks = readme_testing_example()
-    assert [(kind, arg) for kind, arg, _ in blocks] == [
-        ("file", "approvals.py"), ("file", "test_approvals.py"), ("run", "")]
-    for kind, name, text in blocks:
-        if kind == "file":
-            (tmp_path / name).write_text(text)
-    [command] = [text for kind, _, text in blocks if kind == "run"]
-    # KESTREL_CONNECTION_MODE stays: in the suite's PgBouncer pass the kit's worker must
-    # know it goes through one.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("KESTREL_DSN", "KESTREL_TEST_DSN", "KESTREL_SCHEMA", "PG"))
-           } | CODE_UNDER_TEST
-    # The README's command as written; this suite's interpreter first on PATH (the user's
-    # activated virtualenv) and a basetemp of the inner session's own.
-    env |= {"PATH": f"{Path(sys.executable).parent}:{env['PATH']}", "KESTREL_DSN": pg_dsn,
-            "PYTEST_ADDOPTS": f"-p no:cacheprovider --basetemp={tmp_path / '.tmp'}"}
-    done = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"^3 passed", done.stdout, re.MULTILINE), done.stdout
+# The manual's own example (docs/tutorials/testing.md, the README's "Testing your workflows"
+# before it) runs as written, "3 passed" asserted, in tests/docs/test_tutorials.py with the
+# other tutorials.

@@ -1,4 +1,5 @@
-"""The internal step names a timeline holds, listed once: the README's table, the kit's
+"""The internal step names a timeline holds, listed once: the manual's table (docs/tutorials/
+testing.md, "Testing your workflows"; the README before it), the kit's
 ``INTERNAL_STEPS`` and the names the workflow context writes are the same set, so a new
 ``ctx`` call that records a step cannot go unnamed (issue 27: the first ``assert_timeline``
 failed on ``kestrel.now`` and ``kestrel.set_event:KEY``, which the README never named)."""
@@ -12,14 +13,14 @@ from pathlib import Path
 from kestrel.testing import INTERNAL_STEPS, Run, is_internal
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+TESTING = ROOT / "docs" / "tutorials" / "testing.md"  # where the README's table moved
 # The Context, in the modules it is put together from (the kestrel/workflow package).
 CONTEXT = sorted((ROOT / "src" / "kestrel" / "workflow").glob("*.py"))
 
 
 def readme_names() -> list[str]:
-    """The first column of the README's internal-steps table."""
-    text = README.read_text()
+    """The first column of the manual's internal-steps table."""
+    text = TESTING.read_text()
     table = text[text.index("<!-- testing:internal-steps -->"):]
     rows = table.split("\n\n", 1)[0].splitlines()[3:]  # the marker, the header, the rule
     return [re.match(r"\| `([^`]+)` \|", row).group(1) for row in rows]  # type: ignore[union-attr]
