@@ -66,7 +66,7 @@ unasync: $(STAMP) ## regenerate the sync client (client_sync.py) from the async 
 	$(BIN)/python tools/unasync.py
 
 docs: $(STAMP) ## the manual (mkdocs.yml, docs/) into site/; --strict: a broken link or reference fails
-	$(BIN)/mkdocs build --strict -d site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 typecheck: $(STAMP) ## mypy --strict on src
 	$(BIN)/mypy
