@@ -109,6 +109,16 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
  ORDER BY created_at DESC, id DESC
  LIMIT %(limit)s;
 
+-- name: count_executions
+-- How many executions, live and finished, page_executions' filters match (a bulk action's
+-- --dry-run; its cursor is NULL here).
+SELECT (SELECT count(*) FROM __schema__.workflow_executions WHERE true
+            -- include: page_filter
+        )
+     + (SELECT count(*) FROM __schema__.workflow_history WHERE true
+            -- include: page_filter
+        );
+
 -- name: get_wait
 -- What a live execution waits for and until when, its deadline and parent; for a finished
 -- one only the parent and deadline it had.

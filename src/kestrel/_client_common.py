@@ -30,7 +30,8 @@ from kestrel import buckets, codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
 from kestrel.errors import ConfigError, WorkflowFailed
 from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE, Queries, queries
-from kestrel.types import Execution, Status
+from kestrel.types import Execution, Match, Status
+from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn, workflow_name
 
 log = logging.getLogger("kestrel.client")
@@ -206,3 +207,67 @@ def remaining(deadline: float | None) -> float:
     return max(0.0, min(POLL_CAP_S, deadline - time.monotonic()))
 
 
+
+
+BULK_ACTIONS = ("cancel", "retry", "signal")
+BULK_KEY_CHARS = 200
+RETRYABLE = frozenset({"failed", "cancelled", "quarantined"})
+
+
+def check_bulk(action: str, match: Match, key: str | None) -> str:
+    """Refuse a bulk action that cannot run, before anything is read or written; return its
+    key (*key*, or a new one to print: a run again with it acts on nothing twice).
+
+    Raises:
+        ConfigError: an unknown action or status, no filter at all, a filter or key that
+            cannot be stored (NUL, lone surrogates, too long), or *since* after *until*.
+    """
+    if action not in BULK_ACTIONS:
+        raise ConfigError(f"unknown bulk action {_shown(action)}; one of "
+                          f"{', '.join(BULK_ACTIONS)}")
+    if not match.given():
+        raise ConfigError("a bulk action needs at least one filter (status, workflow, queue, "
+                          "since, until, app version or patch): it would act on every "
+                          "execution")
+    if match.status is not None and match.status not in {s.value for s in Status}:
+        raise ConfigError(f"unknown status {_shown(match.status)}; one of "
+                          f"{', '.join(s.value for s in Status)}")
+    for text, what in ((match.workflow, "workflow name"), (match.queue, "queue name"),
+                       (match.patch, "patch id")):
+        if text is not None:
+            codec.check_text(text, what=what)
+    if match.app_version is not None:
+        check_app_version(match.app_version)
+    if match.since is not None and match.until is not None and match.since >= match.until:
+        raise ConfigError(f"since ({match.since.isoformat()}) must come before until "
+                          f"({match.until.isoformat()})")
+    if key is None:
+        return uuid.uuid4().hex[:16]
+    codec.check_text(key, what="bulk action key")
+    if not key or len(key) > BULK_KEY_CHARS:
+        raise ConfigError(f"a bulk action key has 1 to {BULK_KEY_CHARS} characters, not "
+                          f"{len(key)}")
+    return key
+
+
+def match_params(match: Match) -> dict[str, Any]:
+    """*match* as the list statements' filters (statements.http.page_executions)."""
+    return {"status": match.status, "workflow": match.workflow, "queue": match.queue,
+            "since": match.since, "until": match.until, "app_version": match.app_version,
+            "patch": match.patch, "with_patch": match.with_patch}
+
+
+def bulk_skip(action: str, status: str) -> str | None:
+    """Why a bulk *action* passes over an execution in *status* without a call, or None."""
+    if action == "cancel" and status in ("completed", "failed", "cancelled", "quarantined"):
+        return f"already {status}"
+    if action == "retry" and status not in RETRYABLE:
+        return "not failed, cancelled or quarantined"
+    if action == "signal" and status in ("completed", "failed", "cancelled", "quarantined"):
+        return "finished"
+    return None
+
+
+def bulk_item_key(key: str, execution_id: uuid.UUID) -> str:
+    """The idempotency key of one execution's retry or signal in the bulk action *key*."""
+    return f"bulk:{key}:{execution_id}"

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg_pool import AsyncConnectionPool
@@ -23,20 +23,32 @@ from kestrel import buckets, codec, connections, db, ids, statements
 from kestrel._client_common import (
     POLL_CAP_S,
     RECONNECT_FIRST_S,
+    RETRYABLE,
     ClientBase,
+    bulk_item_key,
+    bulk_skip,
+    check_bulk,
     count_submitted,
     ident,
     log,
+    match_params,
     outcome,
     remaining,
 )
-from kestrel.errors import ConfigError, ExecutionNotFound
+from kestrel.errors import (
+    ConfigError,
+    ExecutionNotFound,
+    InvalidState,
+    ParentCancelled,
+)
 from kestrel.outage import reason
 from kestrel.sql import Queries
 from kestrel.types import (
+    BulkResult,
     Execution,
     ExecutionSummary,
     LiveWorker,
+    Match,
     PatchUse,
     Stats,
     Status,
@@ -45,6 +57,9 @@ from kestrel.types import (
 )
 from kestrel.versions import check_app_version
 from kestrel.workflow import WorkflowFn
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 T = TypeVar("T")
 
@@ -327,6 +342,95 @@ class Client(ClientBase):
             lambda q: statements.client.list_executions(
                 q, status=status, workflow=workflow, since=since, limit=limit,
                 app_version=app_version, patch=patch, with_patch=with_patch)), limit)
+
+    async def bulk(self, action: str, match: Match, *, signal: str | None = None,
+                   payload: Any = None, key: str | None = None, dry_run: bool = False,
+                   after: tuple[datetime, uuid.UUID] | None = None, pages: int | None = None,
+                   page_size: int = 200,
+                   progress: Callable[[BulkResult], None] | None = None) -> BulkResult:
+        """Cancel, retry or signal (*action*) every execution *match* matches, live or
+        finished, in every bucket: a page of *page_size* at a time, newest first, each
+        execution its own call (as ``cancel``, ``retry`` and ``signal`` of one id do).
+
+        *key* names the action: a retry or signal is sent under a key made of it and the
+        execution's id, so a run stopped half way and run again with the same *key* acts on
+        nothing twice (a cancel needs none: cancelling is idempotent). None makes one; the
+        result carries it. *dry_run*: only count what matches and return a sample. *after*
+        and *pages*: start after that cursor, stop after that many pages (the result's
+        cursor goes on; None once every page was done). *progress* is called after each page.
+
+        Raises:
+            ConfigError: an unknown action or status, no filter, or a filter, key, signal
+                name or payload that cannot be stored: before anything is read or written.
+        """
+        key = check_bulk(action, match, key)
+        if action == "signal":
+            if signal is None:
+                raise ConfigError("a bulk signal needs the signal's name")
+            none = uuid.UUID(int=0)  # checks the name, key and payload, for no execution
+            self._signal_params(none, signal, payload, bulk_item_key(key, none))
+        done = BulkResult(action=action, key=key, dry_run=dry_run)
+        filters = match_params(match)
+        if dry_run:
+            counts = await self._every(lambda q: statements.http.count_executions(q, **filters))
+            done.matched = sum(counts)
+            rows = buckets.merge_pages(await self._every(
+                lambda q: statements.http.page_executions(q, **filters, after=None, limit=10)),
+                10)
+            done.sample = [uuid.UUID(r["id"]) for r, _ in rows]
+            return done
+        cursor, turned = after, 0
+        while True:
+            rows = buckets.merge_pages(await self._every(
+                lambda q, at=cursor: statements.http.page_executions(
+                    q, **filters, after=at, limit=page_size)), page_size)
+            for row, _created in rows:
+                await self._act(done, uuid.UUID(row["id"]), row["status"], signal, payload)
+            done.matched += len(rows)
+            done.sample += [uuid.UUID(r["id"]) for r, _ in rows[:10 - len(done.sample)]]
+            cursor = (rows[-1][1], uuid.UUID(rows[-1][0]["id"])) if len(rows) == page_size \
+                else None
+            done.cursor, turned = cursor, turned + 1
+            if progress is not None:
+                progress(done)
+            if cursor is None or (pages is not None and turned >= pages):
+                return done
+
+    async def _act(self, done: BulkResult, eid: uuid.UUID, status: str, signal: str | None,
+                   payload: Any) -> None:
+        """One execution of a bulk action: act, or count why not (done.skipped)."""
+        why = bulk_skip(done.action, status)
+        if why is not None:
+            done.skip(why)
+            return
+        try:
+            if done.action == "cancel":
+                now = await self.cancel(eid)
+                if now not in ("cancelled", "cancelling"):
+                    done.skip(f"already {now}")
+                    return
+            elif done.action == "retry":
+                await self.retry(eid, idempotency_key=bulk_item_key(done.key, eid))
+                if (await self.get(eid)).status.value in RETRYABLE:
+                    # Under this key it was retried before (and ended so again): the keyed
+                    # retry did nothing now.
+                    done.skip("retried under this key already")
+                    return
+            elif not await self.signal(eid, str(signal), payload,
+                                       idempotency_key=bulk_item_key(done.key, eid)):
+                done.skip("signalled under this key already")
+                return
+        except ExecutionNotFound:
+            done.skip("gone")
+            return
+        except ParentCancelled:
+            done.skip("its parent was cancelled")
+            return
+        except InvalidState:
+            done.skip("not failed, cancelled or quarantined" if done.action == "retry"
+                      else "finished")
+            return
+        done.acted += 1
 
     async def stats(self) -> Stats:
         """Live work by queue and status, running by worker, totals by status."""

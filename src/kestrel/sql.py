@@ -85,6 +85,7 @@ class Queries:
     end_session: str
     end_token_sessions: str
     page_executions: str
+    count_executions: str
     get_wait: str
     list_events: str
     pending_signals: str

@@ -276,3 +276,49 @@ class PatchUse:
     total_with: int
     live_with: int
     live_without: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Match:
+    """Which executions, live and finished, a bulk action acts on: ``list``'s filters (None
+    is any). *patch* with ``with_patch=False``: those of the patch's workflows that did not
+    record it."""
+
+    status: str | None = None
+    workflow: str | None = None
+    queue: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    app_version: str | None = None
+    patch: str | None = None
+    with_patch: bool = True
+
+    def given(self) -> bool:
+        """Whether any filter is set (a bulk action needs one)."""
+        return any(v is not None for v in (self.status, self.workflow, self.queue,
+                                           self.since, self.until, self.app_version,
+                                           self.patch))
+
+
+@dataclass(slots=True, kw_only=True)
+class BulkResult:
+    """What a bulk action did so far (:meth:`kestrel.Client.bulk`).
+
+    *matched*: executions the filters matched (a dry run counts them all; otherwise those
+    seen so far). *acted*: cancelled, retried or signalled (under *key*: a run again with it
+    acts on none of them twice). *skipped*: by reason (``"already cancelled"``, ``"not
+    failed, cancelled or quarantined"``, ``"finished"``, …). *sample*: the first ids matched.
+    *cursor*: where the next page starts, or None when every page was done."""
+
+    action: str
+    key: str
+    matched: int = 0
+    acted: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    sample: list[uuid.UUID] = field(default_factory=list)
+    cursor: tuple[datetime, uuid.UUID] | None = None
+    dry_run: bool = False
+
+    def skip(self, why: str) -> None:
+        """Count one execution passed over for *why*."""
+        self.skipped[why] = self.skipped.get(why, 0) + 1

@@ -932,6 +932,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "list_tokens": Read("lists tokens"),
     "get_token": Read("reads a token"),
     "page_executions": Read("pages executions"),
+    "count_executions": Read("counts what a bulk action's filters match"),
     "get_wait": Read("reads what an execution waits for"),
     "list_events": Read("lists events"),
     "pending_signals": Read("lists pending signals"),

@@ -15,7 +15,7 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from kestrel.cli import common
+from kestrel.cli import bulk, common
 from kestrel.cli.common import (
     CONNECTION,
     EXIT_NOT_TAKEN,
@@ -333,6 +333,8 @@ def cmd_cancel(cfg: Config, ns: argparse.Namespace) -> int:
     """
     from kestrel.errors import InvalidState
 
+    if one_or_many(ns):
+        return bulk.run(cfg, ns, "cancel")
     client, _server = common.client(cfg)
     eid = parse_id(ns.id)
     status = client.cancel(eid)
@@ -352,6 +354,8 @@ def cmd_retry(cfg: Config, ns: argparse.Namespace) -> int:
     Raises:
         InvalidState: it is live or completed.
     """
+    if one_or_many(ns):
+        return bulk.run(cfg, ns, "retry")
     client, _server = common.client(cfg)
     eid = parse_id(ns.id)
     client.retry(eid, idempotency_key=ns.idempotency_key)
@@ -380,6 +384,8 @@ def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
     said so on stderr; with ``--strict`` the command then exits
     :data:`EXIT_NOT_TAKEN`, for scripts to catch.
     """
+    if one_or_many(ns):
+        return bulk.run(cfg, ns, "signal")
     payload = json_arg(ns.payload, "--payload")
     client, _server = common.client(cfg)
     eid = parse_id(ns.id)
@@ -408,6 +414,23 @@ def cmd_signal(cfg: Config, ns: argparse.Namespace) -> int:
     emit(ns, {"id": eid, "signal": ns.name, "delivered": sent, "taken": why is None,
               "status": ex.status.value, "waiting_for": waiting}, lambda: print(msg))
     return EXIT_NOT_TAKEN if ns.strict and why is not None else 0
+
+
+def one_or_many(ns: argparse.Namespace) -> bool:
+    """Whether the command acts on the executions its filters match (kestrel.cli.bulk) rather
+    than on the one id given.
+
+    Raises:
+        ConfigError: both an id and filters, or neither.
+    """
+    many = bulk.wants_bulk(ns)
+    if ns.id is not None and many:
+        raise ConfigError("give an execution id or filters (--status, --workflow, …), not "
+                          "both")
+    if ns.id is None and not many:
+        raise ConfigError("give an execution id, or filters (--status, --workflow, --since, "
+                          "…) to act on every execution they match")
+    return many
 
 
 def cmd_stats(cfg: Config, ns: argparse.Namespace) -> int:
@@ -459,15 +482,22 @@ def show_options(show: argparse.ArgumentParser) -> None:
     json_flag(show)
 
 
-def id_and_json(p: argparse.ArgumentParser) -> None:
-    """An execution id and ``--json`` (``cancel``)."""
-    id_arg(p)
+def cancel_options(p: argparse.ArgumentParser) -> None:
+    """``cancel``'s arguments: an execution id, or the filters of a bulk cancel."""
+    _id_or_filters(p)
     json_flag(p)
+
+
+def _id_or_filters(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", nargs="?", default=None,
+                   help="The execution's id (a UUID, as submit and list print it); leave it "
+                        "out and give filters to act on every execution they match.")
+    bulk.bulk_options(p)
 
 
 def retry_options(retry: argparse.ArgumentParser) -> None:
     """``retry``'s arguments."""
-    id_arg(retry)
+    _id_or_filters(retry)
     retry.add_argument("--idempotency-key", default=None, metavar="KEY",
                        help="Run again with the same key after a connection error: a retry "
                             "that already happened is not an error.")
@@ -488,7 +518,7 @@ def fork_options(fork: argparse.ArgumentParser) -> None:
 
 def signal_options(sig: argparse.ArgumentParser) -> None:
     """``signal``'s arguments."""
-    id_arg(sig)
+    _id_or_filters(sig)
     sig.add_argument("name", help="The signal's name, as the workflow waits for it.")
     sig.add_argument("--payload", default="null", help="JSON payload (default: null).")
     sig.add_argument("--idempotency-key", default=None, metavar="KEY",
@@ -515,22 +545,27 @@ SHOW = Command(
     cmd_show, show_options,
     examples=("kestrel-runtime show EXECUTION_ID", "kestrel-runtime show EXECUTION_ID --wait 30"))
 CANCEL = Command(
-    "cancel", "Cancel a live execution and its children (exit 1 if it already finished "
-              "otherwise).", cmd_cancel, id_and_json,
-    examples=("kestrel-runtime cancel EXECUTION_ID",))
+    "cancel", "Cancel a live execution and its children, or all that filters match (exit 1 "
+              "if it finished).", cmd_cancel, cancel_options,
+    examples=("kestrel-runtime cancel EXECUTION_ID",
+              "kestrel-runtime cancel --workflow deploy --status waiting --dry-run"))
 RETRY = Command(
-    "retry", "Re-run a failed, cancelled or quarantined execution from its last checkpoint "
-             "(exit 1 otherwise).", cmd_retry, retry_options,
-    examples=("kestrel-runtime retry EXECUTION_ID --idempotency-key fix-1",))
+    "retry", "Re-run a failed, cancelled or quarantined execution from its last checkpoint, "
+             "or all that filters match.", cmd_retry, retry_options,
+    examples=("kestrel-runtime retry EXECUTION_ID --idempotency-key fix-1",
+              "kestrel-runtime retry --status failed --since 2h --key outage-1207"))
 FORK = Command(
     "fork", "Start a new execution of the same workflow and arguments that reuses the first N "
             "checkpoints of another; print its id.", cmd_fork, fork_options,
     examples=("kestrel-runtime fork EXECUTION_ID --from-step 2",))
 SIGNAL = Command(
-    "signal", "Send a signal to an execution (e.g. an approval).", cmd_signal, signal_options,
+    "signal", "Signal an execution, or all that filters match.",
+    cmd_signal, signal_options,
     CONNECTION + PAYLOAD,
     ("kestrel-runtime signal EXECUTION_ID approval --payload "
-     "'{\"approved\": true, \"by\": \"ada\"}'",))
+     "'{\"approved\": true, \"by\": \"ada\"}'",
+     "kestrel-runtime signal approval --workflow deploy --status waiting --payload "
+     "'{\"approved\": false}'"))
 STATS = Command(
     "stats", "Queue depth by queue and status, oldest queued age, running by worker, totals.",
     cmd_stats, json_flag, examples=("kestrel-runtime stats --json",))

@@ -42,6 +42,7 @@ from kestrel import buckets, codec, ids, metrics, statements, tracing
 from kestrel._client_common import count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
+from kestrel.http import bulk
 from kestrel.http.api import (
     API,
     LIST_PARAMS,
@@ -148,6 +149,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "List executions, newest first (keyset pages).", query=LIST_PARAMS),
     Endpoint("GET", f"{API}/executions/{{id}}", get_execution, "read",
              "One execution: steps, events, pending signals, children, wait, deadline."),
+    Endpoint("POST", f"{API}/executions/bulk", bulk.bulk, "operate",
+             "Cancel, retry or signal every execution a filter matches: one page per "
+             "request (dry_run: count and sample); the same key and cursor sent again act "
+             "on nothing twice.", body=bulk.BODY,
+             answers=(("200", "This page done (or counted): next_cursor goes on, null "
+                              "when every page was done."),)),
     Endpoint("POST", f"{API}/executions/{{id}}/signal", signal, "operate",
              "Send a signal.", body={"type": "object", "required": ["name"],
                                      "additionalProperties": False,

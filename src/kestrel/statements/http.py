@@ -91,15 +91,36 @@ def _summary(r: Sequence[Any]) -> Row:
 
 def page_executions(q: Queries, *, status: str | None, workflow: str | None,
                     queue: str | None, since: datetime | None, until: datetime | None,
-                    after: tuple[datetime, uuid.UUID] | None,
-                    limit: int) -> Stmt[list[tuple[Row, datetime]]]:
+                    after: tuple[datetime, uuid.UUID] | None, limit: int,
+                    app_version: str | None = None, patch: str | None = None,
+                    with_patch: bool = True) -> Stmt[list[tuple[Row, datetime]]]:
     """One page of executions, newest first, after the keyset *after*: each row with its
-    exact ``created_at`` (the next cursor is made of the last one's)."""
+    exact ``created_at`` (the next cursor is made of the last one's). *app_version* and
+    *patch* / *with_patch* filter as ``list`` does."""
     return Stmt(q.page_executions, {
-        "status": status, "workflow": workflow, "queue": queue, "since": since,
-        "until": until, "after_at": after[0] if after else None,
+        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch),
+        "after_at": after[0] if after else None,
         "after_id": after[1] if after else None, "limit": limit,
     }, lambda rows: [(_summary(r), r[5]) for r in rows])
+
+
+def count_executions(q: Queries, *, status: str | None, workflow: str | None,
+                     queue: str | None, since: datetime | None, until: datetime | None,
+                     app_version: str | None = None, patch: str | None = None,
+                     with_patch: bool = True) -> Stmt[int]:
+    """How many executions, live and finished, :func:`page_executions`' filters match."""
+    return Stmt(q.count_executions, {
+        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch),
+        "after_at": None, "after_id": None,
+    }, lambda rows: int(rows[0][0]))
+
+
+def _filters(status: str | None, workflow: str | None, queue: str | None,
+             since: datetime | None, until: datetime | None, app_version: str | None,
+             patch: str | None, with_patch: bool) -> dict[str, Any]:
+    return {"status": status, "workflow": workflow, "queue": queue, "since": since,
+            "until": until, "app_version": app_version, "patch": patch,
+            "with_patch": with_patch}
 
 
 def get_wait(q: Queries, *, id: uuid.UUID) -> Stmt[Row | None]:
