@@ -25,7 +25,7 @@ from kestrel.errors import (
 )
 from kestrel.queues import QueueSpec, queue
 from kestrel.schedule import scheduled
-from kestrel.types import Execution, FailedTry, Status, StepRow
+from kestrel.types import BulkResult, Execution, FailedTry, Match, Status, StepRow
 from kestrel.workflow import (
     ChildHandle,
     Context,
@@ -38,6 +38,7 @@ from kestrel.workflow import (
 )
 
 __all__ = [
+    "BulkResult",
     "Cancelled",
     "ChildFailed",
     "ChildHandle",
@@ -56,6 +57,7 @@ __all__ = [
     "InvalidState",
     "KestrelError",
     "LeaseLost",
+    "Match",
     "MigrationError",
     "NonDeterminismError",
     "ParentCancelled",

@@ -364,7 +364,7 @@ class Client(ClientBase):
                 name or payload that cannot be stored: before anything is read or written.
         """
         key = check_bulk(action, match, key)
-        if action == "signal":
+        if action == "signal" and not dry_run:
             if signal is None:
                 raise ConfigError("a bulk signal needs the signal's name")
             none = uuid.UUID(int=0)  # checks the name, key and payload, for no execution

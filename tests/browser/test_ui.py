@@ -218,7 +218,8 @@ def test_an_operator_logs_in_finds_the_waiting_incident_and_approves_it(
     driver.set_window_size(390, 844)
     shot(driver, "execution-phone", tmp_path)
     assert on_first_screen(driver, "#approve")
-    for path in ("/ui/executions/" + eid, "/ui/", "/ui/queues", "/ui/search"):
+    for path in ("/ui/executions/" + eid, "/ui/", "/ui/queues", "/ui/search",
+                 "/ui/bulk/cancel?status=waiting"):
         driver.get(server.base + path)  # readable on a phone: nothing wider than the screen
         assert driver.execute_script(
             "return document.documentElement.scrollWidth <= window.innerWidth"), path

@@ -263,3 +263,64 @@ def test_the_http_api_pages_a_bulk_action_and_a_resent_page_acts_on_nothing_twic
             assert says.lower() in got.body.decode().lower(), (bad, got.body)
         assert api.post(path, body, token=reader).status == 403
         assert api.post(path, body, token=None).status == 401
+
+
+def test_the_web_ui_offers_select_all_with_a_count_first_and_acts_once(
+        pg_dsn: str, schema: str, waiters: list[uuid.UUID], tmp_path: Path) -> None:
+    from kestrel.http.requests import encode_cursor
+    from tests.ui_helpers import Browserless
+
+    operator = make_token(pg_dsn, schema, "ops", "read,operate")
+    reader = make_token(pg_dsn, schema, "rita", "read")
+    with serve_process(pg_dsn, schema, port=free_port(), log=tmp_path / "serve.log",
+                       app="tests.apps.ledger_app") as api:
+        ops, rita = Browserless(api), Browserless(api)
+        ops.login(operator)
+        rita.login(reader)
+        listed = ops.get("/ui/?workflow=waiter").body.decode()
+        assert 'href="/ui/bulk/cancel?workflow=waiter"' in listed
+        assert "select-all" not in rita.get("/ui/?workflow=waiter").body.decode()
+        assert "select-all" not in ops.get("/ui/").body.decode()  # no filter: not offered
+
+        page = ops.get("/ui/bulk/cancel?workflow=waiter")
+        assert page.status == 200, page.body
+        assert "<strong>25</strong> execution(s) match now" in page.body.decode()
+        assert statuses(pg_dsn, schema, waiters) == {"queued": 25}  # counting changed nothing
+        form = {"csrf": ops.csrf(page), "key": "f" * 32, "workflow": "waiter"}
+
+        # A form from elsewhere (no CSRF token) or from a reader is refused, nothing done.
+        assert ops.post_form("/ui/bulk/cancel", {**form, "csrf": "0" * 64}).status == 403
+        assert rita.get("/ui/bulk/cancel?workflow=waiter").status == 403
+        assert rita.post_form("/ui/bulk/cancel", form).status == 403
+        assert ops.get("/ui/bulk/cancel").status == 400  # no filter
+        assert ops.get("/ui/bulk/drop?workflow=waiter").status == 404
+        assert ops.get("/ui/bulk/cancel?workflow=w%00x").status == 400
+        assert statuses(pg_dsn, schema, waiters) == {"queued": 25}
+
+        # From a cursor (the form that goes on): only the executions after it.
+        client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+        newest = sorted(((e.created_at, e.id) for e in client.list(workflow="waiter",
+                                                                  limit=100)), reverse=True)
+        cursor = encode_cursor(newest[9][0], str(newest[9][1]))
+        later = ops.post_form("/ui/bulk/cancel", {**form, "cursor": cursor})
+        assert later.status == 200, later.body
+        assert "<strong>15</strong> cancelled of 15 matched" in later.body.decode()
+        done = ops.post_form("/ui/bulk/cancel", form)
+        assert "<strong>10</strong> cancelled of 25 matched" in done.body.decode()
+        assert "15 passed over: already cancelled" in done.body.decode()
+        assert "Every page was done." in done.body.decode()
+        assert statuses(pg_dsn, schema, waiters) == {"cancelled": 25}
+        # Sent again (a reload, a double click): nothing acted on twice.
+        again = ops.post_form("/ui/bulk/cancel", form).body.decode()
+        assert "<strong>0</strong> cancelled of 25 matched" in again
+
+        # Signal all with a name and payload from the form.
+        retried = ops.post_form("/ui/bulk/retry", {**form, "key": "r" * 32})
+        assert "<strong>25</strong> queued again" in retried.body.decode()
+        sig = {**form, "key": "s" * 32, "status": "queued", "name": "go",
+               "payload": '{"via": "ui"}'}
+        signalled = ops.post_form("/ui/bulk/signal", sig).body.decode()
+        assert "<strong>25</strong> signalled" in signalled
+        bad = ops.post_form("/ui/bulk/signal", {**sig, "payload": "{not json"})
+        assert bad.status == 400
+        assert set(signals_per_execution(pg_dsn, schema).values()) == {1}

@@ -310,7 +310,10 @@ def test_stored_values_are_html_escaped_on_every_page(server: UiServer,
     assert b"&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;" in page.body
     assert b'\\u003cscript' not in page.body  # JSON shown as text, escaped once, readable
     for path in ("/ui/", f"/ui/executions/{unknown}", "/ui/search?q=alert",
-                 f"/ui/search?q={quote(SCRIPT)}", "/ui/queues"):
+                 f"/ui/search?q={quote(SCRIPT)}", "/ui/queues",
+                 # a filter carried into the select-all links and the bulk action's page
+                 f"/ui/?workflow={quote(SCRIPT)}", f"/ui/bulk/cancel?workflow={quote(SCRIPT)}",
+                 f"/ui/bulk/signal?workflow={quote(SCRIPT + '<i>')}"):
         reply = ui.get(path)
         assert reply.status == 200, path
         assert b"<script>alert" not in reply.body and b"<i>" not in reply.body, path

@@ -33,6 +33,7 @@ from starlette.staticfiles import StaticFiles
 from kestrel.http.refusals import Refusal
 from kestrel.http.requests import read_form
 from kestrel.http.sessions import COOKIE, Session, csrf_token
+from kestrel.http.ui import bulk
 from kestrel.http.ui.forms import act, login, login_page, logout
 from kestrel.http.ui.pages import (
     TIMELINE_STEPS,
@@ -69,6 +70,8 @@ def routes() -> list[BaseRoute]:
             Route("/executions/{id}", page(execution), methods=["GET"]),
             Route("/executions/{id}/state", page(execution_state), methods=["GET"]),
             Route("/executions/{id}/{action}", act, methods=["POST"]),
+            Route("/bulk/{action}", page(bulk.confirm, scope="operate"), methods=["GET"]),
+            Route("/bulk/{action}", bulk.act, methods=["POST"]),
             Route("/queues", page(queues), methods=["GET"]),
             Route("/schedules", page(schedules), methods=["GET"]),
             Route("/search", page(search), methods=["GET"]),

@@ -27,6 +27,7 @@ from kestrel.http.ui.pages import (
     check_query,
     checked,
     execution_id,
+    operator,
     query_params,
     read_of,
     refusal_page,
@@ -102,11 +103,7 @@ async def act(request: Request) -> Response:
     """
     session: Session | None = None
     try:
-        session = await current_session(request)
-        if session is None:
-            raise Refusal(403, "not logged in (or the session's token was revoked)")
-        if not session.can("operate"):
-            raise Refusal(403, "this token lacks the 'operate' scope")
+        session = operator(await current_session(request))
         form = await sessions.checked_form(request, session)
         action = request.path_params["action"]
         if action not in ACTIONS:

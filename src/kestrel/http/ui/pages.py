@@ -83,6 +83,16 @@ def refusal_page(request: Request, exc: Exception, session: Session | None) -> R
     return error_page(request, refusal.status, refusal.reason, session)
 
 
+def operator(session: Session | None) -> Session:
+    """*session* if its token may act (``operate``): a form that changes something is
+    refused with 403 otherwise, before it is even parsed, and nothing is written."""
+    if session is None:
+        raise Refusal(403, "not logged in (or the session's token was revoked)")
+    if not session.can("operate"):
+        raise Refusal(403, "this token lacks the 'operate' scope")
+    return session
+
+
 def query_params(request: Request, allowed: tuple[str, ...]) -> dict[str, str]:
     """The query's parameters, each of *allowed* at most once, the empty ones left out
     (400 for any other parameter or one given twice)."""
