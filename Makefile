@@ -20,9 +20,8 @@ venv: $(STAMP) ## create .venv and install kestrel with its dev tools
 run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the demo workload
 	$(BIN)/kestrel-runtime demo
 
-test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then again through PgBouncer
-	$(BIN)/pytest -q --benchmark-disable --ignore=tests/citus tests bench/micro
-	KESTREL_TEST_VIA=pgbouncer $(BIN)/pytest -q tests/integration
+test: $(STAMP) ## the whole suite (starts its own PostgreSQL) and, alongside, tests/integration through PgBouncer
+	BIN=$(BIN) bash tools/test_passes.sh
 
 CITUS_SRC ?= ../shared/citus
 
