@@ -14,6 +14,13 @@ CREATE TABLE __schema__.bucket (
     CONSTRAINT bucket_one_check CHECK (one)
 );
 
+CREATE TABLE __schema__.debounces (
+    queue text NOT NULL,
+    debounce_key text NOT NULL,
+    execution_id uuid NOT NULL,
+    first_at timestamp with time zone NOT NULL
+);
+
 CREATE TABLE __schema__.event_history (
     execution_id uuid NOT NULL,
     key text NOT NULL,
@@ -417,6 +424,9 @@ ALTER TABLE ONLY __schema__.signals ALTER COLUMN id SET DEFAULT nextval('__schem
 
 ALTER TABLE ONLY __schema__.bucket
     ADD CONSTRAINT bucket_pkey PRIMARY KEY (one);
+
+ALTER TABLE ONLY __schema__.debounces
+    ADD CONSTRAINT debounces_pkey PRIMARY KEY (queue, debounce_key);
 
 ALTER TABLE ONLY __schema__.events
     ADD CONSTRAINT events_pkey PRIMARY KEY (execution_id, key);

@@ -81,6 +81,22 @@ def production_schema(pg_dsn: str) -> Iterator[str]:
 
 
 @pytest.fixture
+def namespace(pg_dsn: str) -> Iterator[str]:
+    """A fresh namespace of NAMESPACE_BUCKETS buckets (kestrel.buckets), made for tests."""
+    from kestrel import buckets
+    from kestrel.migrate import migrate_namespace
+    from tests.helpers import drop_schemas
+
+    name = f"n_{uuid.uuid4().hex[:12]}"
+    migrate_namespace(pg_dsn, name, buckets=NAMESPACE_BUCKETS, test_clock=True)
+    yield name
+    drop_schemas(pg_dsn, buckets.schemas(name, NAMESPACE_BUCKETS))
+
+
+NAMESPACE_BUCKETS = 3
+
+
+@pytest.fixture
 def ledger_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "ledger.jsonl"
     monkeypatch.setenv("KESTREL_TEST_LEDGER", str(path))

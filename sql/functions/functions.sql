@@ -11,14 +11,15 @@
 -- The version of these functions that code relies on: raised here when a function changes
 -- so that code calling it depends on the change (2: finish_batch() writes the completion's
 -- tail, issue 23; 3: save_steps() and finish_batch() keep a step's failed tries, issue
--- 42). migrate installs it with the rest, every time; a runtime role that may not migrate
--- checks it at boot (boot.check_schema_current) as it checks the migration:
+-- 42; 4: submit() debounces, issue 42). migrate installs it with the rest, every time; a
+-- runtime role that may not migrate checks it at boot (boot.check_schema_current) as it
+-- checks the migration:
 -- functions older than its code needs refuse the boot (a call would silently do the old
 -- thing), newer ones serve it (a function keeps serving code one version older). The number
 -- is read from this text by kestrel.sql.functions_version(): this is its one home.
 CREATE OR REPLACE FUNCTION __schema__.kestrel_functions_version() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT 3
+    SELECT 4
 $$;
 
 -- name: kestrel_now
@@ -325,6 +326,11 @@ $$;
 -- ignored otherwise, never an error. A child given none inherits its parent's. They are not
 -- part of an idempotency key's request: the same submit sent again from another trace is the
 -- same request.
+--
+-- p_debounce_key, p_debounce_s, p_debounce_max_s (migration 0024: what debounce is, and the
+-- locks it takes): a submit of a key whose execution has not started yet replaces that
+-- one's arguments and priority, pushes its start back, and returns its id. The maximum
+-- wait defaults to ten windows. Not with a dedup key, a delay, a start time or a parent.
 CREATE OR REPLACE FUNCTION __schema__.submit(
     p_workflow text,
     p_args jsonb DEFAULT '[]',
@@ -339,7 +345,10 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
     p_on_duplicate text DEFAULT 'return',
     p_start_at timestamptz DEFAULT NULL,
     p_traceparent text DEFAULT NULL,
-    p_tracestate text DEFAULT NULL
+    p_tracestate text DEFAULT NULL,
+    p_debounce_key text DEFAULT NULL,
+    p_debounce_s double precision DEFAULT NULL,
+    p_debounce_max_s double precision DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -359,6 +368,10 @@ DECLARE
     v_live uuid;
     v_cancelling boolean;
     v_status text;
+    v_pending uuid;
+    v_first timestamptz;
+    v_workflow text;
+    v_pushed timestamptz;
 BEGIN
     PERFORM __schema__.check_name(p_workflow, 'workflow name');
     IF p_id IS NOT NULL THEN  -- most submits choose no id: no call for them
@@ -403,6 +416,30 @@ BEGIN
     IF p_dedup_key IS NOT NULL THEN
         PERFORM __schema__.check_name(p_dedup_key, 'dedup key');
     END IF;
+    IF p_debounce_key IS NOT NULL OR p_debounce_s IS NOT NULL
+            OR p_debounce_max_s IS NOT NULL THEN
+        IF p_debounce_key IS NULL OR p_debounce_s IS NULL THEN
+            RAISE EXCEPTION 'debounce takes a debounce key and a window (debounce seconds), both'
+                USING ERRCODE = 'KS002';
+        END IF;
+        PERFORM __schema__.check_name(p_debounce_key, 'debounce key');
+        -- (NaN > 0 holds in PostgreSQL, NaN <= x does not: NaN is refused too.)
+        IF NOT (p_debounce_s > 0 AND p_debounce_s <= 31536000) THEN
+            RAISE EXCEPTION 'debounce must be positive and at most 31536000 seconds (a year), got %',
+                p_debounce_s USING ERRCODE = 'KS002';
+        END IF;
+        IF p_debounce_max_s IS NOT NULL
+                AND NOT (p_debounce_max_s >= p_debounce_s AND p_debounce_max_s <= 31536000) THEN
+            RAISE EXCEPTION 'debounce_max must be at least debounce and at most 31536000 seconds, got %',
+                p_debounce_max_s USING ERRCODE = 'KS002';
+        END IF;
+        IF p_dedup_key IS NOT NULL OR v_delay_s IS NOT NULL OR p_parent IS NOT NULL THEN
+            RAISE EXCEPTION 'a debounced submit takes no dedup key, delay, start time or parent: its window is its delay'
+                USING ERRCODE = 'KS002';
+        END IF;
+        v_delay_s := p_debounce_s;
+        v_wake := v_now + make_interval(secs => p_debounce_s);
+    END IF;
     IF p_parent IS NOT NULL THEN
         SELECT e.cancel_requested, e.traceparent, e.tracestate
           INTO v_cancelling, v_parent_traceparent, v_parent_tracestate
@@ -436,7 +473,11 @@ BEGIN
         -- The request as sent (p_start_at as an instant, whatever the session's time zone).
         v_digest := 'v2:' || md5(jsonb_build_array(
             p_args, p_queue, p_priority, p_timeout_s, p_delay_s,
-            extract(epoch FROM p_start_at), p_dedup_key, p_on_duplicate)::text);
+            extract(epoch FROM p_start_at), p_dedup_key, p_on_duplicate)::text
+            -- (as before 0024 without debounce, so keys stored then still match)
+            || CASE WHEN p_debounce_key IS NULL THEN ''
+                    ELSE jsonb_build_array(p_debounce_key, p_debounce_s,
+                                           p_debounce_max_s)::text END);
         INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
         VALUES (p_idempotency_key, v_id, p_workflow, v_digest)
         ON CONFLICT (idempotency_key) DO NOTHING;
@@ -453,6 +494,46 @@ BEGIN
                     USING ERRCODE = 'KS001';
             END IF;
             RETURN v_existing.execution_id;
+        END IF;
+    END IF;
+    IF p_debounce_key IS NOT NULL THEN
+        INSERT INTO __schema__.debounces (queue, debounce_key, execution_id, first_at)
+        VALUES (p_queue, p_debounce_key, v_id, v_now)
+        ON CONFLICT (queue, debounce_key) DO NOTHING;
+        IF NOT FOUND THEN
+            -- The key's row, locked: the key's submits take turns from here to commit.
+            SELECT d.execution_id, d.first_at INTO v_pending, v_first
+              FROM __schema__.debounces AS d
+             WHERE d.queue = p_queue AND d.debounce_key = p_debounce_key
+               FOR UPDATE;
+            v_pushed := least(v_now + make_interval(secs => p_debounce_s),
+                              v_first + make_interval(
+                                  secs => coalesce(p_debounce_max_s, 10 * p_debounce_s)));
+            -- Still pending (never claimed): it takes these arguments and waits longer.
+            UPDATE __schema__.workflow_executions AS e
+               SET args = p_args, priority = p_priority, wake_at = v_pushed,
+                   updated_at = v_now
+             WHERE e.id = v_pending AND e.status = 'waiting' AND e.lease_epoch = 0
+               AND NOT e.cancel_requested AND e.workflow = p_workflow
+            RETURNING e.id INTO v_pending;
+            IF FOUND THEN
+                IF p_idempotency_key IS NOT NULL THEN
+                    UPDATE __schema__.idempotency_keys SET execution_id = v_pending
+                     WHERE idempotency_key = p_idempotency_key;
+                END IF;
+                RETURN v_pending;
+            END IF;
+            SELECT e.workflow INTO v_workflow FROM __schema__.workflow_executions AS e
+             WHERE e.id = (SELECT d.execution_id FROM __schema__.debounces AS d
+                            WHERE d.queue = p_queue AND d.debounce_key = p_debounce_key)
+               AND e.status = 'waiting' AND e.lease_epoch = 0;
+            IF FOUND AND v_workflow <> p_workflow THEN
+                RAISE EXCEPTION 'debounce key % on queue % is pending for workflow %, not %',
+                    p_debounce_key, p_queue, v_workflow, p_workflow USING ERRCODE = 'KS006';
+            END IF;
+            -- It started (or ended): this submit starts the key's next one.
+            UPDATE __schema__.debounces AS d SET execution_id = v_id, first_at = v_now
+             WHERE d.queue = p_queue AND d.debounce_key = p_debounce_key;
         END IF;
     END IF;
     LOOP

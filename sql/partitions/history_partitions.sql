@@ -192,6 +192,12 @@ BEGIN
                             WHERE e.id = d.execution_id)
            AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_history AS h
                             WHERE h.id = d.execution_id);
+        -- A debounce key's row older than the retention whose execution is not live any
+        -- more names nothing pending (migration 0024); the key's next submit makes a new one.
+        DELETE FROM __schema__.debounces AS d
+         WHERE d.first_at < __schema__.kestrel_now() - p_retention
+           AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                            WHERE e.id = d.execution_id);
         DELETE FROM __schema__.idempotency_keys AS k
          WHERE k.created_at < __schema__.kestrel_now() - p_retention
            AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e

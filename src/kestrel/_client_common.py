@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -110,13 +111,13 @@ class ClientBase:
             return 0
         return buckets.choose(len(qs), queue=params["queue"],
                               idempotency_key=params["idempotency_key"],
-                              dedup_key=params["dedup_key"])
+                              dedup_key=params["dedup_key"] or params["debounce_key"])
 
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None,
                        delay: float | None = None, start_at: datetime | None = None,
                        dedup_key: str | None = None, on_duplicate: str = "return",
-                       ) -> dict[str, Any]:
+                       debounce: Debounce | None = None) -> dict[str, Any]:
         # The rules of the SQL function (sql/functions), checked here before a round trip.
         name = codec.check_text(workflow_name(wf), what="workflow name")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
@@ -150,6 +151,8 @@ class ClientBase:
             codec.check_text(key, what="idempotency key")
         if dedup_key is not None:
             codec.check_text(dedup_key, what="dedup key")
+        if debounce is not None:
+            debounce.check(dedup_key=dedup_key, delay=delay, start_at=start_at)
         encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
                                max_bytes=self._max_bytes)
         # The current span's trace context, if any: the execution's spans continue it.
@@ -158,7 +161,10 @@ class ClientBase:
             workflow=name, args=encoded, queue=queue, priority=priority, idempotency_key=key,
             timeout_s=timeout, delay_s=delay, dedup_key=dedup_key, on_duplicate=on_duplicate,
             start_at=start_at, traceparent=trace[0] if trace else None,
-            tracestate=trace[1] if trace else None)
+            tracestate=trace[1] if trace else None,
+            debounce_key=debounce.key if debounce else None,
+            debounce_s=debounce.window if debounce else None,
+            debounce_max_s=debounce.max_wait if debounce else None)
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:
@@ -168,6 +174,54 @@ class ClientBase:
         return {"id": ident(execution_id), "name": name, "idempotency_key": key,
                 "payload": codec.encode(payload, what=f"payload of signal {name!r}",
                                         max_bytes=self._max_bytes)}
+
+
+DEBOUNCE_MAX_S = 31_536_000
+"""The longest debounce window or maximum wait: a year."""
+
+
+@dataclass(frozen=True, slots=True)
+class Debounce:
+    """A debounced submit's key, window and maximum wait (seconds), as ``submit`` takes
+    them (migration 0024: what debounce does)."""
+
+    key: str | None
+    window: float | None
+    max_wait: float | None = None
+
+    @classmethod
+    def of(cls, key: str | None, window: float | None,
+           max_wait: float | None) -> Debounce | None:
+        """The debounce of a submit's arguments, or None when it gives none of them."""
+        if key is None and window is None and max_wait is None:
+            return None
+        return cls(key, window, max_wait)
+
+    def check(self, *, dedup_key: str | None, delay: float | None,
+              start_at: datetime | None) -> None:
+        """The rules of the SQL function, before a round trip.
+
+        Raises:
+            ConfigError: a key without a window or the other way round, a window or maximum
+                wait out of range, or a dedup key, delay or start time as well.
+            SerializationError: the key is empty, too long, or holds NUL or a lone surrogate.
+        """
+        if self.key is None or self.window is None:
+            raise ConfigError("debounce takes a debounce key and a window (debounce "
+                              "seconds), both")
+        codec.check_text(self.key, what="debounce key")
+        if (isinstance(self.window, bool) or not isinstance(self.window, int | float)
+                or not 0 < self.window <= DEBOUNCE_MAX_S):
+            raise ConfigError(f"debounce must be positive and at most {DEBOUNCE_MAX_S} "
+                              f"seconds (a year), got {_shown(self.window)}")
+        if self.max_wait is not None and (
+                isinstance(self.max_wait, bool) or not isinstance(self.max_wait, int | float)
+                or not self.window <= self.max_wait <= DEBOUNCE_MAX_S):
+            raise ConfigError(f"debounce_max must be at least debounce and at most "
+                              f"{DEBOUNCE_MAX_S} seconds, got {_shown(self.max_wait)}")
+        if dedup_key is not None or delay is not None or start_at is not None:
+            raise ConfigError("a debounced submit takes no dedup key, delay or start time: "
+                              "its window is its delay")
 
 
 def _shown(value: object) -> str:

@@ -108,9 +108,10 @@ def choose(buckets: int, *, queue: str, idempotency_key: str | None = None,
     """
     if idempotency_key is not None and dedup_key is not None:
         raise ConfigError(
-            "a submit to a namespace of buckets takes an idempotency key or a dedup key, not "
-            "both: each decides the bucket, and both could not be kept (a dedup key alone is "
-            "already safe to send again while its execution is live)")
+            "a submit to a namespace of buckets takes an idempotency key or a dedup (or "
+            "debounce) key, not both: each decides the bucket, and both could not be kept (a "
+            "dedup or debounce key alone is already safe to send again while its execution "
+            "is pending)")
     if idempotency_key is not None:
         return _hash("key", idempotency_key) % buckets
     if dedup_key is not None:

@@ -24,6 +24,7 @@ from kestrel._client_common import (
     RECONNECT_FIRST_S,
     RETRYABLE,
     ClientBase,
+    Debounce,
     bulk_item_key,
     bulk_skip,
     check_bulk,
@@ -160,6 +161,8 @@ class SyncClient(ClientBase):
         idempotency_key: str | None = None, timeout: float | None = None,
         delay: float | None = None, start_at: datetime | None = None,
         dedup_key: str | None = None, on_duplicate: str = "return",
+        debounce_key: str | None = None, debounce: float | None = None,
+        debounce_max: float | None = None,
         conn: psycopg.Connection[Any] | None = None,
     ) -> SyncHandle:
         """Enqueue *wf* with *args*; return its handle once the row is committed (or, with
@@ -171,21 +174,29 @@ class SyncClient(ClientBase):
         transaction of *conn* that began long before it.
         *dedup_key*: at most one live execution per key in the queue; a duplicate returns the
         live one (``on_duplicate="return"``) or raises ``DuplicateExecution`` ("reject").
+        *debounce_key* and *debounce* (seconds): it starts after *debounce* seconds without
+        another submit of the key in the queue; each such submit before then replaces the
+        pending one's arguments and returns its id, and once it has started the next submit
+        starts the next one. *debounce_max* (default ten windows) bounds how long submits
+        that never stop can push the start back.
 
         The rules are those of the SQL function ``submit`` (one set at every door), checked
         here before the round trip; nothing is written when one is broken.
 
         Raises:
-            ConfigError: an invalid queue name, priority, timeout, delay or on_duplicate.
+            ConfigError: an invalid queue name, priority, timeout, delay, on_duplicate or
+                debounce.
             SerializationError: the workflow name or a key is empty, too long or holds NUL
                 or a lone surrogate; an argument cannot round-trip through JSON.
             PayloadTooLarge: the encoded arguments are over ``max_payload_bytes``.
             IdempotencyConflict: *idempotency_key* belongs to an execution submitted with
                 other arguments or options (the key covers the whole call but ``conn``).
-            DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject".
+            DuplicateExecution: *dedup_key* is live and *on_duplicate* is "reject", or
+                *debounce_key* is pending for another workflow.
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
-                                     delay, start_at, dedup_key, on_duplicate)
+                                     delay, start_at, dedup_key, on_duplicate,
+                                     Debounce.of(debounce_key, debounce, debounce_max))
         q, _ = self._submit_to(params)
         eid = self._run(statements.client.submit(q, params), conn)
         count_submitted(params["workflow"])

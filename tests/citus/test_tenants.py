@@ -460,3 +460,23 @@ def test_failed_tries_are_kept_on_a_tenant(citus_dsn: str, tenant: str,
     assert tries(last) == [[1, "builtins.ConnectionError", "last: try 1 refused"]]
     assert q1(citus_dsn, tenant, "SELECT tries FROM {s}.workflow_steps "
               "WHERE execution_id = %s AND step_id = 1", [middle]) is None
+
+
+def test_debounced_submits_on_a_tenant_run_once_with_the_last_arguments(
+        citus_dsn: str, tenant: str, tmp_path: Path) -> None:
+    """Issue 42 item 2 on a distributed schema: submit() takes the key's row, updates the
+    pending execution (a timed wake-up, no STABLE call inside a CASE) and routes both to the
+    tenant's node."""
+    from kestrel.client import SyncClient
+    from tests.apps import ledger_app as app
+
+    client = SyncClient(citus_dsn, schema=tenant, pool_size=1)
+    ids = {client.submit("three_steps", n, debounce_key="doc", debounce=0.5).id
+           for n in range(4)}
+    assert len(ids) == 1
+    (eid,) = ids
+    with runtime(citus_dsn, tenant, procs=1, app=APP, log=tmp_path / "runtime.log"):
+        wait_until(lambda: status(citus_dsn, tenant, str(eid)) == "completed", timeout=60,
+                   what="the debounced execution")
+    assert client.result(eid, timeout=5) == app.model(3)
+    assert q1(citus_dsn, tenant, "SELECT count(*) FROM {s}.executions") == 1

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -21,18 +20,12 @@ from kestrel.client import SyncClient
 from kestrel.errors import ConfigError, MigrationError
 from kestrel.migrate import migrate, migrate_namespace, namespace_buckets
 from tests.apps import ledger_app as app
+from tests.conftest import NAMESPACE_BUCKETS
 from tests.helpers import FAST, ROOT, drop_schemas, q, q1, runtime, wait_until
 
-N = 3
+N = NAMESPACE_BUCKETS  # the namespace fixture's (tests/conftest.py)
 
 
-@pytest.fixture
-def namespace(pg_dsn: str) -> Iterator[str]:
-    """A fresh namespace of N buckets, made for tests."""
-    name = f"n_{uuid.uuid4().hex[:12]}"
-    migrate_namespace(pg_dsn, name, buckets=N, test_clock=True)
-    yield name
-    drop_schemas(pg_dsn, buckets.schemas(name, N))
 
 
 def test_a_namespace_is_one_schema_per_bucket_each_making_ids_that_name_it(

@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,9 @@ from psycopg import sql as pgsql
 from kestrel import buckets
 from kestrel.client import SyncClient
 from kestrel.errors import ConfigError, SerializationError
-from kestrel.migrate import migrate_namespace
 from kestrel.types import Match
 from tests.apps import ledger_app  # noqa: F401  (registers waiter, three_steps, raises)
-from tests.helpers import ROOT, config, drop_schemas, finished_count, run_worker_until
+from tests.helpers import ROOT, config, finished_count, run_worker_until
 from tests.http_helpers import free_port, make_token, serve_process
 
 
@@ -143,12 +141,6 @@ def test_a_bulk_retry_passes_over_what_cannot_be_retried(pg_dsn: str, schema: st
     assert statuses(pg_dsn, schema, done) == {"completed": 2}
 
 
-@pytest.fixture
-def namespace(pg_dsn: str) -> Iterator[str]:
-    name = f"n_{uuid.uuid4().hex[:12]}"
-    migrate_namespace(pg_dsn, name, buckets=3, test_clock=True)
-    yield name
-    drop_schemas(pg_dsn, buckets.schemas(name, 3))
 
 
 def test_a_bulk_action_on_a_namespace_covers_every_bucket(pg_dsn: str, namespace: str) -> None:

@@ -55,6 +55,15 @@ def submit_options(s: argparse.ArgumentParser) -> None:
                         "returns the live one (or fails with --reject-duplicate).")
     s.add_argument("--reject-duplicate", action="store_true",
                    help="With --dedup-key: fail instead of returning the live execution.")
+    s.add_argument("--debounce-key", default=None, metavar="KEY",
+                   help="With --debounce: while the key's execution in the queue has not "
+                        "started, this submit replaces its arguments, pushes its start back "
+                        "and prints its id; once it has started, this one starts the next.")
+    s.add_argument("--debounce", type=float, default=None, metavar="SECONDS",
+                   help="Start after this many seconds without another submit of the key.")
+    s.add_argument("--debounce-max", type=float, default=None, metavar="SECONDS",
+                   help="Start at most this long after the key's first submit, however "
+                        "often it comes (default: ten windows).")
     when = s.add_mutually_exclusive_group()
     when.add_argument("--delay", type=float, default=None, metavar="SECONDS",
                       help="Do not start it before this many seconds from now.")
@@ -88,7 +97,9 @@ def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
     handle = client.submit(ns.workflow, *args, queue=ns.queue, priority=ns.priority,
                            idempotency_key=ns.idempotency_key, timeout=ns.timeout,
                            delay=ns.delay, start_at=start_at, dedup_key=ns.dedup_key,
-                           on_duplicate="reject" if ns.reject_duplicate else "return")
+                           on_duplicate="reject" if ns.reject_duplicate else "return",
+                           debounce_key=ns.debounce_key, debounce=ns.debounce,
+                           debounce_max=ns.debounce_max)
     if note is not None and common.interactive():
         print(f"kestrel-runtime submit: note: {note}", file=sys.stderr)
     if ns.wait is None:

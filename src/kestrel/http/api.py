@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kestrel import buckets, codec, statements
+from kestrel._client_common import Debounce
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import (
     IdempotencyConflict,
@@ -123,15 +124,19 @@ async def submit(request: Request) -> Response:
     makes it idempotent: the same key and the same body answer 200 with the execution the
     first request started (also when a ``dedup_key`` returned a live one), the same key with
     another body 409. The key covers every field (args, queue, priority, timeout, delay,
-    dedup_key) and the workflow. A well-formed W3C ``traceparent`` header (and
-    ``tracestate``) is the execution's trace context; a malformed one is ignored."""
+    dedup_key, debounce_key, debounce, debounce_max) and the workflow. With a
+    ``debounce_key`` and ``debounce`` (seconds), a submit while the key's execution has not
+    started replaces its arguments and answers 200 with its id. A well-formed W3C
+    ``traceparent`` header (and ``tracestate``) is the execution's trace context; a
+    malformed one is ignored."""
     caller = await require(request, "submit")
     state = request.app.state
     name = request.path_params["workflow"]
     if state.workflows is not None and name not in state.workflows:
         raise Refusal(404, f"unknown workflow {codec.printable(name, 200)!r}")
     body = _object(await read_json(request), ("args", "queue", "priority", "timeout", "delay",
-                                              "dedup_key"))
+                                              "dedup_key", "debounce_key", "debounce",
+                                              "debounce_max"))
     args = body.get("args", [])
     if not isinstance(args, list):
         raise Refusal(400, "args must be a JSON array")
@@ -140,7 +145,9 @@ async def submit(request: Request) -> Response:
         name, *args, queue=_text(body, "queue", "default"), priority=priority,
         idempotency_key=_header_key(request, caller), timeout=_number(body, "timeout"),
         delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"),
-        trace=trace_context(request))
+        trace=trace_context(request),
+        debounce=Debounce.of(_text(body, "debounce_key"), _number(body, "debounce"),
+                             _number(body, "debounce_max")))
     return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
 
 

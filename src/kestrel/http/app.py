@@ -39,7 +39,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
 from kestrel import buckets, codec, ids, metrics, statements, tracing
-from kestrel._client_common import count_submitted
+from kestrel._client_common import Debounce, count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
 from kestrel.http import bulk
@@ -135,7 +135,9 @@ _CREATED = (("201", "Created: this request started it."),
 _ARGS_BODY = {"type": "object", "additionalProperties": False, "properties": {
     "args": {"type": "array"}, "queue": {"type": "string"},
     "priority": {"type": "integer"}, "timeout": {"type": "number"},
-    "delay": {"type": "number"}, "dedup_key": {"type": "string"}}}
+    "delay": {"type": "number"}, "dedup_key": {"type": "string"},
+    "debounce_key": {"type": "string"}, "debounce": {"type": "number", "exclusiveMinimum": 0},
+    "debounce_max": {"type": "number", "exclusiveMinimum": 0}}}
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/healthz", healthz, None, "Liveness.", tags=("meta",)),
@@ -307,13 +309,14 @@ class HttpClient(Client):
                              timeout: float | None = None, delay: float | None = None,
                              dedup_key: str | None = None,
                              trace: tracing.TraceContext | None = None,
+                             debounce: Debounce | None = None,
                              ) -> tuple[uuid.UUID, bool]:
         """:meth:`submit`, returning the execution's id and whether this call started it:
         the id is chosen here, so any other id returned is an execution started before
-        (the same idempotency key, or a live one holding the dedup key). *trace* (the
-        request's trace context) replaces the current span's."""
+        (the same idempotency key, a live one holding the dedup key, or the debounce key's
+        pending one). *trace* (the request's trace context) replaces the current span's."""
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
-                                     delay, None, dedup_key, "return")
+                                     delay, None, dedup_key, "return", debounce)
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
         q, bucket = await self._submit_to(params)
