@@ -329,8 +329,9 @@ $$;
 --
 -- p_debounce_key, p_debounce_s, p_debounce_max_s (migration 0024: what debounce is, and the
 -- locks it takes): a submit of a key whose execution has not started yet replaces that
--- one's arguments and priority, pushes its start back, and returns its id. The maximum
--- wait defaults to ten windows. Not with a dedup key, a delay, a start time or a parent.
+-- one's arguments, priority and timeout (which counts from its start), pushes its start
+-- back, and returns its id. The maximum wait (this submit's; ten windows by default) counts
+-- from the key's first submit. Not with a dedup key, a delay, a start time or a parent.
 CREATE OR REPLACE FUNCTION __schema__.submit(
     p_workflow text,
     p_args jsonb DEFAULT '[]',
@@ -372,6 +373,7 @@ DECLARE
     v_first timestamptz;
     v_workflow text;
     v_pushed timestamptz;
+    v_deadline timestamptz;
 BEGIN
     PERFORM __schema__.check_name(p_workflow, 'workflow name');
     IF p_id IS NOT NULL THEN  -- most submits choose no id: no call for them
@@ -497,22 +499,27 @@ BEGIN
         END IF;
     END IF;
     IF p_debounce_key IS NOT NULL THEN
-        INSERT INTO __schema__.debounces (queue, debounce_key, execution_id, first_at)
-        VALUES (p_queue, p_debounce_key, v_id, v_now)
-        ON CONFLICT (queue, debounce_key) DO NOTHING;
-        IF NOT FOUND THEN
+        LOOP
+            INSERT INTO __schema__.debounces (queue, debounce_key, execution_id, first_at)
+            VALUES (p_queue, p_debounce_key, v_id, v_now)
+            ON CONFLICT (queue, debounce_key) DO NOTHING;
+            EXIT WHEN FOUND;  -- the key's first submit: a new execution, below
             -- The key's row, locked: the key's submits take turns from here to commit.
             SELECT d.execution_id, d.first_at INTO v_pending, v_first
               FROM __schema__.debounces AS d
              WHERE d.queue = p_queue AND d.debounce_key = p_debounce_key
                FOR UPDATE;
+            CONTINUE WHEN NOT FOUND;  -- upkeep dropped it in between: insert again
             v_pushed := least(v_now + make_interval(secs => p_debounce_s),
                               v_first + make_interval(
                                   secs => coalesce(p_debounce_max_s, 10 * p_debounce_s)));
-            -- Still pending (never claimed): it takes these arguments and waits longer.
+            -- A debounced execution's timeout counts from its start, pushed with it.
+            v_deadline := v_pushed + make_interval(secs => p_timeout_s);
+            -- Still pending (never claimed): it takes this submit's arguments, priority and
+            -- timeout and waits longer.
             UPDATE __schema__.workflow_executions AS e
                SET args = p_args, priority = p_priority, wake_at = v_pushed,
-                   updated_at = v_now
+                   deadline = v_deadline, updated_at = v_now
              WHERE e.id = v_pending AND e.status = 'waiting' AND e.lease_epoch = 0
                AND NOT e.cancel_requested AND e.workflow = p_workflow
             RETURNING e.id INTO v_pending;
@@ -534,14 +541,18 @@ BEGIN
             -- It started (or ended): this submit starts the key's next one.
             UPDATE __schema__.debounces AS d SET execution_id = v_id, first_at = v_now
              WHERE d.queue = p_queue AND d.debounce_key = p_debounce_key;
-        END IF;
+            EXIT;
+        END LOOP;
+        v_deadline := v_wake + make_interval(secs => p_timeout_s);
+    ELSE
+        v_deadline := v_now + make_interval(secs => p_timeout_s);
     END IF;
     LOOP
         INSERT INTO __schema__.workflow_executions
                (id, workflow, queue, priority, args, idempotency_key, parent_id, deadline,
                 dedup_key, status, wake_at, traceparent, tracestate)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
-                v_now + make_interval(secs => p_timeout_s), p_dedup_key,
+                v_deadline, p_dedup_key,
                 CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
                 v_wake,
                 v_traceparent, v_tracestate)

@@ -395,7 +395,7 @@ class SyncClient(ClientBase):
                 lambda q, at=cursor: statements.http.page_executions(
                     q, **filters, after=at, limit=page_size)), page_size)
             for row, _created in rows:
-                self._act(done, uuid.UUID(row["id"]), row["status"], signal, payload)
+                self._act(done, match, row, signal, payload)
             done.matched += len(rows)
             done.sample += [uuid.UUID(r["id"]) for r, _ in rows[:10 - len(done.sample)]]
             cursor = (rows[-1][1], uuid.UUID(rows[-1][0]["id"])) if len(rows) == page_size \
@@ -406,14 +406,29 @@ class SyncClient(ClientBase):
             if cursor is None or (pages is not None and turned >= pages):
                 return done
 
-    def _act(self, done: BulkResult, eid: uuid.UUID, status: str, signal: str | None,
-                   payload: Any) -> None:
-        """One execution of a bulk action: act, or count why not (done.skipped)."""
-        why = bulk_skip(done.action, status)
+    def _act(self, done: BulkResult, match: Match, row: dict[str, Any],
+                   signal: str | None, payload: Any) -> None:
+        """One execution of a bulk action (*row*, as a page lists it): act, or count why
+        not (done.skipped)."""
+        eid = uuid.UUID(row["id"])
+        why = bulk_skip(done.action, row["status"])
         if why is not None:
             done.skip(why)
             return
         try:
+            if done.action == "cancel" and row["parent_id"] is not None:
+                # Its parent's cancel takes it (in one transaction, the whole tree): cancelled
+                # first, it would wake the parent, which could react before its own turn.
+                parent = self.get(row["parent_id"])
+                if not parent.status.terminal and match.surely_matches(parent):
+                    done.skip("its parent matches too: cancelled with it")
+                    return
+            if done.action == "signal":
+                ex = self.get(eid)
+                if ex.status.value != "waiting" or ex.waiting_for != signal:
+                    # Kept, it would be taken by a later wait of that name, one nobody chose.
+                    done.skip(f"not waiting for signal {signal!r}")
+                    return
             if done.action == "cancel":
                 now = self.cancel(eid)
                 if now not in ("cancelled", "cancelling"):

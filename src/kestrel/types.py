@@ -299,6 +299,17 @@ class Match:
                                            self.since, self.until, self.app_version,
                                            self.patch))
 
+    def surely_matches(self, ex: Execution) -> bool:
+        """Whether *ex* is certainly one this matches: False also when it cannot be told
+        from *ex* alone (an app version or patch filter)."""
+        if self.app_version is not None or self.patch is not None:
+            return False
+        return ((self.status is None or ex.status.value == self.status)
+                and (self.workflow is None or ex.workflow == self.workflow)
+                and (self.queue is None or ex.queue == self.queue)
+                and (self.since is None or ex.created_at >= self.since)
+                and (self.until is None or ex.created_at < self.until))
+
 
 @dataclass(slots=True, kw_only=True)
 class BulkResult:

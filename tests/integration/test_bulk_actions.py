@@ -111,11 +111,23 @@ def test_a_retry_and_a_signal_stopped_half_way_and_run_again_act_on_each_once(
         ).fetchone()
     assert keys == (25, 25)
 
+    # A signal goes only to those waiting for it: queued ones would keep it for a later
+    # wait of that name, one nobody chose.
     queued = Match(workflow="waiter", status="queued")
-    half = client.bulk("signal", queued, signal="go", payload={"n": 1}, key="s1",
+    early = client.bulk("signal", queued, signal="go", payload={"n": 1}, key="s0")
+    assert (early.acted, early.skipped) == (0, {"not waiting for signal 'go'": 25})
+    assert signals_per_execution(pg_dsn, schema) == {}
+    # Run, they park on their wait; the three others run to the end.
+    run_worker_until(pg_dsn, config(schema), lambda: statuses(
+        pg_dsn, schema, waiters) == {"waiting": 25} and finished_count(pg_dsn, schema) >= 3,
+        timeout=60)
+    waiting = Match(workflow="waiter", status="waiting")
+    other = client.bulk("signal", waiting, signal="stop", key="s2")
+    assert (other.acted, other.skipped) == (0, {"not waiting for signal 'stop'": 25})
+    half = client.bulk("signal", waiting, signal="go", payload={"n": 1}, key="s1",
                        page_size=5, pages=1)
     assert half.acted == 5
-    whole = client.bulk("signal", queued, signal="go", payload={"n": 1}, key="s1")
+    whole = client.bulk("signal", waiting, signal="go", payload={"n": 1}, key="s1")
     assert (whole.matched, whole.acted, whole.skipped) == (
         25, 20, {"signalled under this key already": 5})
     assert set(signals_per_execution(pg_dsn, schema).values()) == {1}
@@ -125,6 +137,22 @@ def test_a_retry_and_a_signal_stopped_half_way_and_run_again_act_on_each_once(
     run_worker_until(pg_dsn, config(schema),
                      lambda: finished_count(pg_dsn, schema) >= 28, timeout=60)
     assert {repr(client.result(eid, timeout=5)) for eid in waiters} == {"{'n': 1}"}
+
+
+def test_a_bulk_cancel_leaves_a_child_to_its_matching_parent(pg_dsn: str, schema: str) -> None:
+    # Cancelled first (newest first: a child is newer), a child would wake its parent, which
+    # could react before its own turn; a parent's cancel takes its children at once.
+    client = SyncClient(pg_dsn, schema=schema, pool_size=1)
+    parents = [client.submit("parent_of_waiter").id for _ in range(3)]
+    lone = client.submit("waiter").id
+    run_worker_until(pg_dsn, config(schema), lambda: len(client.list(
+        status="waiting", limit=100)) == 7, timeout=60)
+    children = [e.id for e in client.list(workflow="waiter", limit=100) if e.id != lone]
+    out = kestrel(pg_dsn, schema, "cancel", "--status", "waiting", "--json")
+    data = json.loads(out.stdout)
+    assert (data["matched"], data["acted"]) == (7, 4), data
+    assert data["skipped"] == {"its parent matches too: cancelled with it": 3}
+    assert statuses(pg_dsn, schema, [*parents, *children, lone]) == {"cancelled": 7}
 
 
 def test_a_bulk_retry_passes_over_what_cannot_be_retried(pg_dsn: str, schema: str) -> None:
@@ -219,6 +247,9 @@ def test_the_http_api_pages_a_bulk_action_and_a_resent_page_acts_on_nothing_twic
         dry = api.post(path, {**body, "dry_run": True})
         assert dry.status == 200, dry.body
         assert dry.json()["matched"] == 25 and len(dry.json()["sample"]) == 10
+        made = api.post(path, {k: v for k, v in body.items() if k != "key"} | {
+            "dry_run": True})
+        assert len(made.json()["key"]) == 16  # made for the caller, to send with each page
         assert statuses(pg_dsn, schema, waiters) == {"queued": 25}
 
         acted, cursor, requests = 0, None, 0
@@ -312,7 +343,9 @@ def test_the_web_ui_offers_select_all_with_a_count_first_and_acts_once(
         sig = {**form, "key": "s" * 32, "status": "queued", "name": "go",
                "payload": '{"via": "ui"}'}
         signalled = ops.post_form("/ui/bulk/signal", sig).body.decode()
-        assert "<strong>25</strong> signalled" in signalled
+        # Queued, none waits for it: none is sent (it would wait for a later wait).
+        assert "<strong>0</strong> signalled" in signalled
+        assert "25 passed over: not waiting for signal &#39;go&#39;" in signalled
         bad = ops.post_form("/ui/bulk/signal", {**sig, "payload": "{not json"})
         assert bad.status == 400
-        assert set(signals_per_execution(pg_dsn, schema).values()) == {1}
+        assert signals_per_execution(pg_dsn, schema) == {}

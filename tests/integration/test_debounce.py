@@ -251,3 +251,24 @@ def test_the_cli_and_the_http_api_debounce_and_refuse_bad_input(
             assert says.lower() in json.dumps(got.json()).lower(), (body, got.body)
     rows = executions(pg_dsn, schema)
     assert sorted(r[2] for r in rows) == [[2], [4]]
+
+
+def test_a_timeout_counts_from_the_start_the_submits_pushed_back(pg_dsn: str,
+                                                                schema: str) -> None:
+    # Pushed back past the first submit's timeout, it still runs: the deadline moves with
+    # its start (the sweeper failed it, never run, "workflow deadline passed").
+    client = SyncClient(pg_dsn, schema=schema, pool_size=1)
+    first = client.submit("three_steps", 0, debounce_key="t", debounce=0.4, debounce_max=3.0,
+                          timeout=1.0).id
+    worker = threading.Thread(target=run_worker_until, args=(
+        pg_dsn, config(schema), lambda: finished_count(pg_dsn, schema) >= 1), kwargs={
+            "timeout": 30})
+    worker.start()
+    for n in range(1, 16):  # for 1.5 s, never quiet for 0.4 s
+        assert client.submit("three_steps", n, debounce_key="t", debounce=0.4,
+                             debounce_max=3.0, timeout=1.0).id == first
+        time.sleep(0.1)
+    worker.join()
+    ran = client.get(first)
+    assert ran.status.value == "completed", ran.error
+    assert client.result(first, timeout=5) == app.model(15)

@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Any
 
+from kestrel._client_common import check_bulk
 from kestrel.cli.common import emit, json_arg, since
 from kestrel.config import Config
 from kestrel.errors import ConfigError
@@ -69,7 +70,11 @@ def run(cfg: Config, ns: argparse.Namespace, action: str) -> int:
                   since=since(ns.since), until=_until(ns.until),
                   app_version=getattr(ns, "app_version", None),
                   patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch)
+    if getattr(ns, "idempotency_key", None) is not None:
+        raise ConfigError("--idempotency-key is for one execution; a bulk run has --key")
     payload = json_arg(ns.payload, "--payload") if action == "signal" else None
+    # The key is said before anything is done: a stop during the first page can go on too.
+    key = check_bulk(action, match, ns.key)
     dsn, _server = resolve_dsn(cfg, create=False)
     # A connection kept for the run's many short calls (a pool of one, closed at the end).
     with SyncClient(dsn, schema=cfg.schema, max_payload_bytes=cfg.max_payload_bytes,
@@ -77,27 +82,22 @@ def run(cfg: Config, ns: argparse.Namespace, action: str) -> int:
                     listen_dsn=cfg.listen_dsn or None) as client:
         if ns.dry_run:
             done = client.bulk(action, match, signal=getattr(ns, "name", None),
-                               payload=payload, key=ns.key, dry_run=True)
+                               payload=payload, key=key, dry_run=True)
             return emit(ns, _data(done), lambda: _print_dry_run(done))
-        started: list[BulkResult] = []
+        print(f"{action}: key {key} (run again with --key {key} to go on after a stop; "
+              "nothing is acted on twice)", file=sys.stderr)
 
         def progress(done: BulkResult) -> None:
-            if not started:
-                started.append(done)
-                print(f"{action}: key {done.key} (run again with --key {done.key} to go on "
-                      "after a stop; nothing is acted on twice)", file=sys.stderr)
             print(f"{action}: {done.matched} matched so far, {done.acted} "
                   f"{DONE[action]}, {sum(done.skipped.values())} skipped", file=sys.stderr)
 
         try:
             done = client.bulk(action, match, signal=getattr(ns, "name", None),
-                               payload=payload, key=ns.key, page_size=ns.page_size,
+                               payload=payload, key=key, page_size=ns.page_size,
                                progress=progress)
         except KeyboardInterrupt:
-            key = started[0].key if started else ns.key
-            print(f"{action}: stopped" + (f"; run again with --key {key} to go on (nothing "
-                                          "is acted on twice)" if key else ""),
-                  file=sys.stderr)
+            print(f"{action}: stopped; run again with --key {key} to go on (nothing is "
+                  "acted on twice)", file=sys.stderr)
             return 130
     return emit(ns, _data(done), lambda: _print_done(done))
 

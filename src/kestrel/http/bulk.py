@@ -3,8 +3,9 @@ matches (issue 42, item 4), one page per request, as ``kestrel-runtime cancel --
 does in a loop (:meth:`kestrel.Client.bulk`).
 
 The body names the action, the filter (``list``'s, as JSON), for a signal its name and
-payload, and a ``key``; the answer says what this page did and gives ``next_cursor`` for the
-next request (null when every page was done). A request sent again with the same key and
+payload, and a ``key`` (made and returned when none is sent: send it with every later page); the
+answer says what this page did and gives ``next_cursor`` for the next request (null when
+every page was done). A request sent again with the same key and
 cursor acts on nothing twice: the key is scoped to the caller's token as an Idempotency-Key
 is (another token's run with the same key is another run). ``dry_run`` counts what matches
 and returns a sample.
@@ -12,6 +13,7 @@ and returns a sample.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from starlette.requests import Request
@@ -53,9 +55,12 @@ async def bulk(request: Request) -> Response:
     match = _match(body.get("filter"))
     name, payload = _signal(action, body.get("signal"))
     key = body.get("key")
-    if key is not None:
-        if not isinstance(key, str) or not 1 <= len(key) <= KEY_CHARS:
-            raise Refusal(400, f"key must be a string of 1 to {KEY_CHARS} characters")
+    if key is None:
+        # Made here, so that it is scoped like one sent: every later page must carry it.
+        key = secrets.token_hex(8)
+    elif not isinstance(key, str) or not 1 <= len(key) <= KEY_CHARS:
+        raise Refusal(400, f"key must be a string of 1 to {KEY_CHARS} characters")
+    else:
         codec.check_text(key, what="key")
     dry_run = body.get("dry_run", False)
     if not isinstance(dry_run, bool):
@@ -67,14 +72,11 @@ async def bulk(request: Request) -> Response:
     if cursor is not None and not isinstance(cursor, str):
         raise Refusal(400, "cursor must be a string this API returned")
     after = decode_cursor(cursor) if cursor else None
-    # The caller's key, scoped to its token (kestrel.http.api._header_key); a new one made
-    # by the client when none is given is the caller's to send back.
-    scope = f"http:{caller.token_id}:"
+    # The caller's key, scoped to its token (kestrel.http.api._header_key).
     done = await request.app.state.client.bulk(
-        action, match, signal=name, payload=payload,
-        key=None if key is None else scope + key, dry_run=dry_run, after=after, pages=1,
-        page_size=size)
-    return ok({"action": action, "key": done.key.removeprefix(scope), "dry_run": dry_run,
+        action, match, signal=name, payload=payload, key=f"http:{caller.token_id}:{key}",
+        dry_run=dry_run, after=after, pages=1, page_size=size)
+    return ok({"action": action, "key": key, "dry_run": dry_run,
                "matched": done.matched, "acted": done.acted, "skipped": done.skipped,
                "sample": [str(i) for i in done.sample],
                "next_cursor": None if done.cursor is None
