@@ -16,6 +16,7 @@ after printing what a person would do, and the waiting incident stays in the dat
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import os
 import signal
@@ -102,6 +103,7 @@ def run(cfg: Config, *, incidents: int) -> int:
     from kestrel.embedded import resolve_dsn
     from kestrel.migrate import migrate
     from kestrel.sql import queries
+    from kestrel.supervisor import set_parent_death_signal
 
     def cli(*argv: str) -> None:
         """Run `kestrel-runtime ARGV` as the operator would, in a process of its own."""
@@ -125,8 +127,11 @@ def run(cfg: Config, *, incidents: int) -> int:
                KESTREL_HTTP_HOST=cfg.http_host, KESTREL_HTTP_PORT=str(port))
     print(f"\n1. starting the runtime: kestrel-runtime --procs {procs} --app kestrel.demo "
           f"--http-port {port}")
+    # The runtime stops when the demo does, however it ends: SIGKILLed, the demo could not
+    # stop it, and it ran on, orphaned, with its workers and the UI's port.
     runtime = subprocess.Popen([sys.executable, "-m", "kestrel", "--log-level", "warning"],
-                               env=env)
+                               env=env, preexec_fn=functools.partial(
+                                   set_parent_death_signal, os.getpid(), signal.SIGTERM))
     try:
         client = SyncClient(dsn, schema=cfg.schema, pool_size=2)
         run_id = f"{time.time():.0f}"

@@ -169,10 +169,13 @@ class _Slot:
     worker_id: str = ""
 
 
-def _set_parent_death_signal(expected_parent: int) -> None:
+def set_parent_death_signal(expected_parent: int, signum: int = signal.SIGUSR1) -> None:
+    """In a child (after fork): get *signum* when the parent dies (Linux); exit at once if it
+    died already. A worker gets SIGUSR1 (release and exit now); the runtime the demo starts,
+    SIGTERM (drain)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+        libc.prctl(PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):  # not Linux: the ppid check below still runs once
         pass
     if os.getppid() != expected_parent:  # the parent died before prctl took effect
@@ -349,7 +352,7 @@ class Supervisor:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _set_parent_death_signal(parent)
+                set_parent_death_signal(parent)
                 if slot.index < 0 and self.http is not None:
                     self.http()
                     os._exit(0)

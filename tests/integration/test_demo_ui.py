@@ -117,3 +117,31 @@ def test_on_a_terminal_the_demo_serves_the_ui_until_ctrl_c(pg_dsn: str, schema: 
             proc.kill()
             proc.wait()
         os.close(leader)
+
+
+def test_a_demo_killed_with_sigkill_leaves_no_runtime_behind(pg_dsn: str, schema: str) -> None:
+    # SIGKILLed, the demo could not stop the runtime it started: it ran on, orphaned, with
+    # its workers and the UI's port (seen in CI after a hung test killed its demo).
+    import psutil
+
+    port = free_port()
+    leader, follower = pty.openpty()
+    proc = demo(pg_dsn, schema, port, stdin=follower, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT)
+    os.close(follower)
+    try:
+        lines: list[str] = []
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+        wait_until(lambda: any("serving until Ctrl-C" in line for line in lines),
+                   timeout=240, what="the demo serving")
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "the demo started no runtime"
+        proc.kill()
+        proc.wait(timeout=30)
+        # The runtime drains (SIGTERM from the kernel when its parent died) and exits.
+        _gone, alive = psutil.wait_procs(family, timeout=60)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(leader)
