@@ -376,7 +376,10 @@ def test_a_25_mb_github_delivery_is_accepted_when_configured_in_bounded_memory(
     with serve_process(server["dsn"], server["schema"], port=free_port(),
                        log=tmp_path / "serve.log", env=ENV,
                        args=["--config", str(server["config"]),
-                             "--max-payload-bytes", str(32 * 1024 * 1024)]) as api:
+                             "--max-payload-bytes", str(32 * 1024 * 1024),
+                             # Writing 25 MB took over the default 5 s on a busy 2-core
+                             # machine (503); what is measured here is memory.
+                             "--http-statement-timeout", "60"]) as api:
         pid = api.proc.pid
         small = b'{"zen": "warm up"}'
         assert api.post("/hooks/gh-big", small, headers=github(small, str(uuid.uuid4())),
