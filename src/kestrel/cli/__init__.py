@@ -97,10 +97,20 @@ class _Parser(argparse.ArgumentParser):
                 parser = found
             options = [o for a in parser._actions for o in a.option_strings]
             close = [m for x in extras if x.startswith("-")
-                     for m in difflib.get_close_matches(x.partition("=")[0], options, n=2)]
+                     for m in _closest(x.partition("=")[0], options)]
             hint = f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
             parser.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return ns
+
+
+def _closest(typed: str, options: Sequence[str]) -> list[str]:
+    """The options *typed* most likely meant: the closest, and a second only when it is
+    nearly as close (``--jsn``: ``--json`` or ``--dsn``; ``--qeue``: ``--queue``, not also
+    ``--debounce``)."""
+    scored = sorted(((difflib.SequenceMatcher(None, typed, o).ratio(), o) for o in options),
+                    reverse=True)
+    best = scored[0][0] if scored else 0.0
+    return [o for ratio, o in scored[:2] if ratio >= 0.6 and ratio >= best - 0.15]
 
 
 def _subcommand(parser: argparse.ArgumentParser, name: str | None,
