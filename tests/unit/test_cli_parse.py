@@ -147,6 +147,15 @@ def test_serve_help_shows_only_the_settings_it_uses(
         assert f"[{flag} " not in out, flag
 
 
+def test_serve_takes_every_setting_of_the_http_door() -> None:
+    """The door's settings added later (--http-statement-timeout, the per-client cap, the
+    hook body budget) were read from the environment but refused as serve's flags."""
+    from kestrel.config import KNOBS
+
+    door = {k.name for k in KNOBS if k.name.startswith("http_")}
+    assert door <= set(runtime.SERVE), sorted(door - set(runtime.SERVE))
+
+
 def test_a_runtime_setting_on_serve_is_refused_with_its_usage(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

@@ -22,8 +22,9 @@ from kestrel.embedded import resolve_dsn
 SERVE = ("app", "pool_size", "max_payload_bytes", "max_history_bytes", "metrics_host",
          "metrics_port", "metrics_certfile", "metrics_keyfile", "http_host", "http_port",
          "http_certfile", "http_keyfile", "http_max_body_bytes", "http_max_header_bytes",
-         "http_header_timeout", "http_body_timeout", "http_max_connections",
-         "http_hook_pool_size")
+         "http_header_timeout", "http_body_timeout", "http_statement_timeout",
+         "http_max_connections", "http_max_connections_per_client",
+         "http_hook_body_budget_bytes", "http_hook_pool_size")
 """What ``serve`` takes besides the connection settings and the history ones its migrate
 uses: the app, its pool, the payload cap (and the history cap it must not exceed), its
 metrics endpoint and the HTTP door's own settings (what kestrel.http reads from Config)."""
