@@ -102,8 +102,8 @@ def run(cfg: Config, *, incidents: int) -> int:
     from kestrel.client import SyncClient
     from kestrel.embedded import resolve_dsn
     from kestrel.migrate import migrate
+    from kestrel.parentage import set_parent_death_signal
     from kestrel.sql import queries
-    from kestrel.supervisor import set_parent_death_signal
 
     def cli(*argv: str) -> None:
         """Run `kestrel-runtime ARGV` as the operator would, in a process of its own."""

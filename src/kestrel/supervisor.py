@@ -16,7 +16,6 @@ a second instead of after their lease.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -30,11 +29,10 @@ from dataclasses import dataclass, replace
 
 from kestrel.config import Config, incarnation_id
 from kestrel.errors import ConfigError
+from kestrel.parentage import set_parent_death_signal
 from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.supervisor")
-
-PR_SET_PDEATHSIG = 1
 
 RELEASE_CONNECT_TIMEOUT_S = 2
 """How long the supervisor waits for the database to release a dead worker's leases; past
@@ -167,19 +165,6 @@ class _Slot:
     pid: int = 0
     started: float = 0.0
     worker_id: str = ""
-
-
-def set_parent_death_signal(expected_parent: int, signum: int = signal.SIGUSR1) -> None:
-    """In a child (after fork): get *signum* when the parent dies (Linux); exit at once if it
-    died already. A worker gets SIGUSR1 (release and exit now); the runtime the demo starts,
-    SIGTERM (drain)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signum)
-    except (OSError, AttributeError):  # not Linux: the ppid check below still runs once
-        pass
-    if os.getppid() != expected_parent:  # the parent died before prctl took effect
-        os._exit(0)
 
 
 class Supervisor:
