@@ -79,6 +79,8 @@ CREATE TABLE __schema__.workflow_executions (
     given_back_at timestamp with time zone,
     traceparent text,
     tracestate text,
+    concurrency_key text,
+    tags jsonb,
     CONSTRAINT workflow_executions_status_check CHECK ((status = ANY (ARRAY['queued'::text, 'running'::text, 'waiting'::text]))),
     CONSTRAINT workflow_executions_traceparent_check CHECK ((traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$'::text)),
     CONSTRAINT workflow_executions_tracestate_check CHECK (((tracestate IS NULL) OR ((traceparent IS NOT NULL) AND (char_length(tracestate) <= 512))))
@@ -103,6 +105,8 @@ CREATE TABLE __schema__.workflow_history (
     parent_id uuid,
     deadline timestamp with time zone,
     app_version text,
+    concurrency_key text,
+    tags jsonb,
     CONSTRAINT workflow_history_status_check CHECK ((status = ANY (ARRAY['completed'::text, 'failed'::text, 'cancelled'::text, 'quarantined'::text])))
 )
 PARTITION BY RANGE (finished_at);
@@ -254,8 +258,11 @@ CREATE TABLE __schema__.queue_limits (
     period interval,
     recent_starts timestamp with time zone[] DEFAULT '{}'::timestamp with time zone[] NOT NULL,
     updated_at timestamp with time zone DEFAULT now() NOT NULL,
+    per_key integer,
+    key_turn text,
     CONSTRAINT queue_limits_check CHECK (((rate IS NULL) = (period IS NULL))),
     CONSTRAINT queue_limits_concurrency_check CHECK ((concurrency > 0)),
+    CONSTRAINT queue_limits_per_key_check CHECK ((per_key > 0)),
     CONSTRAINT queue_limits_period_check CHECK ((period > '00:00:00'::interval)),
     CONSTRAINT queue_limits_rate_check CHECK ((rate > 0))
 );
@@ -407,6 +414,8 @@ CREATE TABLE __schema__.workflow_history_default (
     parent_id uuid,
     deadline timestamp with time zone,
     app_version text,
+    concurrency_key text,
+    tags jsonb,
     CONSTRAINT workflow_history_status_check CHECK ((status = ANY (ARRAY['completed'::text, 'failed'::text, 'cancelled'::text, 'quarantined'::text])))
 );
 
@@ -497,11 +506,15 @@ CREATE INDEX workflow_executions_deadline_idx ON __schema__.workflow_executions 
 
 CREATE UNIQUE INDEX workflow_executions_dedup_idx ON __schema__.workflow_executions USING btree (queue, dedup_key) WHERE (dedup_key IS NOT NULL);
 
+CREATE INDEX workflow_executions_key_claim_idx ON __schema__.workflow_executions USING btree (queue, concurrency_key, priority DESC, created_at) WHERE ((status = 'queued'::text) AND (concurrency_key IS NOT NULL));
+
 CREATE INDEX workflow_executions_parent_idx ON __schema__.workflow_executions USING btree (parent_id) WHERE (parent_id IS NOT NULL);
 
 CREATE INDEX workflow_executions_running_queue_idx ON __schema__.workflow_executions USING btree (queue, lease_expires_at) WHERE (status = 'running'::text);
 
 CREATE INDEX workflow_executions_suspect_idx ON __schema__.workflow_executions USING btree (queue, priority DESC, created_at) WHERE ((status = 'queued'::text) AND (attempts >= 2));
+
+CREATE INDEX workflow_executions_tags_idx ON __schema__.workflow_executions USING gin (tags jsonb_path_ops) WHERE (tags IS NOT NULL);
 
 CREATE INDEX workflow_executions_wake_idx ON __schema__.workflow_executions USING btree (wake_at) WHERE (status = 'waiting'::text);
 
@@ -521,6 +534,10 @@ CREATE INDEX workflow_history_status_idx ON ONLY __schema__.workflow_history USI
 
 CREATE INDEX workflow_history_default_status_finished_at_idx ON __schema__.workflow_history_default USING btree (status, finished_at) WHERE (status <> 'completed'::text);
 
+CREATE INDEX workflow_history_tags_idx ON ONLY __schema__.workflow_history USING gin (tags jsonb_path_ops) WHERE (tags IS NOT NULL);
+
+CREATE INDEX workflow_history_default_tags_idx ON __schema__.workflow_history_default USING gin (tags jsonb_path_ops) WHERE (tags IS NOT NULL);
+
 CREATE INDEX workflow_history_workflow_idx ON ONLY __schema__.workflow_history USING btree (workflow, finished_at);
 
 CREATE INDEX workflow_history_default_workflow_finished_at_idx ON __schema__.workflow_history_default USING btree (workflow, finished_at);
@@ -538,6 +555,8 @@ ALTER INDEX __schema__.workflow_history_id_idx ATTACH PARTITION __schema__.workf
 ALTER INDEX __schema__.workflow_history_parent_idx ATTACH PARTITION __schema__.workflow_history_default_parent_id_idx;
 
 ALTER INDEX __schema__.workflow_history_status_idx ATTACH PARTITION __schema__.workflow_history_default_status_finished_at_idx;
+
+ALTER INDEX __schema__.workflow_history_tags_idx ATTACH PARTITION __schema__.workflow_history_default_tags_idx;
 
 ALTER INDEX __schema__.workflow_history_workflow_idx ATTACH PARTITION __schema__.workflow_history_default_workflow_finished_at_idx;
 

@@ -11,7 +11,8 @@
 -- The version of these functions that code relies on: raised here when a function changes
 -- so that code calling it depends on the change (2: finish_batch() writes the completion's
 -- tail, issue 23; 3: save_steps() and finish_batch() keep a step's failed tries, issue
--- 42; 4: submit() debounces, issue 42). migrate installs it with the rest, every time; a
+-- 42; 4: submit() debounces, issue 42; 5: submit() takes a concurrency key and tags, and
+-- history keeps them, issue 42). migrate installs it with the rest, every time; a
 -- runtime role that may not migrate checks it at boot (boot.check_schema_current) as it
 -- checks the migration:
 -- functions older than its code needs refuse the boot (a call would silently do the old
@@ -19,7 +20,7 @@
 -- is read from this text by kestrel.sql.functions_version(): this is its one home.
 CREATE OR REPLACE FUNCTION __schema__.kestrel_functions_version() RETURNS integer
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
-    SELECT 4
+    SELECT 5
 $$;
 
 -- name: kestrel_now
@@ -114,6 +115,41 @@ $$;
 CREATE OR REPLACE FUNCTION __schema__.valid_queue_name(p_queue text) RETURNS boolean
 LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT p_queue IS NOT NULL AND p_queue ~ '^[A-Za-z0-9_.:-]{1,128}$'
+$$;
+
+-- name: check_tags
+-- An execution's tags (migration 0025): a JSON object of at most 32 tags, each name 1-64 of
+-- A-Z a-z 0-9 _ . - and each value a string of 1-256 characters; NULL is no tags. The rule
+-- of kestrel.codec.check_tags, checked again here for the callers of submit() in SQL.
+CREATE OR REPLACE FUNCTION __schema__.check_tags(p_tags jsonb) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_key text;
+    v_value jsonb;
+    v_n integer := 0;
+BEGIN
+    IF p_tags IS NULL THEN
+        RETURN;
+    END IF;
+    IF jsonb_typeof(p_tags) <> 'object' THEN
+        RAISE EXCEPTION 'tags must be a JSON object of names to text, got %', jsonb_typeof(p_tags)
+            USING ERRCODE = 'KS002';
+    END IF;
+    FOR v_key, v_value IN SELECT * FROM jsonb_each(p_tags) LOOP
+        v_n := v_n + 1;
+        IF v_n > 32 THEN
+            RAISE EXCEPTION 'at most 32 tags, got %', (SELECT count(*) FROM jsonb_object_keys(p_tags))
+                USING ERRCODE = 'KS002';
+        END IF;
+        IF v_key !~ '^[A-Za-z0-9_.-]{1,64}$' THEN
+            RAISE EXCEPTION 'invalid tag name %: 1-64 of A-Z a-z 0-9 _ . -',
+                quote_literal(left(v_key, 80)) USING ERRCODE = 'KS002';
+        END IF;
+        IF jsonb_typeof(v_value) <> 'string' OR char_length(v_value #>> '{}') NOT BETWEEN 1 AND 256 THEN
+            RAISE EXCEPTION 'tag % must be text of 1-256 characters', v_key USING ERRCODE = 'KS002';
+        END IF;
+    END LOOP;
+END
 $$;
 
 -- name: float8_or_null
@@ -349,7 +385,9 @@ CREATE OR REPLACE FUNCTION __schema__.submit(
     p_tracestate text DEFAULT NULL,
     p_debounce_key text DEFAULT NULL,
     p_debounce_s double precision DEFAULT NULL,
-    p_debounce_max_s double precision DEFAULT NULL
+    p_debounce_max_s double precision DEFAULT NULL,
+    p_concurrency_key text DEFAULT NULL,
+    p_tags jsonb DEFAULT NULL
 ) RETURNS uuid
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -418,6 +456,12 @@ BEGIN
     IF p_dedup_key IS NOT NULL THEN
         PERFORM __schema__.check_name(p_dedup_key, 'dedup key');
     END IF;
+    IF p_concurrency_key IS NOT NULL THEN
+        PERFORM __schema__.check_name(p_concurrency_key, 'concurrency key');
+    END IF;
+    IF p_tags IS NOT NULL THEN
+        PERFORM __schema__.check_tags(p_tags);
+    END IF;
     IF p_debounce_key IS NOT NULL OR p_debounce_s IS NOT NULL
             OR p_debounce_max_s IS NOT NULL THEN
         IF p_debounce_key IS NULL OR p_debounce_s IS NULL THEN
@@ -479,7 +523,10 @@ BEGIN
             -- (as before 0024 without debounce, so keys stored then still match)
             || CASE WHEN p_debounce_key IS NULL THEN ''
                     ELSE jsonb_build_array(p_debounce_key, p_debounce_s,
-                                           p_debounce_max_s)::text END);
+                                           p_debounce_max_s)::text END
+            -- (and as before 0025 without a concurrency key or tags)
+            || CASE WHEN p_concurrency_key IS NULL AND p_tags IS NULL THEN ''
+                    ELSE jsonb_build_array(p_concurrency_key, p_tags)::text END);
         INSERT INTO __schema__.idempotency_keys (idempotency_key, execution_id, workflow, args_digest)
         VALUES (p_idempotency_key, v_id, p_workflow, v_digest)
         ON CONFLICT (idempotency_key) DO NOTHING;
@@ -491,7 +538,7 @@ BEGIN
                 v_digest := md5(p_args::text);
             END IF;
             IF v_existing.workflow <> p_workflow OR v_existing.args_digest <> v_digest THEN
-                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments or options (workflow, queue, priority, timeout, delay, start time, dedup key)',
+                RAISE EXCEPTION 'idempotency key % is already used by execution % with other arguments or options (workflow, queue, priority, timeout, delay, start time, dedup key, debounce, concurrency key, tags)',
                     p_idempotency_key, v_existing.execution_id
                     USING ERRCODE = 'KS001';
             END IF;
@@ -519,7 +566,8 @@ BEGIN
             -- timeout and waits longer.
             UPDATE __schema__.workflow_executions AS e
                SET args = p_args, priority = p_priority, wake_at = v_pushed,
-                   deadline = v_deadline, updated_at = v_now
+                   deadline = v_deadline, concurrency_key = p_concurrency_key, tags = p_tags,
+                   updated_at = v_now
              WHERE e.id = v_pending AND e.status = 'waiting' AND e.lease_epoch = 0
                AND NOT e.cancel_requested AND e.workflow = p_workflow
             RETURNING e.id INTO v_pending;
@@ -550,12 +598,12 @@ BEGIN
     LOOP
         INSERT INTO __schema__.workflow_executions
                (id, workflow, queue, priority, args, idempotency_key, parent_id, deadline,
-                dedup_key, status, wake_at, traceparent, tracestate)
+                dedup_key, status, wake_at, traceparent, tracestate, concurrency_key, tags)
         VALUES (v_id, p_workflow, p_queue, p_priority, p_args, p_idempotency_key, p_parent,
                 v_deadline, p_dedup_key,
                 CASE WHEN v_delay_s > 0 THEN 'waiting' ELSE 'queued' END,
                 v_wake,
-                v_traceparent, v_tracestate)
+                v_traceparent, v_tracestate, p_concurrency_key, p_tags)
         ON CONFLICT (queue, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING;
         EXIT WHEN FOUND;
         -- A live execution holds the dedup key (ON CONFLICT waited for it to commit).

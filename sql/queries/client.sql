@@ -1,11 +1,13 @@
 -- name: submit
 -- %(traceparent)s and %(tracestate)s: the submitter's W3C trace context, or NULL (migration
--- 0018; submit() keeps them only when well formed). The debounce parameters: 0024.
+-- 0018; submit() keeps them only when well formed). The debounce parameters: 0024; the
+-- concurrency key and tags: 0025.
 SELECT __schema__.submit(%(workflow)s, %(args)s::jsonb, %(queue)s, %(priority)s,
                          %(idempotency_key)s, %(id)s, %(parent)s, %(timeout_s)s,
                          %(delay_s)s, %(dedup_key)s, %(on_duplicate)s, %(start_at)s,
                          %(traceparent)s, %(tracestate)s, %(debounce_key)s,
-                         %(debounce_s)s, %(debounce_max_s)s);
+                         %(debounce_s)s, %(debounce_max_s)s, %(concurrency_key)s,
+                         %(tags)s::jsonb);
 
 -- name: signal
 SELECT __schema__.signal(%(id)s, %(name)s, %(payload)s::jsonb, %(idempotency_key)s);

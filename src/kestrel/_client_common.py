@@ -117,7 +117,9 @@ class ClientBase:
                        priority: int, key: str | None, timeout: float | None,
                        delay: float | None = None, start_at: datetime | None = None,
                        dedup_key: str | None = None, on_duplicate: str = "return",
-                       debounce: Debounce | None = None) -> dict[str, Any]:
+                       debounce: Debounce | None = None, *,
+                       concurrency_key: str | None = None,
+                       tags: dict[str, str] | None = None) -> dict[str, Any]:
         # The rules of the SQL function (sql/functions), checked here before a round trip.
         name = codec.check_text(workflow_name(wf), what="workflow name")
         if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
@@ -153,6 +155,10 @@ class ClientBase:
             codec.check_text(dedup_key, what="dedup key")
         if debounce is not None:
             debounce.check(dedup_key=dedup_key, delay=delay, start_at=start_at)
+        if concurrency_key is not None:
+            codec.check_text(concurrency_key, what="concurrency key")
+        if tags is not None:
+            codec.check_tags(tags)
         encoded = codec.encode(list(args), what=f"arguments of workflow {name!r}",
                                max_bytes=self._max_bytes)
         # The current span's trace context, if any: the execution's spans continue it.
@@ -164,7 +170,9 @@ class ClientBase:
             tracestate=trace[1] if trace else None,
             debounce_key=debounce.key if debounce else None,
             debounce_s=debounce.window if debounce else None,
-            debounce_max_s=debounce.max_wait if debounce else None)
+            debounce_max_s=debounce.max_wait if debounce else None,
+            concurrency_key=concurrency_key,
+            tags=None if tags is None else codec.encode(tags, what="tags"))
 
     def _signal_params(self, execution_id: uuid.UUID | str, name: str, payload: Any,
                        key: str | None) -> dict[str, Any]:

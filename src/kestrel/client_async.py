@@ -163,7 +163,8 @@ class Client(ClientBase):
         delay: float | None = None, start_at: datetime | None = None,
         dedup_key: str | None = None, on_duplicate: str = "return",
         debounce_key: str | None = None, debounce: float | None = None,
-        debounce_max: float | None = None,
+        debounce_max: float | None = None, concurrency_key: str | None = None,
+        tags: dict[str, str] | None = None,
         conn: psycopg.AsyncConnection[Any] | None = None,
     ) -> Handle:
         """Enqueue *wf* with *args*; return its handle once the row is committed (or, with
@@ -180,15 +181,19 @@ class Client(ClientBase):
         pending one's arguments and returns its id, and once it has started the next submit
         starts the next one. *debounce_max* (default ten windows) bounds how long submits
         that never stop can push the start back.
+        *concurrency_key*: in a queue declared with ``per_key``, at most that many
+        executions of the key run at once, and the keys take turns.
+        *tags*: names to text (``{"customer": "acme"}``, at most 32) to find it by
+        (``list --tag``); the workflow may change them with ``ctx.set_tags``.
 
         The rules are those of the SQL function ``submit`` (one set at every door), checked
         here before the round trip; nothing is written when one is broken.
 
         Raises:
-            ConfigError: an invalid queue name, priority, timeout, delay, on_duplicate or
-                debounce.
-            SerializationError: the workflow name or a key is empty, too long or holds NUL
-                or a lone surrogate; an argument cannot round-trip through JSON.
+            ConfigError: an invalid queue name, priority, timeout, delay, on_duplicate,
+                debounce or tag name, or more than 32 tags.
+            SerializationError: the workflow name, a key or a tag's value is empty, too long
+                or holds NUL or a lone surrogate; an argument cannot round-trip through JSON.
             PayloadTooLarge: the encoded arguments are over ``max_payload_bytes``.
             IdempotencyConflict: *idempotency_key* belongs to an execution submitted with
                 other arguments or options (the key covers the whole call but ``conn``).
@@ -197,7 +202,8 @@ class Client(ClientBase):
         """
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
                                      delay, start_at, dedup_key, on_duplicate,
-                                     Debounce.of(debounce_key, debounce, debounce_max))
+                                     Debounce.of(debounce_key, debounce, debounce_max),
+                                     concurrency_key=concurrency_key, tags=tags)
         q, _ = await self._submit_to(params)
         eid = await self._run(statements.client.submit(q, params), conn)
         count_submitted(params["workflow"])

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from kestrel.errors import PayloadTooLarge, SerializationError
+from kestrel.errors import ConfigError, PayloadTooLarge, SerializationError
 
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 1024 * 1024
 """Largest encoded argument list, step output or result accepted (16 MiB)."""
@@ -120,6 +120,38 @@ def check_text(text: object, *, what: str, max_chars: int = MAX_NAME_CHARS) -> s
         raise SerializationError(f"{what} is {size} bytes as UTF-8, over the limit of "
                                  f"{MAX_NAME_BYTES}")
     return text
+
+
+MAX_TAGS = 32
+"""The most tags one execution carries."""
+
+TAG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+"""A tag's name (migration 0025; ``check_tags`` in sql/functions is the same rule)."""
+
+MAX_TAG_VALUE_CHARS = 256
+
+
+def check_tags(tags: object, *, what: str = "tags") -> dict[str, str]:
+    """Return *tags* (names to text) if an execution may carry them; raise otherwise.
+
+    At most :data:`MAX_TAGS`, each name 1-64 of ``A-Z a-z 0-9 _ . -`` and each value text
+    of 1-256 characters that PostgreSQL can store (:func:`check_text`).
+
+    Raises:
+        ConfigError: not a mapping, too many, or a name that breaks the rule.
+        SerializationError: a value that is not text, is empty or too long, or holds NUL or
+            a lone surrogate.
+    """
+    if not isinstance(tags, dict):
+        raise ConfigError(f"{what} must be a dict of names to text, got {type(tags).__name__}")
+    if len(tags) > MAX_TAGS:
+        raise ConfigError(f"at most {MAX_TAGS} {what}, got {len(tags)}")
+    for name, value in tags.items():
+        if not isinstance(name, str) or not TAG_NAME.fullmatch(name):
+            raise ConfigError(f"invalid tag name {printable(ascii(name), 80)}: 1-64 of "
+                              "A-Z a-z 0-9 _ . -")
+        check_text(value, what=f"tag {name!r}", max_chars=MAX_TAG_VALUE_CHARS)
+    return tags
 
 
 def printable(text: str, limit: int = 65536) -> str:

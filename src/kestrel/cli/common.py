@@ -150,6 +150,26 @@ def json_arg(text: str, flag: str) -> Any:
         raise ConfigError(f"{flag} is not valid JSON: nested too deeply") from None
 
 
+def tags(pairs: Sequence[str] | None, flag: str = "--tag") -> dict[str, str] | None:
+    """Repeated ``--tag NAME=VALUE`` as a dict (None when none is given); the rules are
+    :func:`kestrel.codec.check_tags`'.
+
+    Raises:
+        ConfigError: a pair without ``=``, or a name given twice.
+    """
+    if not pairs:
+        return None
+    found: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise ConfigError(f"{flag} {pair!r}: use NAME=VALUE, e.g. {flag} customer=acme")
+        if name in found:
+            raise ConfigError(f"{flag}: tag {name!r} given twice")
+        found[name] = value
+    return found
+
+
 def parse_id(text: str) -> uuid.UUID:
     """*text* as an execution id.
 

@@ -64,6 +64,11 @@ def submit_options(s: argparse.ArgumentParser) -> None:
     s.add_argument("--debounce-max", type=float, default=None, metavar="SECONDS",
                    help="Start at most this long after the key's first submit, however "
                         "often it comes (default: ten windows).")
+    s.add_argument("--concurrency-key", default=None, metavar="KEY",
+                   help="In a queue with per_key: at most that many of this key run at "
+                        "once, and the keys take turns.")
+    s.add_argument("--tag", action="append", default=None, metavar="NAME=VALUE",
+                   help="A tag to find the execution by (list --tag); repeat for more.")
     when = s.add_mutually_exclusive_group()
     when.add_argument("--delay", type=float, default=None, metavar="SECONDS",
                       help="Do not start it before this many seconds from now.")
@@ -99,7 +104,8 @@ def cmd_submit(cfg: Config, ns: argparse.Namespace) -> int:
                            delay=ns.delay, start_at=start_at, dedup_key=ns.dedup_key,
                            on_duplicate="reject" if ns.reject_duplicate else "return",
                            debounce_key=ns.debounce_key, debounce=ns.debounce,
-                           debounce_max=ns.debounce_max)
+                           debounce_max=ns.debounce_max, concurrency_key=ns.concurrency_key,
+                           tags=common.tags(ns.tag))
     if note is not None and common.interactive():
         print(f"kestrel-runtime submit: note: {note}", file=sys.stderr)
     if ns.wait is None:

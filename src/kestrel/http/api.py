@@ -100,6 +100,13 @@ def _text(body: dict[str, Any], name: str, default: str | None = None) -> str | 
     return value
 
 
+def _tags(body: dict[str, Any]) -> dict[str, str] | None:
+    value = body.get("tags")
+    if value is not None and not isinstance(value, dict):
+        raise Refusal(400, "tags must be a JSON object of names to text")
+    return value
+
+
 # -- auth ------------------------------------------------------------------------------------
 
 
@@ -124,7 +131,7 @@ async def submit(request: Request) -> Response:
     makes it idempotent: the same key and the same body answer 200 with the execution the
     first request started (also when a ``dedup_key`` returned a live one), the same key with
     another body 409. The key covers every field (args, queue, priority, timeout, delay,
-    dedup_key, debounce_key, debounce, debounce_max) and the workflow. With a
+    dedup_key, debounce_key, debounce, debounce_max, concurrency_key, tags) and the workflow. With a
     ``debounce_key`` and ``debounce`` (seconds), a submit while the key's execution has not
     started replaces its arguments and answers 200 with its id. A well-formed W3C
     ``traceparent`` header (and ``tracestate``) is the execution's trace context; a
@@ -136,7 +143,7 @@ async def submit(request: Request) -> Response:
         raise Refusal(404, f"unknown workflow {codec.printable(name, 200)!r}")
     body = _object(await read_json(request), ("args", "queue", "priority", "timeout", "delay",
                                               "dedup_key", "debounce_key", "debounce",
-                                              "debounce_max"))
+                                              "debounce_max", "concurrency_key", "tags"))
     args = body.get("args", [])
     if not isinstance(args, list):
         raise Refusal(400, "args must be a JSON array")
@@ -147,7 +154,8 @@ async def submit(request: Request) -> Response:
         delay=_number(body, "delay"), dedup_key=_text(body, "dedup_key"),
         trace=trace_context(request),
         debounce=Debounce.of(_text(body, "debounce_key"), _number(body, "debounce"),
-                             _number(body, "debounce_max")))
+                             _number(body, "debounce_max")),
+        concurrency_key=_text(body, "concurrency_key"), tags=_tags(body))
     return ok({"id": str(eid), "workflow": name}, 201 if created else 200)
 
 

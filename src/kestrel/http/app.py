@@ -137,7 +137,10 @@ _ARGS_BODY = {"type": "object", "additionalProperties": False, "properties": {
     "priority": {"type": "integer"}, "timeout": {"type": "number"},
     "delay": {"type": "number"}, "dedup_key": {"type": "string"},
     "debounce_key": {"type": "string"}, "debounce": {"type": "number", "exclusiveMinimum": 0},
-    "debounce_max": {"type": "number", "exclusiveMinimum": 0}}}
+    "debounce_max": {"type": "number", "exclusiveMinimum": 0},
+    "concurrency_key": {"type": "string"},
+    "tags": {"type": "object", "maxProperties": 32,
+             "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 256}}}}
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/healthz", healthz, None, "Liveness.", tags=("meta",)),
@@ -310,13 +313,16 @@ class HttpClient(Client):
                              dedup_key: str | None = None,
                              trace: tracing.TraceContext | None = None,
                              debounce: Debounce | None = None,
+                             concurrency_key: str | None = None,
+                             tags: dict[str, str] | None = None,
                              ) -> tuple[uuid.UUID, bool]:
         """:meth:`submit`, returning the execution's id and whether this call started it:
         the id is chosen here, so any other id returned is an execution started before
         (the same idempotency key, a live one holding the dedup key, or the debounce key's
         pending one). *trace* (the request's trace context) replaces the current span's."""
         params = self._submit_params(wf, args, queue, priority, idempotency_key, timeout,
-                                     delay, None, dedup_key, "return", debounce)
+                                     delay, None, dedup_key, "return", debounce,
+                                     concurrency_key=concurrency_key, tags=tags)
         if trace is not None:
             params["traceparent"], params["tracestate"] = trace
         q, bucket = await self._submit_to(params)

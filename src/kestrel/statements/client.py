@@ -30,20 +30,23 @@ def submit_params(
     start_at: datetime | None = None, traceparent: str | None = None,
     tracestate: str | None = None, debounce_key: str | None = None,
     debounce_s: float | None = None, debounce_max_s: float | None = None,
+    concurrency_key: str | None = None, tags: str | None = None,
 ) -> dict[str, Any]:
     """Return the named parameters of the ``submit`` statement.
 
     *args* is the encoded argument list. *start_at* (or *delay_s*, not both) is read by the
     database clock. *traceparent* and *tracestate* are the submitter's W3C trace context
     (:mod:`kestrel.tracing`), already checked. *debounce_key*, *debounce_s* and
-    *debounce_max_s*: a debounced submit (migration 0024).
+    *debounce_max_s*: a debounced submit (migration 0024). *concurrency_key* and *tags* (the
+    encoded JSON object): migration 0025.
     """
     return {"workflow": workflow, "args": args, "queue": queue, "priority": priority,
             "idempotency_key": idempotency_key, "id": id, "parent": parent,
             "timeout_s": timeout_s, "delay_s": delay_s, "dedup_key": dedup_key,
             "on_duplicate": on_duplicate, "start_at": start_at, "traceparent": traceparent,
             "tracestate": tracestate, "debounce_key": debounce_key, "debounce_s": debounce_s,
-            "debounce_max_s": debounce_max_s}
+            "debounce_max_s": debounce_max_s, "concurrency_key": concurrency_key,
+            "tags": tags}
 
 
 def submit(q: Queries, params: Mapping[str, Any]) -> Stmt[uuid.UUID]:
