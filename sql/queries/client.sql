@@ -46,7 +46,8 @@ SELECT id, workflow, queue, priority, status, args, NULL::jsonb AS result, NULL:
        attempts, lease_epoch, created_at, started_at, NULL::timestamptz AS finished_at,
        deadline, waiting_for, wake_at, wait_deadline,
        (SELECT concat_ws(', ', 'concurrency ' || l.concurrency,
-                         'rate ' || l.rate || ' per ' || l.period)
+                         'rate ' || l.rate || ' per ' || l.period,
+                         'per key ' || l.per_key)
           FROM __schema__.queue_limits l WHERE l.queue = e.queue) AS queue_limit,
        give_backs, given_back_by, given_back_at
   FROM __schema__.workflow_executions e WHERE id = %(id)s

@@ -91,6 +91,7 @@ class Claimer:
         # Each limited queue's home bucket in a namespace, where its limits are held.
         ns = self._namespace
         self._homes = {spec.name: ns[buckets.home(spec.name, len(ns))] for spec in self.limited}
+        self._keyed = {spec.name: spec.per_key is not None for spec in self.limited}
         self.slots = Slots(cfg.concurrency or None, work=runner.committed)
         metrics.get().concurrency_limit.set(self.slots.limit)
 
@@ -185,7 +186,7 @@ class Claimer:
                     lease_s=self.cfg.lease, workflows=self._names,
                     max_history_bytes=self.cfg.max_history_bytes,
                     app_version=self.cfg.app_version, namespace=self._namespace,
-                    home=self._homes[queue]))
+                    home=self._homes[queue], keyed=self._keyed[queue]))
                 if got is None:
                     return 0  # another process is claiming from it right now
                 claimed = got

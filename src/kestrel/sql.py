@@ -126,6 +126,8 @@ class Queries:
     lock_namespace_limit: str
     running_in_queue: str
     claim_limited_in_namespace: str
+    running_by_key: str
+    claim_keyed: str
     record_namespace_starts: str
     db_now: str
     upsert_schedule: str

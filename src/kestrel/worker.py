@@ -149,7 +149,7 @@ class Worker:
                 for q in dict.fromkeys((self._q, home)):
                     await db.run(conn, statements.queues.upsert_queue_limit(
                         q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
-                        period_s=spec.period))
+                        period_s=spec.period, per_key=spec.per_key))
             if self._schedules:
                 now = await db.run(conn, statements.queues.db_now(self._q))
                 for sch in self._schedules:

@@ -319,6 +319,7 @@ kestrel.queue("ai-model", concurrency=3)
 kestrel.queue("rate-limited", rate=5, period=2.0)
 kestrel.queue("per-proc", per_process=1)
 kestrel.queue("ns-limited", concurrency=2, rate=50, period=1.0)  # both limits, in a namespace
+kestrel.queue("deploys", concurrency=3, per_key=1)  # concurrency keys (issue 42)
 
 
 @kestrel.step(name="hold")

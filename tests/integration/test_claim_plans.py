@@ -103,6 +103,58 @@ def test_claim_limited_reads_indexes_in_order_and_never_the_whole_queue(
             "workflow_executions_running_queue_idx"} <= used
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
+def test_claim_keyed_walks_keys_by_index_never_a_keys_rows(
+    pg_dsn: str, schema: str, generic: bool
+) -> None:
+    """A keyed queue of BACKLOG rows, almost all of one key, 50 other keys and a few rows
+    without one: the claim reads the keys through their index and each key's best rows,
+    and no more of the queue than the bound of rows without a key."""
+    q(pg_dsn, schema, """
+        INSERT INTO {s}.workflow_executions (id, workflow, queue, args, status,
+                                             concurrency_key)
+        SELECT gen_random_uuid(), 'wf', 'keyed', '[]',
+               CASE WHEN i %% 100 = 0 THEN 'running' ELSE 'queued' END,
+               CASE WHEN i %% 400 = 3 THEN NULL WHEN i %% 200 = 1 THEN 'k' || (i %% 50)
+                    ELSE 'big' END
+          FROM generate_series(1, %s) AS i""", [BACKLOG])
+    q(pg_dsn, schema, "INSERT INTO {s}.queue_limits (queue, per_key, key_turn) "
+                      "VALUES ('keyed', 2, 'k20')")
+    q(pg_dsn, schema, "ANALYZE {s}.workflow_executions")
+    params = {"queue": "keyed", "owner": "w", "limit": 32, "lease_s": 30.0, "budget": 32,
+              "per_key": 2, "run_keys": ["big"], "run_counts": [1], "max_keys": 100,
+              "want_keys": 40,
+              "workflows": ["wf"], "any_workflow": False, "max_history_bytes": 1 << 27,
+              "app_version": "v1"}
+    nodes = explain(pg_dsn, queries(schema).claim_keyed, params, generic=generic)
+    hot = on_hot_table(nodes)
+    assert [n for n in hot if "Seq" in n["Node Type"]] == []
+    assert "workflow_executions_key_claim_idx" in hot_indexes(nodes)
+    # Every read of the queue stops early: each scan of the hot table is under a Limit (the
+    # probes, a key's best rows, the rows without a key, the woken), or finds rows by id.
+    with psycopg.connect(pg_dsn, prepare_threshold=None) as conn:
+        if generic:
+            conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ")  # type: ignore[arg-type]
+                           + pgsql.SQL(queries(schema).claim_keyed), params).fetchone()
+        conn.rollback()
+    assert row is not None
+    by_id = {"workflow_executions_pkey"}
+    unbounded = [n.get("Index Name", n["Node Type"]) for n in hot_reads_not_under_a_limit(
+        row[0][0]["Plan"]) if n["Node Type"] != "ModifyTable"  # the claim's own rows
+        and {c.get("Index Name") for c in plan_nodes(n) if "Index Name" in c} != by_id]
+    assert unbounded == []
+
+
+def hot_reads_not_under_a_limit(plan: dict[str, Any],
+                                limited: bool = False) -> list[dict[str, Any]]:
+    limited = limited or plan["Node Type"] == "Limit"
+    found = [plan] if plan.get("Relation Name") == "workflow_executions" and not limited else []
+    for child in plan.get("Plans", []):
+        found += hot_reads_not_under_a_limit(child, limited)
+    return found
+
+
 @pytest.mark.parametrize("rows", [6000, BACKLOG])
 @pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_complete_batch_finds_its_rows_by_primary_key_never_by_reading_the_queue(

@@ -198,6 +198,17 @@ def claim_limited(env: Env) -> None:
     assert env.bodies(h.id) == [0, 1, 2]
 
 
+def claim_keyed(env: Env) -> None:
+    # A keyed queue's claim (lock, the running by key, the claim and its turn: one
+    # transaction), its COMMIT's reply lost: the rows come back when their lease ends.
+    hs = [env.client.submit(app.three_steps, n, queue="deploys", concurrency_key=f"k{n % 2}")
+          for n in range(3)]
+    env.work(env.finished(len(hs)), queues=("deploys",))
+    for n, h in enumerate(hs):
+        assert env.history(h.id)[:2] == ("completed", app.model(n))
+        assert env.bodies(h.id) == [0, 1, 2]
+
+
 def heartbeat(env: Env) -> None:
     # The beat that lost its reply had extended the leases; the thread beats again.
     h = env.client.submit(app.slow_middle, 2, 1.5)
@@ -868,10 +879,12 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "claim_limited": Lost((claim_limited,)),
     "lock_queue_limit": Lost((claim_limited,)),  # the same transaction's COMMIT
     # A namespace's limited claim: one transaction in two buckets, its COMMIT's reply lost.
-    "lock_namespace_limit": Lost((claim_in_namespace,)),
+    "lock_namespace_limit": Lost((claim_in_namespace, claim_keyed)),
     "running_in_queue": Lost((claim_in_namespace,)),
     "claim_limited_in_namespace": Lost((claim_in_namespace,)),
     "record_namespace_starts": Lost((claim_in_namespace,)),
+    "running_by_key": Lost((claim_keyed,)),
+    "claim_keyed": Lost((claim_keyed,)),
     "heartbeat": Lost((heartbeat,)),
     "heartbeat_wait": Lost((heartbeat_wait,)),
     "set_wait_timeouts": Read("transaction-local settings before the heartbeat's wait on one "

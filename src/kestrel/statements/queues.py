@@ -17,17 +17,22 @@ from kestrel.types import Claimed
 
 
 def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate: int | None,
-                       period_s: float | None) -> Stmt[None]:
+                       period_s: float | None, per_key: int | None = None) -> Stmt[None]:
     """Declare (or change) a queue's limits."""
     return Stmt(q.upsert_queue_limit, {"queue": queue, "concurrency": concurrency,
-                                       "rate": rate, "period_s": period_s}, nothing)
+                                       "rate": rate, "period_s": period_s,
+                                       "per_key": per_key}, nothing)
+
+
+MAX_KEYS_WALKED = 1000
+"""The most concurrency keys one claim of a keyed queue walks each way round its turn."""
 
 
 def claim_limited(
     q: Queries, *, queue: str, owner: str, limit: int, lease_s: float,
     workflows: Sequence[str] | None = None, max_history_bytes: int = MAX_HISTORY_BYTES,
     app_version: str | None = None, namespace: Sequence[Queries] = (),
-    home: Queries | None = None,
+    home: Queries | None = None, keyed: bool = False,
 ) -> Script[list[Claimed] | None]:
     """Claim from a limited queue within its limits, in one transaction under the queue's row
     lock; None when another process holds that lock right now (try again later).
@@ -38,10 +43,15 @@ def claim_limited(
     row is taken in its *home* bucket's schema (:func:`kestrel.buckets.home`), what runs in
     every bucket is counted under that lock, and the starts are recorded there (FAULTS C4).
     Every claim of the queue takes that lock before its rows turn running, so the count is
-    exact. One statement more per bucket, for limited queues only."""
+    exact. One statement more per bucket, for limited queues only.
+
+    A *keyed* queue (declared with ``per_key``) is claimed that way on one schema too: what
+    runs is counted by concurrency key, and :func:`claim_keyed` takes the keys in turn."""
     params = claim_params(owner=owner, limit=limit, lease_s=lease_s, workflows=workflows,
                           max_history_bytes=max_history_bytes, app_version=app_version)
     params["queue"] = queue
+    if keyed:
+        return (yield from claim_keyed(q, params, namespace=namespace or (q,), home=home or q))
     if len(namespace) < 2 or home is None:
         locked = yield Stmt(q.lock_queue_limit, {"queue": queue}, lambda rows: bool(rows))
         if not locked:
@@ -51,7 +61,7 @@ def claim_limited(
     lim = yield lock_namespace_limit(home, queue=queue)
     if lim is None:
         return None
-    concurrency, rate_left = lim
+    concurrency, rate_left, _per_key = lim
     budget = limit if rate_left is None else min(limit, rate_left)
     if concurrency is not None and budget > 0:
         running = 0
@@ -67,9 +77,49 @@ def claim_limited(
     return got
 
 
-def lock_namespace_limit(q: Queries, *, queue: str) -> Stmt[tuple[int | None, int | None] | None]:
-    """In *queue*'s home bucket: take its row; ``(concurrency, starts the rate leaves)``, or
-    None when another claim holds it (or the queue has no limits there)."""
+def claim_keyed(q: Queries, params: dict[str, Any], *, namespace: Sequence[Queries],
+                home: Queries) -> Script[list[Claimed] | None]:
+    """The claim of a keyed queue (``claim_keyed`` in sql/queries/queues.sql): under the
+    queue's row in its *home* bucket, what runs in every bucket of *namespace* is counted by
+    key; this bucket's claim takes at most ``per_key`` a key, the keys in turn."""
+    queue = params["queue"]
+    lim = yield lock_namespace_limit(home, queue=queue)
+    if lim is None:
+        return None
+    concurrency, rate_left, per_key = lim
+    budget = params["limit"] if rate_left is None else min(params["limit"], rate_left)
+    running: dict[str, int] = {}
+    for bucket in namespace:
+        for key, n in (yield running_by_key(bucket, queue=queue)):
+            running[key] = running.get(key, 0) + n
+    if concurrency is not None:
+        budget = min(budget, concurrency - sum(running.values()))
+    if budget <= 0:
+        return []
+    got: list[Claimed] = yield Stmt(q.claim_keyed, {
+        **params, "budget": budget, "per_key": per_key or budget,
+        "run_keys": list(running), "run_counts": list(running.values()),
+        # Enough keys that may start one more to fill the budget, and a few in case some
+        # offer nothing this worker runs; keys at their limit are walked past, and there
+        # are at most as many of them as keys running.
+        "want_keys": budget + 8,
+        "max_keys": min(MAX_KEYS_WALKED, budget + 8 + len(running) + 32),
+    }, claims, by_name=True)
+    if got and rate_left is not None:
+        yield record_namespace_starts(home, queue=queue, started=len(got))
+    return got
+
+
+def running_by_key(q: Queries, *, queue: str) -> Stmt[list[tuple[str, int]]]:
+    """*queue*'s running executions in this bucket by concurrency key ('' for none)."""
+    return Stmt(q.running_by_key, {"queue": queue}, lambda rows: [(k, n) for k, n in rows])
+
+
+def lock_namespace_limit(
+    q: Queries, *, queue: str,
+) -> Stmt[tuple[int | None, int | None, int | None] | None]:
+    """In *queue*'s home bucket: take its row; ``(concurrency, starts the rate leaves,
+    per key)``, or None when another claim holds it (or the queue has no limits there)."""
     return Stmt(q.lock_namespace_limit, {"queue": queue}, lambda rows: rows[0] if rows else None)
 
 
