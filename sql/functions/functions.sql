@@ -152,6 +152,27 @@ BEGIN
 END
 $$;
 
+-- name: merge_tags
+-- An execution's tags after ctx.set_tags(p_changes): p_changes merged into p_tags, a JSON
+-- null removing its tag; the result must keep the rule of check_tags (KS002 otherwise, the
+-- tags unchanged) and is NULL when no tag is left (the GIN indexes hold no row without
+-- tags). Merging the same changes again gives the same tags: a replay sets them harmlessly.
+CREATE OR REPLACE FUNCTION __schema__.merge_tags(p_tags jsonb, p_changes jsonb) RETURNS jsonb
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_merged jsonb;
+BEGIN
+    IF p_changes IS NULL OR jsonb_typeof(p_changes) <> 'object' THEN
+        RAISE EXCEPTION 'tag changes must be a JSON object of names to text or null'
+            USING ERRCODE = 'KS002';
+    END IF;
+    -- Tag values are strings, so stripping nulls only drops the removed tags.
+    v_merged := jsonb_strip_nulls(coalesce(p_tags, '{}'::jsonb) || p_changes);
+    PERFORM __schema__.check_tags(v_merged);
+    RETURN nullif(v_merged, '{}'::jsonb);
+END
+$$;
+
 -- name: float8_or_null
 -- p_n as the nearest float64 (PostgreSQL reads it with strtod, as orjson and Python do:
 -- correctly rounded, ties to even), or NULL when that is infinite or 0 for a number that is
