@@ -11,6 +11,9 @@ AND (%(status)s::text IS NULL OR status = %(status)s::text)
             AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
             AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
             AND (%(app_version)s::text IS NULL OR app_version = %(app_version)s::text)
+            -- Tags (migration 0025): every one given must match. Containment, so that the
+            -- tags' GIN index (jsonb_path_ops, rows with tags only) answers it.
+            AND (%(tags)s::jsonb IS NULL OR tags @> %(tags)s::jsonb)
             -- With a patch (list_executions): those that recorded its marker, or (not
             -- with_patch) those of its workflows that did not.
             AND (%(patch)s::text IS NULL

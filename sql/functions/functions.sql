@@ -152,6 +152,27 @@ BEGIN
 END
 $$;
 
+-- name: merge_tags
+-- An execution's tags after ctx.set_tags(p_changes): p_changes merged into p_tags, a JSON
+-- null removing its tag; the result must keep the rule of check_tags (KS002 otherwise, the
+-- tags unchanged) and is NULL when no tag is left (the GIN indexes hold no row without
+-- tags). Merging the same changes again gives the same tags: a replay sets them harmlessly.
+CREATE OR REPLACE FUNCTION __schema__.merge_tags(p_tags jsonb, p_changes jsonb) RETURNS jsonb
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE AS $$
+DECLARE
+    v_merged jsonb;
+BEGIN
+    IF p_changes IS NULL OR jsonb_typeof(p_changes) <> 'object' THEN
+        RAISE EXCEPTION 'tag changes must be a JSON object of names to text or null'
+            USING ERRCODE = 'KS002';
+    END IF;
+    -- Tag values are strings, so stripping nulls only drops the removed tags.
+    v_merged := jsonb_strip_nulls(coalesce(p_tags, '{}'::jsonb) || p_changes);
+    PERFORM __schema__.check_tags(v_merged);
+    RETURN nullif(v_merged, '{}'::jsonb);
+END
+$$;
+
 -- name: float8_or_null
 -- p_n as the nearest float64 (PostgreSQL reads it with strtod, as orjson and Python do:
 -- correctly rounded, ties to even), or NULL when that is infinite or 0 for a number that is
@@ -783,11 +804,12 @@ BEGIN
         INSERT INTO __schema__.workflow_history
                (id, workflow, queue, priority, status, args, result, error, idempotency_key,
                 lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-                app_version)
+                app_version, concurrency_key, tags)
         SELECT id, workflow, queue, priority, 'cancelled', args, NULL,
                jsonb_build_object('type', 'Cancelled', 'message', 'cancelled by request'),
                idempotency_key, lease_epoch, attempts, created_at, started_at,
-               __schema__.kestrel_now(), parent_id, deadline, app_version
+               __schema__.kestrel_now(), parent_id, deadline, app_version,
+               concurrency_key, tags
           FROM removed
         RETURNING id, parent_id, workflow, finished_at
     ), uncounted AS (
@@ -903,9 +925,9 @@ BEGIN
     )
     INSERT INTO __schema__.workflow_executions
            (id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-            started_at, parent_id, app_version)
+            started_at, parent_id, app_version, concurrency_key, tags)
     SELECT id, workflow, queue, priority, args, idempotency_key, lease_epoch, created_at,
-           started_at, parent_id, app_version
+           started_at, parent_id, app_version, concurrency_key, tags
       FROM removed;
     IF FOUND THEN
         -- The first failed step's position: it and everything after it runs again.
@@ -1041,6 +1063,8 @@ DECLARE
     v_existing __schema__.idempotency_keys%ROWTYPE;
     v_event_keys text[];
     v_event_values jsonb[];
+    v_key text;
+    v_tags jsonb;
 BEGIN
     IF p_id IS NOT NULL THEN
         PERFORM __schema__.check_bucket_id(p_id);
@@ -1123,9 +1147,18 @@ BEGIN
      WHERE execution_id = p_execution
        AND CASE WHEN step_id >= 0 THEN step_id < p_from_step
                 ELSE __schema__.marker_position(output) < p_from_step END;
+    -- The fork keeps the original's concurrency key and tags (not in the executions view:
+    -- read from whichever table holds it).
+    SELECT k.concurrency_key, k.tags INTO v_key, v_tags
+      FROM (SELECT e.concurrency_key, e.tags FROM __schema__.workflow_executions AS e
+             WHERE e.id = p_execution
+            UNION ALL
+            SELECT h.concurrency_key, h.tags FROM __schema__.workflow_history AS h
+             WHERE h.id = p_execution) AS k;
     INSERT INTO __schema__.workflow_executions
-           (id, workflow, queue, priority, args, idempotency_key)
-    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args, p_idempotency_key);
+           (id, workflow, queue, priority, args, idempotency_key, concurrency_key, tags)
+    VALUES (v_new, v_src.workflow, v_src.queue, v_src.priority, v_src.args, p_idempotency_key,
+            v_key, v_tags);
     INSERT INTO __schema__.forks (id, forked_from, from_step)
     VALUES (v_new, p_execution, p_from_step);
     -- The original's inputs from the position on, as the fork's pending signals.
@@ -1400,10 +1433,10 @@ BEGIN
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
             lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-            app_version)
+            app_version, concurrency_key, tags)
     SELECT e.id, e.workflow, e.queue, e.priority, f.status, e.args, f.result, f.error,
            e.idempotency_key, e.lease_epoch, e.attempts, e.created_at, e.started_at, p_now,
-           e.parent_id, e.deadline, e.app_version
+           e.parent_id, e.deadline, e.app_version, e.concurrency_key, e.tags
       FROM __schema__.workflow_executions AS e
       JOIN unnest(p_ids, p_status, p_result, p_error) AS f(id, status, result, error)
         ON f.id = e.id;

@@ -49,12 +49,12 @@ SELECT id, workflow, queue, priority, status, args, NULL::jsonb AS result, NULL:
                          'rate ' || l.rate || ' per ' || l.period,
                          'per key ' || l.per_key)
           FROM __schema__.queue_limits l WHERE l.queue = e.queue) AS queue_limit,
-       give_backs, given_back_by, given_back_at
+       give_backs, given_back_by, given_back_at, tags, concurrency_key
   FROM __schema__.workflow_executions e WHERE id = %(id)s
 UNION ALL
 SELECT id, workflow, queue, priority, status, args, result, error,
        attempts, lease_epoch, created_at, started_at, finished_at,
-       deadline, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       deadline, NULL, NULL, NULL, NULL, NULL, NULL, NULL, tags, concurrency_key
   FROM __schema__.workflow_history WHERE id = %(id)s;
 
 -- name: list_steps
@@ -74,17 +74,20 @@ SELECT status, count(*) FROM __schema__.workflow_history GROUP BY status;
 -- Newest first, live and finished alike, with optional filters (NULL = any). With a patch:
 -- the executions that recorded its marker (%(with_patch)s) or, of the workflows where that
 -- patch was ever recorded, those that did not (they may still need the old code path).
-SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version
+-- With tags: those carrying every one of them (each table's tags GIN index answers).
+SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version, tags
   FROM (SELECT id, workflow, queue, status, attempts, created_at,
-               NULL::timestamptz AS finished_at, app_version
+               NULL::timestamptz AS finished_at, app_version, tags
           FROM __schema__.workflow_executions
         UNION ALL
-        SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version
+        SELECT id, workflow, queue, status, attempts, created_at, finished_at, app_version,
+               tags
           FROM __schema__.workflow_history) AS x
  WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
    AND (%(workflow)s::text IS NULL OR workflow = %(workflow)s::text)
    AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
    AND (%(app_version)s::text IS NULL OR app_version = %(app_version)s::text)
+   AND (%(tags)s::jsonb IS NULL OR tags @> %(tags)s::jsonb)
    AND (%(patch)s::text IS NULL
         OR EXISTS (SELECT 1 FROM __schema__.operation_outputs AS o
                     WHERE o.execution_id = x.id AND o.step_id < 0

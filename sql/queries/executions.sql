@@ -243,10 +243,11 @@ WITH finished(id, epoch, status, result, error, step_id, step_name, output, step
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
             lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-            app_version)
+            app_version, concurrency_key, tags)
     SELECT id, workflow, queue, priority, final_status, args, final_result, final_error,
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline, app_version
+           __schema__.kestrel_now(), parent_id, deadline, app_version,
+           concurrency_key, tags
       FROM removed
     RETURNING id, finished_at
 ), told AS (

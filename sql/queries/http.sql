@@ -80,11 +80,12 @@ DELETE FROM __schema__.ui_sessions WHERE token_id = %(token_id)s;
 -- rows have no entry in the hot table's index (a claim would write one, migration 0020):
 -- their branch sorts them, a set as small as the work in flight. (One branch over a
 -- UNION ALL of both halves of the hot table reads nothing in order: PostgreSQL 15 sorts
--- the whole union.) The filters: sql/fragments/list.sql.
+-- the whole union.) The filters: sql/fragments/list.sql (a tag filter is a lookup in the
+-- tags' GIN index of each table, its few rows then sorted).
 SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id, app_version,
-       lease_epoch
+       lease_epoch, tags
   FROM ((SELECT id, workflow, queue, status, attempts, created_at,
-                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch
+                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch, tags
            FROM __schema__.workflow_executions
           WHERE status <> 'running'
             -- include: page_filter
@@ -92,7 +93,7 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
           LIMIT %(limit)s)
         UNION ALL
         (SELECT id, workflow, queue, status, attempts, created_at,
-                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch
+                NULL::timestamptz AS finished_at, parent_id, app_version, lease_epoch, tags
            FROM __schema__.workflow_executions
           WHERE status = 'running'
             -- include: page_filter
@@ -100,7 +101,7 @@ SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id
           LIMIT %(limit)s)
         UNION ALL
         (SELECT id, workflow, queue, status, attempts, created_at, finished_at, parent_id,
-                app_version, lease_epoch
+                app_version, lease_epoch, tags
            FROM __schema__.workflow_history
           WHERE true
             -- include: page_filter

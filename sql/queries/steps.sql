@@ -169,3 +169,14 @@ WITH owned AS (
     RETURNING 1
 )
 SELECT count(*) > 0, pg_notify('kestrel.__schema_name__.events', %(id)s::text) FROM put;
+
+-- name: set_tags
+-- ctx.set_tags: merge %(tags)s (a JSON object; a null value removes its tag) into the
+-- execution's tags (merge_tags: KS002 past 32 tags, nothing changed), fenced by the lease
+-- epoch like every worker write. One row when it was still ours, none otherwise. The merge is
+-- idempotent, so a retry after a lost reply, or the workflow re-run after a crash before the
+-- step's checkpoint, sets the same tags again.
+UPDATE __schema__.workflow_executions AS e
+   SET tags = __schema__.merge_tags(e.tags, %(tags)s::jsonb)
+ WHERE e.id = %(id)s AND e.lease_epoch = %(epoch)s AND e.status = 'running'
+RETURNING e.id;

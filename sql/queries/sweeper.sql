@@ -31,7 +31,7 @@ WITH expired AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
             lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-            app_version)
+            app_version, concurrency_key, tags)
     SELECT id, workflow, queue, priority, 'quarantined', args, NULL,
            jsonb_build_object(
                'type', 'Quarantined',
@@ -39,7 +39,8 @@ WITH expired AS (
                                  'the execution keeps losing its worker',
                                  attempts, %(max_attempts)s)),
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline, app_version
+           __schema__.kestrel_now(), parent_id, deadline, app_version,
+           concurrency_key, tags
       FROM poisoned
     RETURNING id, parent_id, error, finished_at
 ), told AS (
@@ -85,12 +86,13 @@ WITH late AS (
     INSERT INTO __schema__.workflow_history
            (id, workflow, queue, priority, status, args, result, error, idempotency_key,
             lease_epoch, attempts, created_at, started_at, finished_at, parent_id, deadline,
-            app_version)
+            app_version, concurrency_key, tags)
     SELECT id, workflow, queue, priority, 'failed', args, NULL,
            jsonb_build_object('type', 'kestrel.errors.DeadlineExceeded',
                               'message', format('workflow deadline %%s passed', deadline)),
            idempotency_key, lease_epoch, attempts, created_at, started_at,
-           __schema__.kestrel_now(), parent_id, deadline, app_version
+           __schema__.kestrel_now(), parent_id, deadline, app_version,
+           concurrency_key, tags
       FROM removed
     RETURNING id, parent_id, error, workflow, finished_at
 ), uncounted AS (

@@ -289,8 +289,9 @@ def check_bulk(action: str, match: Match, key: str | None) -> str:
                           f"{', '.join(BULK_ACTIONS)}")
     if not match.given():
         raise ConfigError("a bulk action needs at least one filter (status, workflow, queue, "
-                          "since, until, app version or patch): it would act on every "
+                          "since, until, app version, patch or tag): it would act on every "
                           "execution")
+    tag_filter(match.tags)
     if match.status is not None and match.status not in {s.value for s in Status}:
         raise ConfigError(f"unknown status {_shown(match.status)}; one of "
                           f"{', '.join(s.value for s in Status)}")
@@ -316,7 +317,21 @@ def match_params(match: Match) -> dict[str, Any]:
     """*match* as the list statements' filters (statements.http.page_executions)."""
     return {"status": match.status, "workflow": match.workflow, "queue": match.queue,
             "since": match.since, "until": match.until, "app_version": match.app_version,
-            "patch": match.patch, "with_patch": match.with_patch}
+            "patch": match.patch, "with_patch": match.with_patch,
+            "tags": tag_filter(match.tags)}
+
+
+def tag_filter(tags: object) -> str | None:
+    """A tag filter (names to text: every one must match) as the list statements take it,
+    JSON text, or None when there is none (None or empty).
+
+    Raises:
+        ConfigError, SerializationError: tags an execution could not carry
+            (:func:`kestrel.codec.check_tags`), so none matches them.
+    """
+    if tags is None or tags == {}:
+        return None
+    return codec.encode(codec.check_tags(tags), what="tags")
 
 
 def bulk_skip(action: str, status: str) -> str | None:

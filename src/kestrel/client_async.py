@@ -35,6 +35,7 @@ from kestrel._client_common import (
     match_params,
     outcome,
     remaining,
+    tag_filter,
 )
 from kestrel.errors import (
     ConfigError,
@@ -341,12 +342,14 @@ class Client(ClientBase):
     async def list(self, *, status: str | None = None, workflow: str | None = None,
                    since: datetime | None = None, limit: int = 50,
                    app_version: str | None = None, patch: str | None = None,
-                   with_patch: bool = True) -> list[ExecutionSummary]:
+                   with_patch: bool = True, tags: dict[str, str] | None = None,
+                   ) -> list[ExecutionSummary]:
         """Executions newest first, live and finished, optionally filtered.
 
         *app_version*: only those first claimed by that version. *patch*: only those that
         recorded that patch's marker (``with_patch=False``: only those of the same workflows
-        that did not, which may still need the old code path).
+        that did not, which may still need the old code path). *tags*: only those carrying
+        every one of these tags (a lookup in the tags' index).
         """
         if status is not None and status not in {s.value for s in Status}:
             raise ConfigError(f"unknown status {status!r}; one of "
@@ -355,10 +358,12 @@ class Client(ClientBase):
             check_app_version(app_version)
         if patch is not None:
             codec.check_text(patch, what="patch id")
+        tagged = tag_filter(tags)
         return buckets.merge_list(await self._every(
             lambda q: statements.client.list_executions(
                 q, status=status, workflow=workflow, since=since, limit=limit,
-                app_version=app_version, patch=patch, with_patch=with_patch)), limit)
+                app_version=app_version, patch=patch, with_patch=with_patch,
+                tags=tagged)), limit)
 
     async def bulk(self, action: str, match: Match, *, signal: str | None = None,
                    payload: Any = None, key: str | None = None, dry_run: bool = False,

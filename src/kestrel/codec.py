@@ -131,11 +131,13 @@ TAG_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TAG_VALUE_CHARS = 256
 
 
-def check_tags(tags: object, *, what: str = "tags") -> dict[str, str]:
+def check_tags(tags: object, *, what: str = "tags", removals: bool = False
+               ) -> dict[str, str]:
     """Return *tags* (names to text) if an execution may carry them; raise otherwise.
 
     At most :data:`MAX_TAGS`, each name 1-64 of ``A-Z a-z 0-9 _ . -`` and each value text
-    of 1-256 characters that PostgreSQL can store (:func:`check_text`).
+    of 1-256 characters that PostgreSQL can store (:func:`check_text`). With *removals*
+    (``ctx.set_tags``' changes) a value may also be None: that tag is removed.
 
     Raises:
         ConfigError: not a mapping, too many, or a name that breaks the rule.
@@ -150,6 +152,8 @@ def check_tags(tags: object, *, what: str = "tags") -> dict[str, str]:
         if not isinstance(name, str) or not TAG_NAME.fullmatch(name):
             raise ConfigError(f"invalid tag name {printable(ascii(name), 80)}: 1-64 of "
                               "A-Z a-z 0-9 _ . -")
+        if value is None and removals:
+            continue
         check_text(value, what=f"tag {name!r}", max_chars=MAX_TAG_VALUE_CHARS)
     return tags
 

@@ -183,6 +183,10 @@ class ReadOnlyWriter:
         """Refuse (a read-only Context never publishes an event)."""
         raise self._refuse("set an event")
 
+    async def set_tags(self, lease: Lease, tags: str) -> bool:
+        """Refuse (a read-only Context never changes tags)."""
+        raise self._refuse("set tags")
+
     async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
                            priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
         """Refuse (a read-only Context never starts a child)."""

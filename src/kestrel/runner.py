@@ -234,6 +234,14 @@ class Runner:
         return await self._with_retries(lease, lambda conn: db.run(conn, steps.set_event(
             self._q, id=c.id, epoch=c.epoch, key=key, value=value)))
 
+    async def set_tags(self, lease: Lease, tags: str) -> bool:
+        """Merge *tags* (a JSON object as text, None values removing) into the execution's
+        tags, fenced by the epoch; False if the lease is gone. Retried as :meth:`park` is
+        (the merge is idempotent)."""
+        c = lease.claimed
+        return await self._with_retries(lease, lambda conn: db.run(conn, steps.set_tags(
+            self._q, id=c.id, epoch=c.epoch, tags=tags)))
+
     async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
                            priority: int, key: str, timeout_s: float | None) -> uuid.UUID:
         """Submit a child of *lease*'s execution under idempotency key *key*; return its id.

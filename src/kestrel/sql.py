@@ -141,6 +141,7 @@ class Queries:
     load_step: str
     consume_signal: str
     set_event: str
+    set_tags: str
     # sql/queries/sweeper.sql (kestrel/statements/sweeper.py)
     reenqueue_expired: str
     reenqueue_expired_delegated: str

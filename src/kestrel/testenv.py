@@ -53,6 +53,7 @@ INTERNAL_STEPS: Mapping[str, str] = {
     "kestrel.start_child:WORKFLOW": "ctx.start_child(), ctx.child(): the child's id",
     "kestrel.send_signal:NAME": "ctx.signal(other_id, NAME, payload)",
     "kestrel.set_event:KEY": "ctx.set_event(KEY, value)",
+    "kestrel.set_tags": "ctx.set_tags(name=value, …)",
     "kestrel.now": "ctx.now()",
     "kestrel.random": "ctx.random()",
     "kestrel.uuid": "ctx.uuid()",

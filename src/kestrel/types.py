@@ -174,6 +174,10 @@ class Execution:
     given_back_at: datetime | None = None
     """While live: when it was last given back, if no worker has claimed it since (it waits
     for a worker of another version until ``wake_at``)."""
+    tags: dict[str, str] | None = None
+    """Its tags (``submit(tags=…)``, ``ctx.set_tags``), live and in history; None: none."""
+    concurrency_key: str | None = None
+    """Its concurrency key (``submit(concurrency_key=…)``), live and in history."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +220,7 @@ class ExecutionSummary:
     created_at: datetime
     finished_at: datetime | None
     app_version: str | None = None
+    tags: dict[str, str] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -282,7 +287,7 @@ class PatchUse:
 class Match:
     """Which executions, live and finished, a bulk action acts on: ``list``'s filters (None
     is any). *patch* with ``with_patch=False``: those of the patch's workflows that did not
-    record it."""
+    record it. *tags*: those carrying every one of these tags."""
 
     status: str | None = None
     workflow: str | None = None
@@ -292,12 +297,13 @@ class Match:
     app_version: str | None = None
     patch: str | None = None
     with_patch: bool = True
+    tags: dict[str, str] | None = None
 
     def given(self) -> bool:
         """Whether any filter is set (a bulk action needs one)."""
         return any(v is not None for v in (self.status, self.workflow, self.queue,
                                            self.since, self.until, self.app_version,
-                                           self.patch))
+                                           self.patch)) or bool(self.tags)
 
     def surely_matches(self, ex: Execution) -> bool:
         """Whether *ex* is certainly one this matches: False also when it cannot be told
@@ -308,7 +314,8 @@ class Match:
                 and (self.workflow is None or ex.workflow == self.workflow)
                 and (self.queue is None or ex.queue == self.queue)
                 and (self.since is None or ex.created_at >= self.since)
-                and (self.until is None or ex.created_at < self.until))
+                and (self.until is None or ex.created_at < self.until)
+                and (not self.tags or (ex.tags or {}).items() >= self.tags.items()))
 
 
 @dataclass(slots=True, kw_only=True)

@@ -107,6 +107,7 @@ async def every_internal(ctx: kestrel.Context, alert: dict[str, Any]) -> dict[st
     await ctx.random()
     await ctx.uuid()
     await ctx.set_event("stage", "analysed")
+    await ctx.set_tags(stage="analysed")
     await ctx.signal(ctx.execution_id, "note", {"new": new})
     note = await ctx.wait_for_signal("note")
     await ctx.sleep(60)

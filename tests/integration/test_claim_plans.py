@@ -195,7 +195,7 @@ def in_flight(backlog: str, pg_dsn: str) -> str:
 
 
 PAGE = {"status": None, "workflow": None, "queue": None, "since": None, "until": None,
-        "app_version": None, "patch": None, "with_patch": True,
+        "app_version": None, "patch": None, "with_patch": True, "tags": None,
         "after_at": None, "after_id": None, "limit": 50}
 
 

@@ -74,6 +74,15 @@ async def signaller(ctx: kestrel.Context, target: str) -> str:
     return "sent"
 
 
+@kestrel.workflow(name="sweep_tagger")
+async def tagger(ctx: kestrel.Context) -> str:
+    """Changes its tags (ctx.set_tags: a fenced statement of the runtime) around a step."""
+    await ctx.set_tags(stage="started", customer=None)
+    await ctx.step(app.add, 1, 2)
+    await ctx.set_tags({"stage": "done"})
+    return "tagged"
+
+
 KNOWS_PATCH = {"yes": False}
 """Whether sweep_patched's code has patch sweep-new (the give_back scenario flips it: the same
 registry plays an old worker, then a new one)."""
@@ -363,6 +372,17 @@ def set_event(env: Env) -> None:
     env.work(env.finished())
     assert env.history(h.id)[:2] == ("completed", "done")
     assert env.client.get_event(h.id, "stage", timeout=1) == "fixing"
+
+
+def set_tags(env: Env) -> None:
+    # The merge committed, its reply was lost: the runner sends it again, which merges the
+    # same changes into the same tags; the step is recorded once.
+    h = env.client.submit(tagger, tags={"customer": "acme", "env": "prod"})
+    env.work(env.finished())
+    assert env.history(h.id)[:2] == ("completed", "tagged")
+    assert env.client.get(h.id).tags == {"env": "prod", "stage": "done"}
+    assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.operation_outputs "
+              "WHERE execution_id = %s AND step_name = 'kestrel.set_tags'", (h.id,)) == 2
 
 
 def start_child(env: Env) -> None:
@@ -897,6 +917,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "consume_signal": Lost((consume_signal,)),
     "park": Lost((park,)),
     "set_event": Lost((set_event,)),
+    "set_tags": Lost((set_tags,)),
     "complete_batch": Lost((complete,)),
     "finished_readback": Lost((complete_read_back, complete_read_back_delegated)),
     "complete_batch_delegated": Lost((complete_delegated,)),

@@ -279,7 +279,7 @@ def test_every_internal_step_is_named_and_the_user_view_leaves_them_out(
     assert result["note"] == {"new": True} and result["cause"] == "api ran out of memory"
     assert run.step_names == [
         "kestrel.patch:kit-v2", "kit.analyze", "kestrel.now", "kestrel.random",
-        "kestrel.uuid", "kestrel.set_event:stage", "kestrel.send_signal:note",
+        "kestrel.uuid", "kestrel.set_event:stage", "kestrel.set_tags", "kestrel.send_signal:note",
         "kestrel.signal:note", "kestrel.sleep", "kestrel.start_child:kit.in_a_queue",
         f"kestrel.signal:kestrel.child:{result['child']}", "kit.generate_fix"]
     # Each name of the README's table (kestrel.testing.INTERNAL_STEPS) was recorded here.

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from kestrel._client_common import check_bulk
-from kestrel.cli.common import emit, json_arg, since
+from kestrel.cli.common import emit, json_arg, since, tags
 from kestrel.config import Config
 from kestrel.errors import ConfigError
 from kestrel.types import BulkResult, Match
@@ -40,6 +40,8 @@ def bulk_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--patch", metavar="ID", help="Only executions that recorded this patch.")
     g.add_argument("--without-patch", metavar="ID", help="Only executions of the workflows "
                    "using this patch that did not record it.")
+    g.add_argument("--tag", action="append", default=None, metavar="NAME=VALUE",
+                   help="Only executions with this tag; repeat: all must match.")
     g.add_argument("--dry-run", action="store_true",
                    help="Count what matches and print a sample; act on nothing.")
     g.add_argument("--key", metavar="KEY", help="Name this run (default: a new key, printed): "
@@ -53,7 +55,7 @@ def wants_bulk(ns: argparse.Namespace) -> bool:
     """Whether the command line names filters (or bulk options) rather than one id."""
     return any(getattr(ns, name, None) not in (None, False) for name in (
         "status", "workflow", "queue", "since", "until", "app_version", "patch",
-        "without_patch", "dry_run", "key"))
+        "without_patch", "tag", "dry_run", "key"))
 
 
 def run(cfg: Config, ns: argparse.Namespace, action: str) -> int:
@@ -69,7 +71,8 @@ def run(cfg: Config, ns: argparse.Namespace, action: str) -> int:
     match = Match(status=ns.status, workflow=ns.workflow, queue=ns.queue,
                   since=since(ns.since), until=_until(ns.until),
                   app_version=getattr(ns, "app_version", None),
-                  patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch)
+                  patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch,
+                  tags=tags(ns.tag))
     if getattr(ns, "idempotency_key", None) is not None:
         raise ConfigError("--idempotency-key is for one execution; a bulk run has --key")
     payload = json_arg(ns.payload, "--payload") if action == "signal" else None

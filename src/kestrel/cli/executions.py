@@ -165,17 +165,19 @@ def _wait_for(client: Any, eid: uuid.UUID, seconds: float, *, json_id: bool) -> 
 def cmd_list(cfg: Config, ns: argparse.Namespace) -> int:
     """``kestrel-runtime list``: print executions newest first, optionally filtered.
 
-    The filters are ``--status``, ``--workflow`` and ``--since``; ``--limit`` caps the rows.
+    The filters are ``--status``, ``--workflow``, ``--since``, ``--app-version``, the
+    patch ones and ``--tag NAME=VALUE`` (repeated: all must match); ``--limit`` caps the rows.
     """
     client, _server = common.client(cfg)
     if ns.patch and ns.without_patch:
         raise ConfigError("--patch and --without-patch exclude each other")
     rows = client.list(status=ns.status, workflow=ns.workflow, since=since(ns.since),
                        limit=ns.limit, app_version=getattr(ns, "app_version", None),
-                       patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch)
+                       patch=ns.patch or ns.without_patch, with_patch=not ns.without_patch,
+                       tags=common.tags(ns.tag))
     data = [{"id": r.id, "workflow": r.workflow, "queue": r.queue, "status": r.status.value,
              "claims": r.attempts, "created_at": r.created_at, "finished_at": r.finished_at,
-             "app_version": r.app_version}
+             "app_version": r.app_version, "tags": r.tags or {}}
             for r in rows]
 
     def table() -> None:
@@ -225,7 +227,8 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         "created_at": ex.created_at, "started_at": ex.started_at,
         "finished_at": ex.finished_at, "deadline": ex.deadline, "waits_for": waits,
         "give_backs": ex.give_backs, "given_back_by": ex.given_back_by,
-        "given_back_at": ex.given_back_at,
+        "given_back_at": ex.given_back_at, "tags": ex.tags or {},
+        "concurrency_key": ex.concurrency_key,
         "forked_from": ({"id": forked[0], "from_step": forked[1]} if forked else None),
         "steps": [{"step_id": s.step_id, "name": s.name, "attempt": s.attempt,
                    "duration_ms": ms(s.finished_at - s.started_at), "output": s.output,
@@ -239,6 +242,9 @@ def cmd_show(cfg: Config, ns: argparse.Namespace) -> int:
         print(f"execution {ex.id}")
         print(f"  workflow  {ex.workflow}   queue {ex.queue}   status {ex.status.value}")
         print(f"  args      {short(ex.args)}")
+        if ex.tags or ex.concurrency_key:
+            print(f"  tags      {short(ex.tags or {})}" + (
+                f"   concurrency key {short(ex.concurrency_key)}" if ex.concurrency_key else ""))
         if forked is not None:
             print(f"  forked from {forked[0]} (its steps 0..{forked[1] - 1} reused)"
                   if forked[1] else f"  forked from {forked[0]} (from the start)")
@@ -487,6 +493,8 @@ def list_options(ls: argparse.ArgumentParser) -> None:
     ls.add_argument("--patch", metavar="ID", help="Only executions that recorded this patch.")
     ls.add_argument("--without-patch", metavar="ID", help="Only executions of the workflows "
                     "using this patch that did not record it (may need the old code path).")
+    ls.add_argument("--tag", action="append", default=None, metavar="NAME=VALUE",
+                    help="Only executions with this tag; repeat: all must match.")
     json_flag(ls)
 
 

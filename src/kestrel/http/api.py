@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kestrel import buckets, codec, statements
-from kestrel._client_common import Debounce
+from kestrel._client_common import Debounce, tag_filter
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import (
     IdempotencyConflict,
@@ -37,6 +37,7 @@ from kestrel.http.requests import (
     decode_cursor,
     encode_cursor,
     read_json,
+    tag_params,
     time_param,
     trace_context,
 )
@@ -269,11 +270,12 @@ async def keyed_fork(app: Starlette, eid: uuid.UUID, step: int,
 
 
 
-LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "limit", "cursor")
+LIST_PARAMS = ("status", "workflow", "queue", "since", "until", "tag", "limit", "cursor")
 
 
 async def list_executions(request: Request) -> Response:
-    """Executions newest first, live and finished, filtered, one keyset page at a time."""
+    """Executions newest first, live and finished, filtered, one keyset page at a time;
+    ``tag=NAME:VALUE`` may be repeated (all must match)."""
     await require(request, "read")
     check_query_text(request)  # its length: the header cap, and each parameter's own
     params = request.query_params
@@ -297,10 +299,11 @@ async def list_executions(request: Request) -> Response:
     after = decode_cursor(cursor) if cursor else None
     state = request.app.state
     since, until = time_param(params, "since"), time_param(params, "until")
+    tags = tag_filter(tag_params(params.getlist("tag")))
     rows = buckets.merge_pages(await state.client.read_each(
         lambda q: statements.http.page_executions(
             q, status=status, workflow=workflow, queue=queue, since=since, until=until,
-            after=after, limit=limit + 1)), limit + 1)
+            after=after, limit=limit + 1, tags=tags)), limit + 1)
     page = rows[:limit]
     more = len(rows) > limit
     next_cursor = encode_cursor(page[-1][1], page[-1][0]["id"]) if more and page else None
@@ -334,6 +337,7 @@ async def get_execution(request: Request) -> Response:
         "created_at": ex.created_at.isoformat(),
         "started_at": ex.started_at.isoformat() if ex.started_at else None,
         "finished_at": ex.finished_at.isoformat() if ex.finished_at else None,
+        "tags": ex.tags or {}, "concurrency_key": ex.concurrency_key,
         **wait,
         "steps": [_step(s, ex.created_at) for s in steps],
         "events": await state.client.read_of(

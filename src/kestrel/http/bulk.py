@@ -26,7 +26,7 @@ from kestrel.http.requests import decode_cursor, encode_cursor, read_json, time_
 from kestrel.types import Match
 
 FILTERS = ("status", "workflow", "queue", "since", "until", "app_version", "patch",
-           "without_patch")
+           "without_patch", "tags")
 FIELDS = ("action", "filter", "signal", "key", "dry_run", "cursor", "page_size")
 MAX_BULK_PAGE = 500
 KEY_CHARS = 128
@@ -36,7 +36,10 @@ BODY: dict[str, Any] = {
     "properties": {
         "action": {"enum": ["cancel", "retry", "signal"]},
         "filter": {"type": "object", "additionalProperties": False,
-                   "properties": {name: {"type": "string"} for name in FILTERS}},
+                   "properties": {**{name: {"type": "string"} for name in FILTERS},
+                                  # Every one of these tags (list's tag=NAME:VALUE).
+                                  "tags": {"type": "object", "maxProperties": 32,
+                                           "additionalProperties": {"type": "string"}}}},
         "signal": {"type": "object", "required": ["name"], "additionalProperties": False,
                    "properties": {"name": {"type": "string"}, "payload": {}}},
         "key": {"type": "string", "maxLength": KEY_CHARS},
@@ -88,6 +91,9 @@ def _match(value: Any) -> Match:
         raise Refusal(400, "filter must be a JSON object of list's filters: "
                            + ", ".join(FILTERS))
     given = _object(value, FILTERS)
+    tags = given.pop("tags", None)
+    if tags is not None and not isinstance(tags, dict):
+        raise Refusal(400, "filter.tags must be a JSON object of names to text")
     for name, text in given.items():
         if not isinstance(text, str):
             raise Refusal(400, f"filter.{name} must be a string")
@@ -97,7 +103,7 @@ def _match(value: Any) -> Match:
                  queue=given.get("queue"), since=time_param(given, "since"),
                  until=time_param(given, "until"), app_version=given.get("app_version"),
                  patch=given.get("patch") or given.get("without_patch"),
-                 with_patch="without_patch" not in given)
+                 with_patch="without_patch" not in given, tags=tags)
 
 
 def _signal(action: str, value: Any) -> tuple[str | None, Any]:

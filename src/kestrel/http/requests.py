@@ -223,3 +223,22 @@ def trace_context(request: Request) -> tracing.TraceContext | None:
     the tracestate if well formed), or None."""
     return tracing.from_headers(request.headers.getlist("traceparent"),
                                 request.headers.getlist("tracestate"))
+
+
+def tag_params(values: list[str]) -> dict[str, str] | None:
+    """The list's tag filter from its ``tag=NAME:VALUE`` parameters (repeated: all must
+    match), checked as a submit's tags are; None when none is given.
+
+    Raises:
+        Refusal: 400 for a parameter without ``:`` or a name given twice.
+        ConfigError, SerializationError: tags no execution could carry (400 as well).
+    """
+    found: dict[str, str] = {}
+    for pair in values:
+        name, sep, value = pair.partition(":")
+        if not sep:
+            raise Refusal(400, "tag must be NAME:VALUE, e.g. tag=customer:acme")
+        if name in found:
+            raise Refusal(400, f"tag {codec.printable(name, 80)!r} is given twice")
+        found[name] = value
+    return codec.check_tags(found) if found else None

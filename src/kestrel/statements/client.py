@@ -107,7 +107,7 @@ def _execution(row: Sequence[Any]) -> Execution:
         created_at=row[10], started_at=row[11], finished_at=row[12], deadline=row[13],
         waiting_for=row[14], wake_at=row[15], wait_deadline=row[16], queue_limit=row[17],
         give_backs=row[18] or 0, given_back_by=list(row[19]) if row[19] is not None else None,
-        given_back_at=row[20],
+        given_back_at=row[20], tags=row[21], concurrency_key=row[22],
     )
 
 
@@ -162,17 +162,17 @@ def count_by_status(q: Queries) -> Stmt[dict[str, int]]:
 def list_executions(q: Queries, *, status: str | None, workflow: str | None,
                     since: datetime | None, limit: int, app_version: str | None = None,
                     patch: str | None = None, with_patch: bool = True,
-                    ) -> Stmt[list[ExecutionSummary]]:
+                    tags: str | None = None) -> Stmt[list[ExecutionSummary]]:
     """Executions newest first, live and finished, optionally filtered (by status,
-    workflow, creation time, the app version that started them, and whether they recorded
-    *patch*'s marker)."""
+    workflow, creation time, the app version that started them, whether they recorded
+    *patch*'s marker, and *tags*: a JSON object as text, every tag of which they carry)."""
     return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
                                     "limit": limit, "app_version": app_version,
-                                    "patch": patch, "with_patch": with_patch},
+                                    "patch": patch, "with_patch": with_patch, "tags": tags},
                 lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
                                                status=Status(r[3]), attempts=r[4],
                                                created_at=r[5], finished_at=r[6],
-                                               app_version=r[7])
+                                               app_version=r[7], tags=r[8])
                               for r in rows])
 
 

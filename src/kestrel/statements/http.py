@@ -86,19 +86,22 @@ def _summary(r: Sequence[Any]) -> Row:
     return {"id": str(r[0]), "workflow": r[1], "queue": r[2], "status": r[3],
             "claims": r[9], "attempts": r[4], "created_at": _iso(r[5]),
             "finished_at": _iso(r[6]), "parent_id": str(r[7]) if r[7] else None,
-            "app_version": r[8]}
+            "app_version": r[8], "tags": r[10] or {}}
 
 
 def page_executions(q: Queries, *, status: str | None, workflow: str | None,
                     queue: str | None, since: datetime | None, until: datetime | None,
                     after: tuple[datetime, uuid.UUID] | None, limit: int,
                     app_version: str | None = None, patch: str | None = None,
-                    with_patch: bool = True) -> Stmt[list[tuple[Row, datetime]]]:
+                    with_patch: bool = True, tags: str | None = None,
+                    ) -> Stmt[list[tuple[Row, datetime]]]:
     """One page of executions, newest first, after the keyset *after*: each row with its
-    exact ``created_at`` (the next cursor is made of the last one's). *app_version* and
-    *patch* / *with_patch* filter as ``list`` does."""
+    exact ``created_at`` (the next cursor is made of the last one's). *app_version*,
+    *patch* / *with_patch* and *tags* (a JSON object as text: every tag must match) filter
+    as ``list`` does."""
     return Stmt(q.page_executions, {
-        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch),
+        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch,
+                   tags),
         "after_at": after[0] if after else None,
         "after_id": after[1] if after else None, "limit": limit,
     }, lambda rows: [(_summary(r), r[5]) for r in rows])
@@ -107,20 +110,21 @@ def page_executions(q: Queries, *, status: str | None, workflow: str | None,
 def count_executions(q: Queries, *, status: str | None, workflow: str | None,
                      queue: str | None, since: datetime | None, until: datetime | None,
                      app_version: str | None = None, patch: str | None = None,
-                     with_patch: bool = True) -> Stmt[int]:
+                     with_patch: bool = True, tags: str | None = None) -> Stmt[int]:
     """How many executions, live and finished, :func:`page_executions`' filters match."""
     return Stmt(q.count_executions, {
-        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch),
+        **_filters(status, workflow, queue, since, until, app_version, patch, with_patch,
+                   tags),
         "after_at": None, "after_id": None,
     }, lambda rows: int(rows[0][0]))
 
 
 def _filters(status: str | None, workflow: str | None, queue: str | None,
              since: datetime | None, until: datetime | None, app_version: str | None,
-             patch: str | None, with_patch: bool) -> dict[str, Any]:
+             patch: str | None, with_patch: bool, tags: str | None) -> dict[str, Any]:
     return {"status": status, "workflow": workflow, "queue": queue, "since": since,
             "until": until, "app_version": app_version, "patch": patch,
-            "with_patch": with_patch}
+            "with_patch": with_patch, "tags": tags}
 
 
 def get_wait(q: Queries, *, id: uuid.UUID) -> Stmt[Row | None]:

@@ -1,5 +1,6 @@
 """The worker's statements on checkpoints (``sql/queries/steps.sql``): saving a batch of
-steps, reading one back, taking a signal into a wait's checkpoint, and publishing an event."""
+steps, reading one back, taking a signal into a wait's checkpoint, publishing an event and
+changing the execution's tags."""
 
 from __future__ import annotations
 
@@ -75,3 +76,14 @@ def set_event(q: Queries, *, id: uuid.UUID, epoch: int, key: str, value: str) ->
     """
     return Stmt(q.set_event, {"id": id, "epoch": epoch, "key": key, "value": value},
                 lambda rows: bool(rows and rows[0][0]))
+
+
+def set_tags(q: Queries, *, id: uuid.UUID, epoch: int, tags: str) -> Stmt[bool]:
+    """Merge *tags* (a JSON object as text; a null value removes its tag) into the
+    execution's tags.
+
+    False if the execution is no longer running under *epoch*. Raises ConfigError (from
+    :func:`kestrel.db.run`) when the merged tags would break the rule of ``check_tags``
+    (more than 32).
+    """
+    return Stmt(q.set_tags, {"id": id, "epoch": epoch, "tags": tags}, lambda rows: bool(rows))

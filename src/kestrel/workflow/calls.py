@@ -1,5 +1,6 @@
 """What a Context does through internal steps: a signal sent to another execution, an event
-published, a child started (and waited for), and the recorded ``now``/``random``/``uuid``.
+published, tags changed, a child started (and waited for), and the recorded
+``now``/``random``/``uuid``.
 
 Each is an ordinary step with a runtime-made body (``StepContext._internal``), so it replays
 as a step does: its effect happens once, under the step's idempotency key, and every replay
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -19,7 +21,7 @@ import orjson
 
 from kestrel import codec
 from kestrel.definitions import WorkflowFn, current_step, workflow_name
-from kestrel.errors import ChildFailed, LeaseLost
+from kestrel.errors import ChildFailed, ConfigError, LeaseLost
 from kestrel.workflow.waits import Waits
 
 
@@ -65,6 +67,37 @@ class Calls(Waits):
             return {"value": orjson.Fragment(encoded)}
 
         await self._internal(f"kestrel.set_event:{key}", put)
+
+    # -- tags ---------------------------------------------------------------------------------
+
+    async def set_tags(self, tags: Mapping[str, str | None] | None = None, /,
+                       **more: str | None) -> None:
+        """Change the execution's tags (``submit(..., tags=...)``; ``list --tag``):
+        ``ctx.set_tags(stage="shipping")`` or ``ctx.set_tags({"customer": "acme"})``. Each
+        tag given is set, or removed when its value is None; the others stay.
+
+        Checked before anything is sent (:func:`kestrel.codec.check_tags`); past 32 tags
+        together with those the execution has, the database refuses the change and the
+        step fails (``StepFailed``, the tags unchanged). Recorded as a step: a replay does
+        not send it again, and a re-run after a crash sets the same tags again.
+
+        Raises:
+            ConfigError: not a mapping, more than 32 changes, or a bad tag name.
+            SerializationError: a value that is not text (or None), is empty, longer than
+                256 characters, or holds NUL or a lone surrogate.
+        """
+        if tags is not None and not isinstance(tags, Mapping):
+            raise ConfigError(f"tags must be a dict of names to text, got "
+                              f"{type(tags).__name__}")
+        changes = codec.check_tags({**(tags or {}), **more}, removals=True)
+        encoded = codec.encode(changes, what="tags")
+
+        async def put() -> dict[str, orjson.Fragment]:
+            if not await self.writer.set_tags(self.lease, encoded):
+                raise LeaseLost(f"execution {self.execution_id} is no longer ours")
+            return {"tags": orjson.Fragment(encoded)}
+
+        await self._internal("kestrel.set_tags", put)
 
     # -- children -----------------------------------------------------------------------------
 

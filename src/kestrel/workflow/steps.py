@@ -87,6 +87,10 @@ class Writer(Protocol):
     async def set_event(self, lease: Lease, key: str, value: str) -> bool:
         """Upsert an event value, fenced by the epoch."""
 
+    async def set_tags(self, lease: Lease, tags: str) -> bool:
+        """Merge tag changes (a JSON object as text) into the execution's tags, fenced by
+        the epoch."""
+
     async def submit_child(self, lease: Lease, *, workflow: str, args: str, queue: str,
                            priority: int, key: str, timeout_s: float | None) -> UUID:
         """Submit a child execution under an idempotency key."""

@@ -22,7 +22,7 @@ from kestrel import codec
 from kestrel.codec import QUEUE_NAME
 from kestrel.http import auth, sessions
 from kestrel.http.refusals import Refusal
-from kestrel.http.requests import decode_cursor, encode_cursor, time_param
+from kestrel.http.requests import decode_cursor, encode_cursor, tag_params, time_param
 from kestrel.http.sessions import Session, current_session
 from kestrel.http.ui.pages import checked, operator, query_params, refusal_page
 from kestrel.http.ui.render import render
@@ -31,7 +31,7 @@ from kestrel.types import BulkResult, Match, Status
 log = logging.getLogger("kestrel.http.ui")
 
 ACTIONS = ("cancel", "retry", "signal")
-FILTERS = ("status", "workflow", "queue", "since", "until")
+FILTERS = ("status", "workflow", "queue", "since", "until", "tag")
 PAGES_PER_PRESS = 10
 """Pages of 200 one press of the form acts on (2,000 executions): a request stays seconds
 long; the page then offers to go on."""
@@ -54,9 +54,10 @@ def _match(params: Mapping[str, str]) -> Match:
     if queue is not None and not QUEUE_NAME.fullmatch(queue):
         raise Refusal(400, "queue names are 1-128 of A-Z a-z 0-9 _ . : -")
     match = Match(status=status, workflow=workflow, queue=queue,
-                  since=time_param(params, "since"), until=time_param(params, "until"))
+                  since=time_param(params, "since"), until=time_param(params, "until"),
+                  tags=tag_params([params["tag"]] if params.get("tag") else []))
     if not match.given():
-        raise Refusal(400, "filter the list first (status, workflow, queue or time): an "
+        raise Refusal(400, "filter the list first (status, workflow, queue, time or tag): an "
                            "action on every execution is not offered")
     return match
 

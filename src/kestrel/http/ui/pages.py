@@ -22,10 +22,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
 from kestrel import buckets, codec, statements
+from kestrel._client_common import tag_filter
 from kestrel.codec import QUEUE_NAME
 from kestrel.errors import KestrelError
 from kestrel.http.refusals import Refusal, classify
-from kestrel.http.requests import check_query, decode_cursor, encode_cursor, time_param
+from kestrel.http.requests import (
+    check_query,
+    decode_cursor,
+    encode_cursor,
+    tag_params,
+    time_param,
+)
 from kestrel.http.sessions import Session, current_session
 from kestrel.http.ui.render import error_page, failure_view, render, wait_view
 from kestrel.sql import Queries
@@ -180,8 +187,10 @@ async def _waits(request: Request, ids: list[uuid.UUID]) -> dict[str, dict[str, 
 
 
 async def executions(request: Request, session: Session) -> Response:
-    """Executions newest first, filtered by status, workflow, queue and creation time."""
-    params = query_params(request, ("status", "workflow", "queue", "since", "until", "cursor"))
+    """Executions newest first, filtered by status, workflow, queue, creation time and a tag
+    (``tag=NAME:VALUE``)."""
+    params = query_params(request, ("status", "workflow", "queue", "since", "until", "tag",
+                                    "cursor"))
     status = _status(params, tuple(s.value for s in Status))
     workflow = params.get("workflow")
     if workflow is not None:
@@ -192,10 +201,11 @@ async def executions(request: Request, session: Session) -> Response:
     cursor = params.get("cursor")
     after = decode_cursor(cursor) if cursor else None
     since, until = time_param(params, "since"), time_param(params, "until")
+    tags = tag_filter(tag_params([params["tag"]] if "tag" in params else []))
     rows = buckets.merge_pages(await request.app.state.client.read_each(
         lambda q: statements.http.page_executions(
             q, status=status, workflow=workflow, queue=queue, since=since, until=until,
-            after=after, limit=PAGE + 1)), PAGE + 1)
+            after=after, limit=PAGE + 1, tags=tags)), PAGE + 1)
     page_rows = rows[:PAGE]
     waiting = [uuid.UUID(r["id"]) for r, _ in page_rows if r["status"] == "waiting"]
     waits = await _waits(request, waiting) if waiting else {}
