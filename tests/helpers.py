@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -200,3 +201,26 @@ def drop_schemas(dsn: str, names: list[str]) -> None:
         for name in names:
             conn.execute(pgsql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(
                 pgsql.Identifier(name)))
+
+
+def plan_of(conn: psycopg.Connection[Any], text: str, params: dict[str, Any], *,
+          generic: bool) -> dict[str, Any]:
+    """The plan of *text* with *params*; with *generic*, the plan a prepared statement
+    settles on after five runs, made for any value (PREPARE, then EXPLAIN EXECUTE under
+    force_generic_plan: a statement sent with its values is planned for them)."""
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))
+    if not generic:
+        row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ") + pgsql.SQL(text),  # type: ignore[arg-type]
+                           params).fetchone()
+    else:
+        body = re.sub(r"%\((\w+)\)s", lambda m: f"${names.index(m.group(1)) + 1}", text)
+        conn.execute(pgsql.SQL("PREPARE listed AS ") + pgsql.SQL(body.replace("%%", "%")))  # type: ignore[arg-type]
+        conn.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        cur = psycopg.ClientCursor(conn)  # EXECUTE takes its arguments as literals
+        row = cur.execute("EXPLAIN (FORMAT JSON) EXECUTE listed ("
+                          + ", ".join(["%s"] * len(names)) + ")",
+                          [params[n] for n in names]).fetchone()
+        conn.execute("DEALLOCATE listed")
+    assert row is not None
+    plan: dict[str, Any] = row[0][0]["Plan"]
+    return plan

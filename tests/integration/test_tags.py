@@ -25,10 +25,11 @@ from kestrel import buckets, failpoints
 from kestrel.client import SyncClient
 from kestrel.errors import ConfigError, SerializationError, StepFailed
 from kestrel.sql import queries
+from kestrel.statements.stmt import tagged as tag_filtered
 from kestrel.testing import KestrelTestEnv
 from kestrel.types import Match, StepWrite
 from tests.apps import ledger_app as app
-from tests.helpers import ROOT, config, finished_count, q, q1, run_worker_until
+from tests.helpers import ROOT, config, finished_count, plan_of, q, q1, run_worker_until
 from tests.http_helpers import free_port, make_token, serve_process
 
 # -- workflows --------------------------------------------------------------------------------
@@ -391,8 +392,11 @@ def _nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
     return [plan, *(n for child in plan.get("Plans", []) for n in _nodes(child))]
 
 
+@pytest.mark.parametrize("generic", [False, True], ids=["custom", "generic"])
 def test_a_filter_by_tag_reads_the_tags_index_live_and_in_history(
-        pg_dsn: str, schema: str) -> None:
+        pg_dsn: str, schema: str, generic: bool) -> None:
+    """Also in the generic plan a prepared statement settles on after five runs (the
+    statement with a tag filter says only ``tags @> …``: statements.stmt.tagged)."""
     q(pg_dsn, schema, """
         INSERT INTO {s}.workflow_executions (id, workflow, queue, args, status, tags)
         SELECT gen_random_uuid(), 'wf', 'default', '[]', 'queued',
@@ -414,11 +418,10 @@ def test_a_filter_by_tag_reads_the_tags_index_live_and_in_history(
                "limit": 50}
     named = queries(schema)
     with psycopg.connect(pg_dsn, prepare_threshold=None) as conn:
-        for text in (named.page_executions, named.count_executions, named.list_executions):
-            row = conn.execute(pgsql.SQL("EXPLAIN (FORMAT JSON) ") + pgsql.SQL(text),  # type: ignore[arg-type]
-                               filters).fetchone()
-            assert row is not None
-            nodes = _nodes(row[0][0]["Plan"])
+        counted = tag_filtered(named.count_executions, "{}")
+        for text in (tag_filtered(named.page_executions, "{}"), counted,
+                     tag_filtered(named.list_executions, "{}")):
+            nodes = _nodes(plan_of(conn, text, filters, generic=generic))
             read = {n.get("Index Name", "") for n in nodes}
             assert "workflow_executions_tags_idx" in read, (text[:40], read)
             assert any(i.startswith("workflow_history") and "tags" in i for i in read), read
@@ -428,4 +431,4 @@ def test_a_filter_by_tag_reads_the_tags_index_live_and_in_history(
                         ], seq
             # And the answer: the 20 tagged live rows and the 20 in history.
             found = conn.execute(pgsql.SQL(text), filters).fetchall()  # type: ignore[arg-type]
-            assert (found[0][0] if text is named.count_executions else len(found)) == 40
+            assert (found[0][0] if text is counted else len(found)) == 40

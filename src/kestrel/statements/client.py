@@ -10,7 +10,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Script, Stmt, command, first, value
+from kestrel.statements.stmt import Script, Stmt, command, first, tagged, value
 from kestrel.types import (
     Execution,
     ExecutionSummary,
@@ -166,9 +166,10 @@ def list_executions(q: Queries, *, status: str | None, workflow: str | None,
     """Executions newest first, live and finished, optionally filtered (by status,
     workflow, creation time, the app version that started them, whether they recorded
     *patch*'s marker, and *tags*: a JSON object as text, every tag of which they carry)."""
-    return Stmt(q.list_executions, {"status": status, "workflow": workflow, "since": since,
-                                    "limit": limit, "app_version": app_version,
-                                    "patch": patch, "with_patch": with_patch, "tags": tags},
+    return Stmt(tagged(q.list_executions, tags),
+                {"status": status, "workflow": workflow, "since": since, "limit": limit,
+                 "app_version": app_version, "patch": patch, "with_patch": with_patch,
+                 "tags": tags},
                 lambda rows: [ExecutionSummary(id=r[0], workflow=r[1], queue=r[2],
                                                status=Status(r[3]), attempts=r[4],
                                                created_at=r[5], finished_at=r[6],

@@ -16,7 +16,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Stmt, nothing
+from kestrel.statements.stmt import Stmt, nothing, tagged
 
 Row = dict[str, Any]
 
@@ -99,7 +99,7 @@ def page_executions(q: Queries, *, status: str | None, workflow: str | None,
     exact ``created_at`` (the next cursor is made of the last one's). *app_version*,
     *patch* / *with_patch* and *tags* (a JSON object as text: every tag must match) filter
     as ``list`` does."""
-    return Stmt(q.page_executions, {
+    return Stmt(tagged(q.page_executions, tags), {
         **_filters(status, workflow, queue, since, until, app_version, patch, with_patch,
                    tags),
         "after_at": after[0] if after else None,
@@ -112,7 +112,7 @@ def count_executions(q: Queries, *, status: str | None, workflow: str | None,
                      app_version: str | None = None, patch: str | None = None,
                      with_patch: bool = True, tags: str | None = None) -> Stmt[int]:
     """How many executions, live and finished, :func:`page_executions`' filters match."""
-    return Stmt(q.count_executions, {
+    return Stmt(tagged(q.count_executions, tags), {
         **_filters(status, workflow, queue, since, until, app_version, patch, with_patch,
                    tags),
         "after_at": None, "after_id": None,

@@ -45,6 +45,21 @@ Script = Generator[Stmt[Any], Any, T]
 result, so one definition serves both sides (see :func:`kestrel.db.run_script`)."""
 
 
+ANY_TAGS = "(%(tags)s::jsonb IS NULL OR tags @> %(tags)s::jsonb)"
+"""How the list statements say their tag filter (sql/fragments/list.sql, client.sql)."""
+
+
+def tagged(query: str, tags: str | None) -> str:
+    """*query*, saying only ``tags @> …`` when *tags* filters: its text is then its own, and
+    a prepared statement's generic plan, which has to serve every value, can still read
+    the tags' GIN index (it cannot through ``… IS NULL OR``)."""
+    if tags is None:
+        return query
+    if ANY_TAGS not in query:
+        raise AssertionError("a list statement without the tag filter's text")
+    return query.replace(ANY_TAGS, "(tags @> %(tags)s::jsonb)")
+
+
 def first(rows: list[tuple[Any, ...]]) -> Any:
     """The first column of the first row, or None when there is no row."""
     return rows[0][0] if rows else None
