@@ -9,8 +9,11 @@
 -- so a key with ten thousand queued costs what a key with one does. The index holds only
 -- rows that carry a key: a submit without one writes nothing more than before.
 ALTER TABLE __schema__.queue_limits
-    ADD COLUMN per_key integer CHECK (per_key > 0),
+    ADD COLUMN per_key integer,
     ADD COLUMN key_turn text;
+-- (Named, and apart: Citus refuses a column added with an unnamed constraint.)
+ALTER TABLE __schema__.queue_limits
+    ADD CONSTRAINT queue_limits_per_key_check CHECK (per_key > 0);
 
 ALTER TABLE __schema__.workflow_executions
     ADD COLUMN concurrency_key text,

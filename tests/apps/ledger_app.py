@@ -322,6 +322,13 @@ kestrel.queue("ns-limited", concurrency=2, rate=50, period=1.0)  # both limits, 
 kestrel.queue("deploys", concurrency=3, per_key=1)  # concurrency keys (issue 42)
 
 
+@kestrel.workflow(name="retag")
+async def retag(ctx: kestrel.Context, stage: str) -> str:
+    """Moves its tags on during the run (tags, issue 42)."""
+    await ctx.set_tags(stage=stage, customer=None)
+    return str(await ctx.step(add, 1, 0)) + stage
+
+
 @kestrel.step(name="hold")
 async def hold(seconds: float) -> None:
     await asyncio.sleep(seconds)
