@@ -161,7 +161,7 @@ SELECT id, workflow, status, created_at, finished_at
  LIMIT 1000;
 
 -- name: list_queue_limits
-SELECT queue, concurrency, rate, extract(epoch FROM period)
+SELECT queue, concurrency, rate, extract(epoch FROM period), per_key
   FROM __schema__.queue_limits
  ORDER BY queue;
 

@@ -98,8 +98,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("sweep_interval", float, "Seconds between sweeps for expired leases.", "SECONDS"),
     Knob("queues", _queues, "Comma-separated queues this runtime claims from.", "Q1,Q2"),
     Knob("queue_limits", str, "Limits of named queues, as an alternative to kestrel.queue() "
-         "in code: 'ai:concurrency=5,rate=60/60,per_process=2;ci:concurrency=2' (rate is "
-         "N/SECONDS).", "SPEC"),
+         "in code: 'ai:concurrency=5,rate=60/60,per_process=2;ci:per_key=1' (rate is "
+         "N/SECONDS; per_key: at most N running per concurrency key).", "SPEC"),
     Knob("max_attempts", int, "Claims an execution may use without finishing before it is "
          "quarantined (its worker keeps dying).", "N"),
     Knob("drain_timeout", float, "On SIGTERM, seconds to let running executions finish "

@@ -201,7 +201,8 @@ def test_queues_schedules_workflows_and_openapi(server: dict[str, Any]) -> None:
       "last_tick) VALUES ('nightly', '0 3 * * *', 'http.echo', now())")
     queues = {x["queue"]: x for x in api.get(f"{API}/queues").json()["queues"]}
     assert queues[queue]["depth"] == {"queued": 3}
-    assert queues[queue]["limits"] == {"concurrency": 5, "rate": 60, "period_s": 60.0}
+    assert queues[queue]["limits"] == {"concurrency": 5, "rate": 60, "period_s": 60.0,
+                                        "per_key": None}
     assert queues[queue]["oldest_queued_age_s"] >= 0
     schedules = api.get(f"{API}/schedules").json()["schedules"]
     assert [(s["name"], s["cron"], s["workflow"]) for s in schedules] == [

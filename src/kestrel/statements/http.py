@@ -177,7 +177,8 @@ def list_queue_limits(q: Queries) -> Stmt[dict[str, Row]]:
     """The declared limits of each limited queue."""
     return Stmt(q.list_queue_limits, None, lambda rows: {
         r[0]: {"concurrency": r[1], "rate": r[2],
-               "period_s": float(r[3]) if r[3] is not None else None} for r in rows})
+               "period_s": float(r[3]) if r[3] is not None else None, "per_key": r[4]}
+        for r in rows})
 
 
 def list_schedules(q: Queries) -> Stmt[list[Row]]:
