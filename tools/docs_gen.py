@@ -9,7 +9,7 @@ the marker is replaced by what the code says now, so the reference cannot go sta
 - ``http``: every route of the HTTP API, from the OpenAPI document the server serves
   (:func:`kestrel.http.openapi.document` of :data:`kestrel.http.app.ENDPOINTS`);
 - ``metrics``: every metric, its type, labels and help, from :class:`kestrel.metrics.Metrics`;
-- ``sql-public`` and ``sql-internal``: the SQL functions of ``sql/functions/functions.sql``
+- ``sql-public`` and ``sql-internal``: the SQL functions of ``sql/functions/*.sql``
   and ``sql/partitions``, their signatures and the comment above each.
 
 An unknown marker fails the build. ``python tools/docs_gen.py NAME`` prints one section.
@@ -162,7 +162,7 @@ def metrics() -> str:
 def sql_functions() -> list[tuple[str, str, str]]:
     """(name, signature, comment) of each ``-- name:`` block of the SQL function files."""
     found = []
-    for path in (ROOT / "sql/functions/functions.sql",
+    for path in (*sorted((ROOT / "sql/functions").glob("*.sql")),
                  *sorted((ROOT / "sql/partitions").glob("*.sql"))):
         for block in re.split(r"^-- name: ", path.read_text(), flags=re.MULTILINE)[1:]:
             name, _, rest = block.partition("\n")

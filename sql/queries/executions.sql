@@ -274,7 +274,7 @@ SELECT m.id, pg_notify('kestrel.__schema_name__.done', '')
    AND (SELECT n FROM archived) >= 0;
 
 -- name: complete_batch_delegated
--- complete_batch in its Citus form: a call of finish_batch() (sql/functions/functions.sql),
+-- complete_batch in its Citus form: a call of finish_batch() (sql/functions/30_finishing.sql),
 -- which migrate delegates to the tenant's node in a distributed schema. It notifies no one:
 -- the worker sends notify_done after it, on the coordinator.
 SELECT id FROM __schema__.finish_batch(%(rows)s::jsonb);

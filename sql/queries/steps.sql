@@ -131,7 +131,7 @@ SELECT i.execution_id, i.step_id,
 -- name: save_new_steps_delegated
 -- save_new_steps_batch in its Citus form: the worker sends this one where its schema is a
 -- Citus distributed schema, in which migrate delegates save_steps() to the tenant's node
--- (sql/functions/functions.sql: what it does, and why two forms).
+-- (sql/functions/30_finishing.sql: what it does, and why two forms).
 SELECT * FROM __schema__.save_steps(%(rows)s::jsonb, false);
 
 -- name: save_steps_delegated

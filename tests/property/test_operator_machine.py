@@ -42,9 +42,11 @@ expect a falsifying example, then ``git checkout`` the file:
 
 * rows 1-3 (lost reply to consume_signal, retry after a consumed wait, cancel of a parent
   then retry, fork after start_child or past a caught failure):
-  ``git show b36b934:sql/functions/functions.sql > sql/functions/functions.sql`` (every
-  migrate re-applies it). Expected, e.g.: ``setup(fails=['none', 'risky'])``,
-  ``fleet()``, ``fork(e=0, k=3)``, ``fleet()``: the fork fails with NonDeterminismError.
+  ``git rm -q sql/functions/[0-9]*.sql && git show b36b934:sql/functions/functions.sql >
+  sql/functions/functions.sql`` (every migrate re-applies it; ``git checkout HEAD --
+  sql/functions`` and removing the old file bring today's back). Expected, e.g.:
+  ``setup(fails=['none', 'risky'])``, ``fleet()``, ``fork(e=0, k=3)``, ``fleet()``: the
+  fork fails with NonDeterminismError.
 * row 4 (an old worker runs its old path over a new marker): the Context as at b36b934
   (then all in ``src/kestrel/workflow.py``; since issue 25 its checks of a position are in
   ``workflow/steps.py`` and its markers in ``workflow/patches.py``). Expected:
