@@ -29,11 +29,11 @@ from typing import Any
 
 from kestrel import buckets, codec, metrics, statements, tracing
 from kestrel.codec import DEFAULT_MAX_PAYLOAD_BYTES, QUEUE_NAME
+from kestrel.definitions import WorkflowFn, workflow_name
 from kestrel.errors import ConfigError, WorkflowFailed
 from kestrel.sql import SCHEMA_NAME, SCHEMA_RULE, Queries, queries
 from kestrel.types import Execution, Match, Status
 from kestrel.versions import check_app_version
-from kestrel.workflow import WorkflowFn, workflow_name
 
 log = logging.getLogger("kestrel.client")
 

@@ -37,6 +37,7 @@ from kestrel._client_common import (
     remaining,
     tag_filter,
 )
+from kestrel.definitions import WorkflowFn
 from kestrel.errors import (
     ConfigError,
     ExecutionNotFound,
@@ -58,7 +59,6 @@ from kestrel.types import (
     Unclaimable,
 )
 from kestrel.versions import check_app_version
-from kestrel.workflow import WorkflowFn
 
 if TYPE_CHECKING:
     from collections.abc import Callable

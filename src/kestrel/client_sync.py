@@ -36,6 +36,7 @@ from kestrel._client_common import (
     remaining,
     tag_filter,
 )
+from kestrel.definitions import WorkflowFn
 from kestrel.errors import (
     ConfigError,
     ExecutionNotFound,
@@ -57,7 +58,6 @@ from kestrel.types import (
     Unclaimable,
 )
 from kestrel.versions import check_app_version
-from kestrel.workflow import WorkflowFn
 
 if TYPE_CHECKING:
     from collections.abc import Callable

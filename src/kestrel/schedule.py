@@ -32,8 +32,8 @@ from typing import TypeVar
 
 from cronsim import CronSim, CronSimError
 
+from kestrel.definitions import WorkflowFn, workflow_name
 from kestrel.errors import ConfigError
-from kestrel.workflow import WorkflowFn, workflow_name
 
 MAX_CATCH_UP = 1000
 MAX_CRON_CHARS = 200

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kestrel.config import Config, incarnation_id
+from kestrel.definitions import WorkflowFn
 from kestrel.errors import ConfigError
 from kestrel.parentage import set_parent_death_signal
-from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.supervisor")
 

@@ -36,11 +36,6 @@ from kestrel.sql import Queries
 
 log = logging.getLogger("kestrel.worker")
 
-# How many (workflow, queue) lines ``unclaimable`` shows at most: made-up names submitted in
-# bulk must not make an operator's answer (or anything else) unbounded.
-UNCLAIMABLE_LIMIT = 100
-
-
 def check_app_version(value: object) -> str:
     """Return *value* if it is a valid application version.
 

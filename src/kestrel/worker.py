@@ -29,6 +29,7 @@ from typing import NoReturn
 from kestrel import buckets, connections, db, statements
 from kestrel.claimer import Claimer, Wakeups
 from kestrel.config import Config, incarnation_id
+from kestrel.definitions import WorkflowFn
 from kestrel.lease import Heartbeat, Leases
 from kestrel.loops import Service
 from kestrel.runner import Runner, WorkerStats
@@ -36,7 +37,6 @@ from kestrel.schedule import schedules
 from kestrel.services import Listener, Scheduler, Stats, Sweeper, Upkeep
 from kestrel.sql import queries
 from kestrel.versions import Registration, resolve_app_version
-from kestrel.workflow import WorkflowFn
 
 log = logging.getLogger("kestrel.worker")
 
