@@ -137,18 +137,25 @@ class Registration:
 
     async def run_once(self) -> None:
         """Upsert this worker's row; in the collecting process, set the gauges."""
+        await self.register()
+        if self._collect:
+            async with self._pool.connection() as conn:
+                executions, names, given_back = await db.run(
+                    conn, statements.versions.unclaimable_total(self._q))
+            m = metrics.get()
+            m.unclaimable.set(executions)
+            m.unclaimable_workflows.set(names)
+            m.given_back.set(given_back)
+
+    async def register(self) -> None:
+        """Upsert this worker's row: what it claims, and that it is alive. The worker's
+        start sends it before claiming; the gauges (a pass over the live rows, 0.35 s with a
+        million queued) wait for the first round."""
         async with self._pool.connection() as conn:
             await db.run(conn, statements.versions.register_worker(
                 self._q, worker_id=self._id, app_version=self._cfg.app_version,
                 workflows=self._workflows, queues=list(self._cfg.queues),
                 stale_after_s=self._stale_after))
-            if self._collect:
-                executions, names, given_back = await db.run(
-                    conn, statements.versions.unclaimable_total(self._q))
-                m = metrics.get()
-                m.unclaimable.set(executions)
-                m.unclaimable_workflows.set(names)
-                m.given_back.set(given_back)
 
     async def unregister(self) -> None:
         """Delete this worker's row (a clean stop); best effort: a row left behind goes

@@ -21,10 +21,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
+
+import psycopg
 
 from kestrel import buckets, connections, db, statements
 from kestrel.claimer import Claimer, Wakeups
@@ -137,6 +141,20 @@ class Worker:
         self._work.set()
         self._slot_freed.set()
 
+    async def _starting(self, step: Callable[[], Awaitable[None]]) -> None:
+        """One step of the start, sent again while other transactions hold it up (a lock or
+        statement timeout, FAULTS D10: the upserts are idempotent); any other failure fails
+        the start, and the supervisor starts a new worker (a lost connection, say)."""
+        while True:
+            try:
+                return await step()
+            except psycopg.Error as exc:
+                if not connections.is_contended(exc) or self._stopping.is_set():
+                    raise
+                log.warning("worker %s start waited too long on other transactions (%s: %s); "
+                            "trying again", self.id, type(exc).__name__, str(exc).strip()[:200])
+                await asyncio.sleep(self.cfg.poll_interval * random.uniform(0.8, 1.2))
+
     async def _register(self) -> None:
         """Write this process's queue limits and schedules (idempotent upserts). In a
         namespace of buckets, a queue's limits go to its home bucket too, where every claim
@@ -176,8 +194,9 @@ class Worker:
         # maintenance worker swallows the cancellation asyncio.run sends it while a
         # connection attempt is in flight and waits for ever: the embedding program hangs.
         try:
-            await self._register()
-            await self.registration.run_once()  # live (claimable names known) before claiming
+            await self._starting(self._register)
+            # Live (claimable names known) before claiming; the gauges come with the rounds.
+            await self._starting(self.registration.register)
             services = self.services()
             log.info("worker %s started: concurrency=%s batch_size=%d queues=%s wake-ups=%s "
                      "connections=%s prepared=%s app_version=%s", self.id,

@@ -23,9 +23,11 @@ from kestrel.migrate import migrate
 from tests.apps import ledger_app as app
 from tests.helpers import (
     audit,
+    config,
     finished_count,
     metric,
     q,
+    run_worker_until,
     runtime,
     submit_many,
     wait_until,
@@ -199,6 +201,31 @@ def test_d10_lock_and_statement_timeouts_are_retried_and_nothing_crashes(
     assert error in text  # the timeout was hit and retried
     assert "restarting in" not in text and "worker crashed" not in text
     assert audit(pg_dsn, schema, n, ledger_path) <= 2 * 64
+
+
+@pytest.mark.parametrize("table", ["queue_limits", "workers"])
+def test_d10_a_worker_whose_start_meets_a_held_lock_waits_it_out_instead_of_dying(
+    direct_dsn: str, schema: str, table: str
+) -> None:
+    """The worker's start (its queue limits, then its registration) meets a lock held past
+    its lock_timeout: it sends the statement again until the lock is gone, then claims.
+    Before, the start failed (LockNotAvailable; in CI under load, QueryCanceled from the
+    registration's gauges under a 200 ms statement_timeout) and the supervisor restarted the
+    worker, again and again while the lock lasted."""
+    sep = "&" if "?" in direct_dsn else "?"
+    dsn = f"{direct_dsn}{sep}options=-c%20lock_timeout%3D200"
+    client = SyncClient(direct_dsn, schema=schema, pool_size=0)
+    h = client.submit(app.three_steps, 3, queue="ai-model")
+    with psycopg.connect(direct_dsn) as blocker:
+        blocker.execute(f'LOCK TABLE "{schema}".{table} IN ACCESS EXCLUSIVE MODE')
+        released = threading.Timer(1.5, blocker.rollback)
+        released.start()
+        try:
+            run_worker_until(dsn, config(schema, queues=("ai-model",)),
+                             lambda: finished_count(direct_dsn, schema) == 1, timeout=30)
+        finally:
+            released.join()
+    assert client.result(h.id, timeout=5) == app.model(3)
 
 
 def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
