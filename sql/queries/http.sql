@@ -43,16 +43,24 @@ SELECT name, scopes, secret_hash
   FROM __schema__.http_tokens
  WHERE id = %(id)s AND revoked_at IS NULL;
 
+-- name: live_token
+-- Whether token %(token_id)s is live: a login's first statement (create_session follows in
+-- the same transaction). A token revoked after it leaves a session that opens nothing:
+-- get_session reads through the live token.
+SELECT 1 FROM __schema__.http_tokens WHERE id = %(token_id)s AND revoked_at IS NULL;
+
 -- name: create_session
 -- A web UI session of a live token (kestrel/http/sessions.py): only the hash of its secret is
 -- stored. Expired sessions are deleted on the way (a login is rare; the index finds them).
+-- VALUES, not INSERT … SELECT from http_tokens: Citus sends an INSERT … SELECT into a
+-- distributed schema's table to the node with an empty qual, `( IS NOT NULL)`, a syntax
+-- error there (docs/citus.md); live_token asks first.
 WITH expired AS (
     DELETE FROM __schema__.ui_sessions WHERE expires_at < __schema__.kestrel_now()
 )
 INSERT INTO __schema__.ui_sessions (secret_hash, token_id, expires_at)
-SELECT %(secret_hash)s, t.id, __schema__.kestrel_now() + make_interval(secs => %(ttl_s)s)
-  FROM __schema__.http_tokens AS t
- WHERE t.id = %(token_id)s AND t.revoked_at IS NULL
+VALUES (%(secret_hash)s, %(token_id)s,
+        __schema__.kestrel_now() + make_interval(secs => %(ttl_s)s))
 RETURNING expires_at;
 
 -- name: get_session

@@ -80,6 +80,7 @@ class Queries:
     list_tokens: str
     revoke_token: str
     get_token: str
+    live_token: str
     create_session: str
     get_session: str
     end_session: str

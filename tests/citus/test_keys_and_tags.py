@@ -6,6 +6,8 @@ live and in history, through the coordinator."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +20,10 @@ from kestrel.migrate import migrate_namespace
 from kestrel.types import Match
 from tests.citus.conftest import sharding_dsn
 from tests.citus.test_tenants import node_of
-from tests.helpers import drop_schemas, runtime, wait_until
+from tests.helpers import ROOT, drop_schemas, runtime, wait_until
+from tests.http_helpers import free_port, make_token, serve_process
 from tests.integration.test_concurrency_keys import keyed_limits_hold
+from tests.ui_helpers import Browserless
 
 N = 3
 
@@ -59,3 +63,25 @@ def test_tags_are_found_changed_and_acted_on_through_the_coordinator(
     done = client.bulk("cancel", Match(tags={"customer": "acme", "env": "dev"}), page_size=1)
     assert (done.matched, done.acted) == (2, 2)
     assert {client.get(e).status.value for e in kept} == {"cancelled"}
+
+
+def test_the_web_ui_logs_in_and_lists_through_the_coordinator(
+        citus_dsn: str, tenant: str, tmp_path: Path) -> None:
+    """A login stores its session with INSERT … VALUES after asking whether the token is
+    live: the INSERT … SELECT it was reached the tenant's node with an empty qual (`( IS NOT
+    NULL)`, a syntax error there) and every login to the web UI on Citus answered 500."""
+    client = SyncClient(citus_dsn, schema=tenant, pool_size=1)
+    eid = client.submit("waiter", tags={"customer": "acme"}).id
+    token = make_token(citus_dsn, tenant, "ops", "read,operate")
+    with serve_process(citus_dsn, tenant, port=free_port(), log=tmp_path / "serve.log") as api:
+        ui = Browserless(api)
+        ui.login(token)
+        page = ui.get("/ui/?tag=customer:acme")
+        assert page.status == 200 and str(eid).encode() in page.body
+        revoked = subprocess.run(
+            [sys.executable, "-m", "kestrel", "token", "revoke", "ops", "--dsn", citus_dsn,
+             "--schema", tenant], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert revoked.returncode == 0, revoked.stderr
+        assert ui.get("/ui/").status in (302, 303, 401)  # the session went with its token
+        again = ui.post_form("/ui/login", {"token": token, "next": "/ui/"})
+        assert again.status == 401, again.body

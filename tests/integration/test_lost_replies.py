@@ -672,7 +672,10 @@ def _ui_session(env: Env, stmt_of: Callable[[bytes], Any], lose_first: bool) -> 
 
     async def send(pool: Any, secret: bytes) -> Any:
         async with pool.connection() as conn:
-            return await db.run(conn, stmt_of(secret))
+            made = stmt_of(secret)
+            if isinstance(made, statements.Stmt):
+                return await db.run(conn, made)
+            return await db.run_script(conn, made)
 
     if lose_first:
         with pytest.raises(psycopg.OperationalError):
@@ -1007,6 +1010,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "wake_workers": Lost((dead_worker,)),
     "hook_submit": Lost((hook_submit,)),
     "create_session": Lost((ui_login,)),
+    "live_token": Read("a login's first statement asks whether the token is live"),
     "end_session": Lost((ui_logout,)),
     "end_token_sessions": Lost((ui_logout_everywhere,)),
     "get_session": Read("reads a UI session"),

@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import buckets, codec, ids, metrics, statements, tracing
+from kestrel import buckets, codec, db, ids, metrics, statements, tracing
 from kestrel._client_common import Debounce, count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -246,6 +246,12 @@ class HttpClient(Client):
         Its schema is the one served (bucket 0 of a namespace: tokens, sessions, schedules,
         the queues' limits)."""
         return await self._run(stmt)
+
+    async def read_script(self, script: statements.Script[T]) -> T:
+        """Run *script* (statements of :mod:`kestrel.statements.http`) in one transaction on
+        a pooled connection, in the schema served."""
+        async with self._borrow() as conn:
+            return await db.run_script(conn, script)
 
     async def read_of(self, execution_id: uuid.UUID,
                       make: Callable[[Queries], statements.Stmt[T]]) -> T:

@@ -112,7 +112,7 @@ async def start(request: Request, token: str) -> tuple[auth.Caller, str]:
     state = request.app.state
     caller = await auth.check_token(state, token, "read")
     cookie, secret_hash = auth.new_session()
-    started = await state.client.read(statements.http.create_session(
+    started = await state.client.read_script(statements.http.create_session(
         state.q, secret_hash=secret_hash, token_id=caller.token_id, ttl_s=SESSION_TTL_S))
     if started is None:  # revoked between the check and the insert
         raise Refusal(401, "invalid or revoked token")

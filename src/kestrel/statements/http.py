@@ -16,7 +16,7 @@ from typing import Any
 from psycopg.types.json import Jsonb
 
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Stmt, nothing, tagged
+from kestrel.statements.stmt import Script, Stmt, first, nothing, tagged
 
 Row = dict[str, Any]
 
@@ -54,12 +54,15 @@ def get_token(q: Queries, *, id: str) -> Stmt[tuple[str, list[str], bytes] | Non
 
 
 def create_session(q: Queries, *, secret_hash: bytes, token_id: str,
-                   ttl_s: float) -> Stmt[datetime | None]:
+                   ttl_s: float) -> Script[datetime | None]:
     """Store a UI session of live token *token_id* (its secret only as a hash) lasting
     *ttl_s* seconds; when it expires, or None when the token is no longer live."""
-    return Stmt(q.create_session, {"secret_hash": secret_hash, "token_id": token_id,
-                                   "ttl_s": ttl_s},
-                lambda rows: rows[0][0] if rows else None)
+    live = yield Stmt(q.live_token, {"token_id": token_id}, lambda rows: bool(rows))
+    if not live:
+        return None
+    expires: datetime = yield Stmt(q.create_session, {
+        "secret_hash": secret_hash, "token_id": token_id, "ttl_s": ttl_s}, first)
+    return expires
 
 
 def get_session(q: Queries, *, secret_hash: bytes,
