@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -213,7 +214,12 @@ def run(cfg: Config, *, incidents: int) -> int:
         return 0
     finally:
         runtime.send_signal(signal.SIGTERM)
-        runtime.wait(timeout=60)
+        try:
+            runtime.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # never left running: its workers die with it
+            print("   the runtime did not stop within 60 s: killed", file=sys.stderr)
+            runtime.kill()
+            runtime.wait()
         del server
 
 
@@ -277,17 +283,26 @@ def _wait_http(url: str, timeout: float = 30) -> bool:
 
 
 def _serve_until_interrupted(client: Any, incident: uuid.UUID) -> None:
-    """Keep the runtime and the UI up until Ctrl-C; say so when the incident is answered."""
+    """Keep the runtime and the UI up until Ctrl-C (or SIGTERM); say so when the incident is
+    answered.
+
+    The signals only set an event, read between two polls: a KeyboardInterrupt raised in
+    the middle of the client's call (inside the pool, holding its lock) left the pool unable
+    to close, and the demo hung after Ctrl-C with its runtime still up (seen in CI)."""
     print("\n   serving until Ctrl-C …", flush=True)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set())
+                for s in (signal.SIGINT, signal.SIGTERM)}
     told = False
     try:
-        while True:
+        while not stop.wait(0.5):
             if not told and client.get(incident).status.terminal:
                 told = True
                 outcome = client.get(incident).result or {}
                 where = outcome.get("pull_request") or outcome.get("outcome")
                 print(f"   search-api: {outcome.get('outcome')} by {outcome.get('by')} "
                       f"→ {where}", flush=True)
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\n   stopping.", flush=True)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print("\n   stopping.", flush=True)
