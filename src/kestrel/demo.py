@@ -286,9 +286,11 @@ def _serve_until_interrupted(client: Any, incident: uuid.UUID) -> None:
     """Keep the runtime and the UI up until Ctrl-C (or SIGTERM); say so when the incident is
     answered.
 
-    The signals only set an event, read between two polls: a KeyboardInterrupt raised in
-    the middle of the client's call (inside the pool, holding its lock) left the pool unable
-    to close, and the demo hung after Ctrl-C with its runtime still up (seen in CI)."""
+    Its own handlers, not Python's KeyboardInterrupt: a process started with SIGINT ignored
+    (by a background job of a non-interactive shell, as `make test &` starts everything)
+    never gets one, and the demo served on after Ctrl-C (CI failed so). The handlers only
+    set an event, read between two polls, so nothing is interrupted inside the client's
+    pool."""
     print("\n   serving until Ctrl-C …", flush=True)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set())

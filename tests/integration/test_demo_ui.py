@@ -79,10 +79,15 @@ def _up(port: int) -> bool:
 
 
 def test_on_a_terminal_the_demo_serves_the_ui_until_ctrl_c(pg_dsn: str, schema: str) -> None:
+    """Also when it starts with SIGINT ignored, as every process started by a background
+    job of a non-interactive shell does (`make test &`, TEST_PARALLEL's second pass): the
+    demo relied on Python's KeyboardInterrupt, which such a process never gets, and served
+    on after Ctrl-C (it failed CI run that way, in both passes)."""
     port = free_port()
     leader, follower = pty.openpty()
     proc = demo(pg_dsn, schema, port, stdin=follower, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT)
+                stderr=subprocess.STDOUT,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     os.close(follower)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],  # type: ignore
