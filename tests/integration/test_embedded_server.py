@@ -150,9 +150,15 @@ def test_sigterm_to_the_demo_stops_its_runtime_and_its_server(data: Path,
     try:
         wait_until(lambda: "1. starting the runtime" in log.read_text(), timeout=120,
                    what="the demo to start its runtime")
-        children = psutil.Process(demo.pid).children(recursive=True)
-        runtimes = [c for c in children if "kestrel" in " ".join(c.cmdline())]
-        assert runtimes and postgres_of(data)
+        runtimes: list[psutil.Process] = []
+
+        def started() -> bool:  # the line comes before the runtime's process
+            runtimes[:] = [c for c in psutil.Process(demo.pid).children(recursive=True)
+                           if "kestrel" in " ".join(c.cmdline())]
+            return bool(runtimes)
+
+        wait_until(started, timeout=30, what="the demo's runtime process")
+        assert postgres_of(data)
         demo.send_signal(signal.SIGTERM)
         assert demo.wait(timeout=90) == 128 + signal.SIGTERM
         wait_until(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
