@@ -177,6 +177,12 @@ CREATE TABLE __schema__.idempotency_keys (
     created_at timestamp with time zone DEFAULT __schema__.kestrel_now() NOT NULL
 );
 
+CREATE TABLE __schema__.leases (
+    owner text NOT NULL,
+    expires_at timestamp with time zone NOT NULL,
+    renewed_at timestamp with time zone NOT NULL
+);
+
 CREATE TABLE __schema__.operation_outputs (
     execution_id uuid NOT NULL,
     step_id integer NOT NULL,
@@ -448,6 +454,9 @@ ALTER TABLE ONLY __schema__.http_tokens
 
 ALTER TABLE ONLY __schema__.idempotency_keys
     ADD CONSTRAINT idempotency_keys_pkey PRIMARY KEY (idempotency_key);
+
+ALTER TABLE ONLY __schema__.leases
+    ADD CONSTRAINT leases_pkey PRIMARY KEY (owner);
 
 ALTER TABLE ONLY __schema__.operation_outputs
     ADD CONSTRAINT operation_outputs_pkey PRIMARY KEY (execution_id, step_id);

@@ -54,6 +54,19 @@ def q1(dsn: str, schema: str, text: str, params: Any = None) -> Any:
     return rows[0][0] if rows else None
 
 
+def take_lease(dsn: str, schema: str, owner: str, lease_s: float = 30.0) -> None:
+    """Take *owner*'s lease (migration 0026) as a worker's first heartbeat does, before a
+    test claims by hand under that owner: rows claimed under an owner with no lease are the
+    sweeper's at its next round."""
+    from kestrel import db, statements
+    from kestrel.sql import queries
+
+    with psycopg.connect(dsn, autocommit=True, prepare_threshold=None) as conn:
+        beat = db.run_script_sync(conn, statements.executions.heartbeat(
+            queries(schema), owner=owner, held=[], lease_s=lease_s))
+    assert beat.renewed, f"{owner}'s lease ran out: it is never taken again"
+
+
 def finished_count(dsn: str, schema: str) -> int:
     return int(q1(dsn, schema, "SELECT count(*) FROM {s}.workflow_history"))
 

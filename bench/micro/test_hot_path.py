@@ -135,8 +135,9 @@ def test_heartbeat_of_1000_leases(benchmark: Any, pg_dsn: str, schema: str, conn
     def beat() -> int:
         return len(
             loop.run_until_complete(
-                db.run(conn, statements.executions.heartbeat(q, held=held, lease_s=300))
-            )
+                db.run_script(conn, statements.executions.heartbeat(q, owner="bench", held=held,
+                                                             lease_s=300))
+            ).owned
         )
 
     assert benchmark.pedantic(beat, rounds=30, iterations=1) == 1000

@@ -1,11 +1,22 @@
 -- Fragments of statements, written once and included where a statement of sql/queries says
 -- `-- include: <name>` (kestrel.sql resolves them before anything else reads the text).
 
+-- name: claim_lease
+-- The claiming process's lease (migration 0026), which its heartbeat takes and extends: the
+-- claim writes nothing to it, and claims nothing once it has run out (the sweeper may be
+-- re-queuing its rows; the process takes a new lease under a new name). The row `renewed`
+-- (none: nothing is claimed) is what claim_flip joins.
+SELECT %(owner)s::text AS owner
+ WHERE NOT EXISTS (SELECT 1 FROM __schema__.leases AS l
+                    WHERE l.owner = %(owner)s AND l.expires_at <= __schema__.kestrel_now())
+
 -- name: claim_flip
 -- The claim's change to each candidate row (claim_batch, claim_limited): running under this
--- worker's lease with the epoch bumped (every later write of the worker carries it and is
--- fenced by it), one more attempt, the wake-up and a give-back cleared, the first claiming
--- app version stamped. Returns what the claim's result reads.
+-- worker process's lease (lease_owner: its row in `leases`, which only its heartbeat writes;
+-- the row carries no expiry of its own, migration 0026) with the epoch bumped (every later
+-- write of the worker carries it and is fenced by it), one more attempt, the wake-up and a
+-- give-back cleared, the first claiming app version stamped. Returns what the claim's
+-- result reads.
 --
 -- The clock inside the COALESCE is read as a column of `clk` (issue 24: Citus refuses a
 -- function that is not IMMUTABLE inside CASE or COALESCE in an UPDATE; PostgreSQL pulls the
@@ -13,15 +24,15 @@
 UPDATE __schema__.workflow_executions AS e
    SET status = 'running',
        lease_epoch = e.lease_epoch + 1,
-       lease_owner = %(owner)s,
-       lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
+       lease_owner = renewed.owner,
+       lease_expires_at = NULL,
        attempts = e.attempts + 1,
        wake_at = NULL,
        started_at = coalesce(e.started_at, clk.now),
        app_version = coalesce(e.app_version, %(app_version)s),
        given_back_at = NULL,
        updated_at = __schema__.kestrel_now()
-  FROM candidate, (SELECT __schema__.kestrel_now() AS now) AS clk
+  FROM candidate, renewed, (SELECT __schema__.kestrel_now() AS now) AS clk
  WHERE e.id = candidate.id
  RETURNING e.id, e.workflow, e.args, e.lease_epoch, e.attempts, e.wait_step, e.wait_deadline,
        e.signal_seq, e.deadline, e.cancel_requested, e.created_at, e.waiting_for,
@@ -100,13 +111,3 @@ UPDATE __schema__.queue_limits AS l
                     LIMIT coalesce(l.rate, 0)) AS kept)
  WHERE l.queue = %(queue)s AND l.rate IS NOT NULL
    AND (SELECT count(*) FROM claimed) > 0
-
--- name: heartbeat_extend
--- The heartbeat's change (heartbeat, heartbeat_wait): the lease of each row in `locked` that
--- still runs under the epoch `held` gives it, extended by %(lease_s)s from now.
-UPDATE __schema__.workflow_executions AS e
-   SET lease_expires_at = __schema__.kestrel_now() + make_interval(secs => %(lease_s)s)
-  FROM locked AS l
-  JOIN held AS h ON h.id = l.id AND h.epoch = l.lease_epoch
- WHERE e.id = l.id
-   AND l.status = 'running'

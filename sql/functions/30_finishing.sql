@@ -347,10 +347,12 @@ $$;
 -- to the tenant's node like finish_batch(): the sweeper's round is then one round trip to
 -- that node with no other node in its transaction, where the statement commits in two
 -- phases on every node (so a node that is down stalled every tenant's recovery). The same
--- steps: lock up to p_limit running executions whose lease expired, oldest expiry first,
--- skipping rows someone holds; put those with attempts left back in the queue; quarantine
--- the others (move_finished(), a parent told). Returns what the statement's caller reads
--- of it: requeued, quarantined, examined.
+-- steps: lock up to p_limit running executions whose own lease passed, oldest first, and
+-- up to p_limit running under a process whose lease ran out or that has none (migration
+-- 0026), skipping rows someone holds; put those with attempts left back in the queue;
+-- quarantine the others (move_finished(), a parent told); drop the leases that ran out a
+-- day ago and hold nothing. Returns what the statement's caller reads of it: requeued,
+-- quarantined, examined.
 CREATE OR REPLACE FUNCTION __schema__.sweep_expired(p_limit integer, p_max_attempts integer)
 RETURNS TABLE (requeued bigint, quarantined bigint, examined bigint)
 LANGUAGE plpgsql AS $$
@@ -361,7 +363,34 @@ DECLARE
     v_poisoned uuid[];
     v_errors jsonb[];
     v_requeued bigint := 0;
+    v_dead text[];
 BEGIN
+    SELECT coalesce(array_agg(d.owner), '{}') INTO v_dead
+      FROM (SELECT l.owner FROM __schema__.leases AS l
+             WHERE l.expires_at < v_now
+            UNION
+            SELECT DISTINCT e.lease_owner FROM __schema__.workflow_executions AS e
+             WHERE e.status = 'running' AND e.lease_expires_at IS NULL
+               AND NOT EXISTS (SELECT 1 FROM __schema__.leases AS l
+                                WHERE l.owner = e.lease_owner)) AS d(owner);
+    WITH lapsed AS (
+        SELECT e.id, e.attempts
+          FROM __schema__.workflow_executions AS e
+         WHERE e.status = 'running'
+           AND e.lease_expires_at < v_now
+         ORDER BY e.lease_expires_at
+         LIMIT p_limit
+           FOR UPDATE SKIP LOCKED
+    ), orphaned AS (
+        SELECT e.id, e.attempts
+          FROM __schema__.workflow_executions AS e
+         WHERE e.status = 'running'
+           AND e.lease_expires_at IS NULL
+           AND e.lease_owner = ANY (v_dead)
+           AND cardinality(v_dead) > 0
+         LIMIT p_limit
+           FOR UPDATE SKIP LOCKED
+    )
     SELECT coalesce(array_agg(x.id), '{}'),
            coalesce(array_agg(x.id) FILTER (WHERE x.attempts >= p_max_attempts), '{}'),
            coalesce(array_agg(jsonb_build_object(
@@ -371,13 +400,7 @@ BEGIN
                                  x.attempts, p_max_attempts)))
                FILTER (WHERE x.attempts >= p_max_attempts), '{}')
       INTO v_expired, v_poisoned, v_errors
-      FROM (SELECT e.id, e.attempts
-              FROM __schema__.workflow_executions AS e
-             WHERE e.status = 'running'
-               AND e.lease_expires_at < v_now
-             ORDER BY e.lease_expires_at
-             LIMIT p_limit
-               FOR UPDATE SKIP LOCKED) AS x;
+      FROM (SELECT * FROM lapsed UNION ALL SELECT * FROM orphaned) AS x;
     UPDATE __schema__.workflow_executions AS e
        SET status = 'queued',
            lease_owner = NULL,
@@ -391,6 +414,10 @@ BEGIN
             v_poisoned, array_fill('quarantined'::text, ARRAY[cardinality(v_poisoned)]),
             array_fill(NULL::jsonb, ARRAY[cardinality(v_poisoned)]), v_errors, v_now);
     END IF;
+    DELETE FROM __schema__.leases AS l
+     WHERE l.expires_at < v_now - interval '1 day'
+       AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                        WHERE e.status = 'running' AND e.lease_owner = l.owner);
     RETURN QUERY SELECT v_requeued, cardinality(v_poisoned)::bigint,
                         cardinality(v_expired)::bigint;
 END;

@@ -84,6 +84,8 @@ WITH suspect AS (
     UNION ALL (SELECT id FROM woken)
     UNION ALL (SELECT id FROM healthy)
     LIMIT %(limit)s
+), renewed AS (
+-- include: claim_lease
 ), claimed AS (
 -- include: claim_flip
 )
@@ -101,75 +103,60 @@ WITH suspect AS (
 -- it (db.LockTimeoutConnection).
 SELECT set_config('lock_timeout', %(lock_timeout)s, true);
 
+-- name: take_lease
+-- The heartbeat, first statement: take or extend this process's lease (migration 0026) for
+-- %(lease_s)s from now. Returns the owner, or nothing when the lease ran out before this
+-- beat: it is never extended again (the sweeper may be re-queuing its rows), and the worker
+-- drops every execution and takes a lease under a new name. A plain INSERT: Citus plans a
+-- statement with an INSERT in a CTE CTE by CTE (docs/citus.md); this one is routed whole.
+-- Citus refuses a function that is not IMMUTABLE in ON CONFLICT's WHERE: the clock comes
+-- in the row (renewed_at).
+INSERT INTO __schema__.leases AS l (owner, expires_at, renewed_at)
+VALUES (%(owner)s, __schema__.kestrel_now() + make_interval(secs => %(lease_s)s),
+        __schema__.kestrel_now())
+    ON CONFLICT (owner) DO UPDATE
+   SET expires_at = excluded.expires_at, renewed_at = excluded.renewed_at
+ WHERE l.expires_at > excluded.renewed_at
+RETURNING l.owner;
+
 -- name: heartbeat
--- Extend every lease this process holds in one statement. Ids missing from the result were
--- lost (expired and swept, or re-claimed under a newer epoch): the worker drops them.
--- Every statement that locks several execution rows locks them in id order (here, in the
--- checkpoint batch, in completions with their parents and in release), so no two of them
--- can deadlock however their batches overlap (FAULTS X3).
+-- The heartbeat, second statement, in the same transaction: which of the executions this
+-- process holds are still its own, each with its cancel flag: running under its epoch and
+-- under its lease. Ids missing from the result were lost (swept, re-claimed under a newer
+-- epoch): the worker drops them.
 --
--- A row another transaction holds (a client's signal() or cancel() in its own transaction,
--- left open) is skipped, not waited for: one such row must not freeze every lease of the
--- process behind it (FAULTS O4). It comes back with extended = false when it is still ours
--- in this statement's snapshot (running under our epoch): busy, not lost. Its lease is not
--- extended this time; the worker neither abandons it nor trusts it longer.
+-- The executions are read, not locked: nothing that holds their rows (the worker's own
+-- checkpoint batches FOR SHARE, a client's signal() in a transaction left open) can delay
+-- a beat, and no lease lapses because of it (FAULTS C2, C3, O4).
 --
 -- The rule for every statement on rows a worker holds (here, the checkpoint batch, the
 -- completion and their Citus forms): find each row by primary key alone, and ask whether it
 -- runs under our epoch of the row as locked or read, never in the scan. `e.status =
 -- 'running'` (or `parent_id IS NOT NULL`) there let PostgreSQL read a partial index
 -- instead, every running execution's (every child's) entry, whenever its statistics had
--- last counted few (test_claim_plans).
-WITH held(id, epoch) AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
-), locked AS (
-    SELECT e.id, e.lease_epoch, e.status
-      FROM __schema__.workflow_executions AS e
-     WHERE e.id = ANY (%(ids)s::uuid[])
-     ORDER BY e.id
-       FOR NO KEY UPDATE OF e SKIP LOCKED
-), extended AS (
--- include: heartbeat_extend
-    RETURNING e.id, e.cancel_requested
-), seen AS MATERIALIZED (
-    SELECT e.id, e.lease_epoch, e.status
+-- last counted few (test_claim_plans). And every statement that locks several execution
+-- rows locks them in id order (the checkpoint batch, completions with their parents,
+-- release), so no two of them can deadlock however their batches overlap (FAULTS X3).
+WITH seen AS MATERIALIZED (
+    SELECT e.id, e.lease_epoch, e.status, e.lease_owner, e.cancel_requested
       FROM __schema__.workflow_executions AS e
      WHERE e.id = ANY (%(ids)s::uuid[])
 )
-SELECT id, cancel_requested, true AS extended
-  FROM extended
- UNION ALL
-SELECT s.id, false, false
+SELECT s.id, s.cancel_requested
   FROM seen AS s
-  JOIN held AS h ON h.id = s.id AND h.epoch = s.lease_epoch
- WHERE s.status = 'running'
-   AND s.id NOT IN (SELECT id FROM extended);
+  JOIN unnest(%(ids)s::uuid[], %(epochs)s::integer[]) AS h(id, epoch)
+    ON h.id = s.id AND h.epoch = s.lease_epoch
+ WHERE s.status = 'running' AND s.lease_owner = %(owner)s;
 
--- name: set_wait_timeouts
--- The heartbeat's wait for one busy row, bounded twice in its transaction: lock_timeout where
--- the row lives here, and statement_timeout for a Citus coordinator, where the wait happens on
--- a worker node that the session's lock_timeout does not reach (the coordinator cancels it).
-SELECT set_config('lock_timeout', %(timeout)s, true),
-       set_config('statement_timeout', %(timeout)s, true);
-
--- name: heartbeat_wait
--- The heartbeat again for rows the first statement found busy, this time waiting for their
--- locks (under the worker's lock_timeout) instead of skipping them. Most busy rows are held
--- by this worker's own checkpoint batches, completions and parks, each for a moment: waited
--- out, they are extended at this beat (FAULTS C2). The heartbeat sends one row a statement,
--- so a row a client transaction keeps (FAULTS O4) costs only itself a lock_timeout.
--- Returns the rows extended, as heartbeat does; a row not returned is no longer ours.
-WITH held(id, epoch) AS (
-    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
-), locked AS (
-    SELECT e.id, e.lease_epoch, e.status
-      FROM __schema__.workflow_executions AS e
-     WHERE e.id = ANY (%(ids)s::uuid[])
-     ORDER BY e.id
-       FOR NO KEY UPDATE OF e
-)
--- include: heartbeat_extend
-RETURNING e.id, e.cancel_requested, true AS extended;
+-- name: running_under
+-- The executions that run under this process's lease (claimed under its owner), which the
+-- heartbeat reads after a claim whose reply was lost: what the claim committed, nobody here
+-- runs, and the lease it runs under is alive, so the sweeper would never take it. The
+-- worker gives back those it does not hold. Every running row is read (the work in flight,
+-- never the backlog), and only then.
+SELECT id, lease_epoch
+  FROM __schema__.workflow_executions
+ WHERE status = 'running' AND lease_owner = %(owner)s AND lease_expires_at IS NULL;
 
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and

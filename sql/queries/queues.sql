@@ -34,7 +34,9 @@ WITH lim AS (
       FROM lim
 ),
 -- include: limited_candidates
-, claimed AS (
+, renewed AS (
+-- include: claim_lease
+), claimed AS (
 -- include: claim_flip
 ), started AS (
 -- include: record_starts
@@ -69,7 +71,9 @@ WITH budget AS (
     SELECT %(budget)s::bigint AS n
 ),
 -- include: limited_candidates
-, claimed AS (
+, renewed AS (
+-- include: claim_lease
+), claimed AS (
 -- include: claim_flip
 )
 -- include: claim_result
@@ -215,6 +219,8 @@ WITH RECURSIVE budget AS (
        AND e.status <> 'running'
        AND (e.status = 'queued' OR e.wake_at <= __schema__.kestrel_now())
        FOR UPDATE SKIP LOCKED
+), renewed AS (
+-- include: claim_lease
 ), claimed AS (
 -- include: claim_flip
 ), turned AS (

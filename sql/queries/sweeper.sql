@@ -1,18 +1,53 @@
 -- name: reenqueue_expired
 -- Recover executions whose lease expired (the worker died, froze or lost the database).
--- FOR UPDATE re-checks the predicate on the newest row version, so a row its owner just
--- heartbeated, completed or that another worker re-claimed is left alone (River #1302).
+-- A lease is its process's row in `leases` (migration 0026): the executions running under an
+-- owner whose row has run out (or that has none) are recovered, each found among the
+-- running rows (the work in flight, never the backlog), and only in a round that has such
+-- an owner. A row that still
+-- carries a lease of its own (lease_expires_at: claimed by code from before that migration,
+-- or ended at once by expire_worker_leases) is recovered once that has passed.
+-- FOR UPDATE re-checks the predicate on the newest row version, so a row that was
+-- completed, released or re-claimed since (another owner, or a lease of its own) is left
+-- alone (River #1302); a lease that ran out is never extended again, so its owner's rows
+-- cannot come back to life under it.
 -- An execution claimed max_attempts times without finishing is quarantined: moved to history
 -- with the reason, never claimed again. Bounded by %(limit)s; callers loop while full.
-WITH expired AS (
-    SELECT id, attempts,
-           NULL::__schema__.workflow_executions AS text_results  -- docs/citus.md
+-- A process's row is dropped a day after it ran out, once nothing runs under it.
+WITH dead AS (
+    -- Owners whose lease ran out, and owners of running rows that never took one (a claim
+    -- sent by hand: the runtime takes its lease before it claims).
+    SELECT coalesce(array_agg(owner), '{}') AS owners
+      FROM (SELECT owner FROM __schema__.leases
+             WHERE expires_at < __schema__.kestrel_now()
+            UNION
+            SELECT DISTINCT e.lease_owner FROM __schema__.workflow_executions AS e
+             WHERE e.status = 'running' AND e.lease_expires_at IS NULL
+               AND NOT EXISTS (SELECT 1 FROM __schema__.leases AS l
+                                WHERE l.owner = e.lease_owner)) AS d
+), lapsed AS (
+    SELECT id, attempts, NULL::__schema__.workflow_executions AS text_results  -- docs/citus.md
       FROM __schema__.workflow_executions
      WHERE status = 'running'
        AND lease_expires_at < __schema__.kestrel_now()
      ORDER BY lease_expires_at
      LIMIT %(limit)s
        FOR UPDATE SKIP LOCKED
+), orphaned AS (
+    SELECT id, attempts, NULL::__schema__.workflow_executions AS text_results
+      FROM __schema__.workflow_executions
+     WHERE status = 'running'
+       AND lease_expires_at IS NULL
+       AND lease_owner = ANY ((SELECT owners FROM dead)::text[])
+       AND cardinality((SELECT owners FROM dead)) > 0  -- read nothing in a round with none
+     LIMIT %(limit)s
+       FOR UPDATE SKIP LOCKED
+), expired AS (
+    SELECT * FROM lapsed UNION ALL SELECT * FROM orphaned
+), forgotten AS (
+    DELETE FROM __schema__.leases AS l
+     WHERE l.expires_at < __schema__.kestrel_now() - interval '1 day'
+       AND NOT EXISTS (SELECT 1 FROM __schema__.workflow_executions AS e
+                        WHERE e.status = 'running' AND e.lease_owner = l.owner)
 ), requeued AS (
     UPDATE __schema__.workflow_executions AS e
        SET status = 'queued',
@@ -117,26 +152,22 @@ SELECT * FROM __schema__.fail_late(%(limit)s);
 
 -- name: expire_worker_leases
 -- A worker process its supervisor reaped (it died: SIGKILL, OOM, a crash) holds no lease
--- any more, whatever lease_expires_at says: end the leases of the rows it still owns now, so
--- the reenqueue_expired that follows in the same transaction re-queues them (or quarantines
--- those out of attempts: the claim counted the attempt, and a crash is one, FAULTS F9), and
--- they run again within a second instead of after the lease (FAULTS O8). Fenced: lease_owner
--- names one process incarnation (host:pid:nonce), so a row re-claimed since (another owner,
--- a newer epoch) is not touched. Rows someone holds locked are skipped; their leases expire
--- as before. Its caller wakes idle workers (wake_workers) in the same transaction when it
--- found any: in a statement of its own, so that on Citus the notification is raised on the
--- coordinator, where workers listen, not on the tenant's node (docs/citus.md).
-WITH dead AS (
-    SELECT id
-      FROM __schema__.workflow_executions
-     WHERE lease_owner = %(owner)s AND status = 'running'
-     ORDER BY id
-       FOR NO KEY UPDATE SKIP LOCKED
-), expired AS (
-    UPDATE __schema__.workflow_executions AS e
-       SET lease_expires_at = '-infinity'
-      FROM dead
-     WHERE e.id = dead.id
- RETURNING e.id
+-- any more, whatever its row in `leases` says: end that lease now (and those it took under
+-- later names, owner~1, owner~2, …), so the reenqueue_expired that follows in the same
+-- transaction re-queues the executions it held (or quarantines those out of attempts: the
+-- claim counted the attempt, and a crash is one, FAULTS F9), and they run again within a
+-- second instead of after the lease (FAULTS O8). The owner names one process incarnation
+-- (host:pid:nonce), so nothing claimed since by another process is touched. Returns how
+-- many executions ran under it. Its caller wakes idle workers (wake_workers) in the same
+-- transaction when it found any: in a statement of its own, so that on Citus the
+-- notification is raised on the coordinator, where workers listen, not on the tenant's
+-- node (docs/citus.md).
+WITH ended AS (
+    UPDATE __schema__.leases
+       SET expires_at = '-infinity'
+     WHERE owner = %(owner)s OR left(owner, length(%(owner)s) + 1) = %(owner)s || '~'
+    RETURNING owner
 )
-SELECT count(*) FROM expired;
+SELECT count(*)
+  FROM __schema__.workflow_executions
+ WHERE status = 'running' AND lease_owner = ANY (ARRAY(SELECT owner FROM ended));

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from kestrel.queues import QueueSpec
 from kestrel.runner import Runner
 from kestrel.slots import Slots
 from kestrel.sql import Queries, queries
+from kestrel.types import Claimed
 
 log = logging.getLogger("kestrel.worker")
 
@@ -57,18 +59,28 @@ class Wakeups:
 class Claimer:
     """Claims into free slots until the worker stops, and starts what it claimed on
     *runner*, whose leases (their count is the slots taken) and stats it shares; the claims
-    take *workflows* of ``cfg.queues`` as ``runner.id``. *stalled* says why the process
-    makes no progress (None while it does)."""
+    take *workflows* of ``cfg.queues`` under the process's lease, named by *owner()*
+    (``runner.id`` by default). *stalled* says why the process makes no progress (None
+    while it does)."""
 
     name = "claimer"
 
     def __init__(self, cfg: Config, runner: Runner, *, pool: AsyncConnectionPool[Any],
                  workflows: list[str], wakeups: Wakeups,
                  stalled: Callable[[], str | None] = lambda: None,
-                 namespace: list[Queries] | None = None) -> None:
+                 namespace: list[Queries] | None = None,
+                 owner: Callable[[], str] | None = None,
+                 trust: Callable[[], float] | None = None) -> None:
         self.cfg = cfg
         self._runner = runner
         self.id = runner.id
+        # The name of the process's lease its claims renew (the heartbeat's: a new one once
+        # a lease ran out, kestrel.lease.Heartbeat).
+        self._owner = owner or (lambda: self.id)
+        # Until when (monotonic) that lease is surely ours (the heartbeat's): a claim renews
+        # nothing, so it claims only while the lease has a heartbeat interval left, and
+        # trusts what it claimed no longer than the lease.
+        self._trust = trust or (lambda: math.inf)
         self.leases = runner.leases
         self.stats = runner.stats
         self._pool = pool
@@ -107,6 +119,12 @@ class Claimer:
             if free <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
+                continue
+            if self._trust() - time.monotonic() < self.cfg.heartbeat:
+                # No lease yet (the first beat is on its way), or one about to run out
+                # that the heartbeat could not extend: what it claimed would be cancelled
+                # before it ran.
+                await self._sleep_unless_stopping(min(0.05, self.cfg.poll_interval))
                 continue
             if self._stalled() is not None:
                 # A writer is stuck: the heartbeat no longer certifies this process, so a
@@ -173,24 +191,18 @@ class Claimer:
         it returns. Returns how many were claimed; 0 when a limited queue's row is busy
         (its holder is claiming; this process looks again after the poll interval)."""
         sent = time.monotonic()
-        async with self._pool.connection() as conn:
-            if queue is None:
-                claimed = await db.run(conn, statements.executions.claim_batch(
-                    self._q, owner=self.id, queues=self._unlimited, limit=limit,
-                    lease_s=self.cfg.lease, workflows=self._names,
-                    max_history_bytes=self.cfg.max_history_bytes,
-                    take_suspect=not self._holds_suspect(), app_version=self.cfg.app_version))
-            else:
-                got = await db.run_script(conn, statements.queues.claim_limited(
-                    self._q, queue=queue, owner=self.id, limit=limit,
-                    lease_s=self.cfg.lease, workflows=self._names,
-                    max_history_bytes=self.cfg.max_history_bytes,
-                    app_version=self.cfg.app_version, namespace=self._namespace,
-                    home=self._homes[queue], keyed=self._keyed[queue]))
-                if got is None:
-                    return 0  # another process is claiming from it right now
-                claimed = got
-            failpoint("after_claim_commit")
+        self.leases.claiming += 1
+        try:
+            claimed = await self._send_claim(limit, queue)
+        except Exception:
+            # Its reply lost, the claim may have committed rows under this process's
+            # lease that nobody here runs: the heartbeat looks (Leases.adopt).
+            self.leases.audit = True
+            raise
+        finally:
+            self.leases.claiming -= 1
+        if claimed is None:
+            return 0  # another process is claiming from the limited queue right now
         m = metrics.get()
         m.claim_seconds.observe(time.monotonic() - sent)
         if claimed:
@@ -203,9 +215,32 @@ class Claimer:
                 if c.db_now is not None and c.created_at is not None:
                     m.child(m.submit_to_start, c.workflow).observe(
                         max(0.0, (c.db_now - c.created_at).total_seconds()))
-            self._runner.start(Lease(c, trusted_until=sent + self.cfg.lease, claimed_at=sent,
-                              queue=queue, cancel_requested=c.cancel_requested))
+            trusted = min(sent + self.cfg.lease, self._trust())
+            self._runner.start(Lease(c, trusted_until=trusted, claimed_at=sent, queue=queue,
+                                     cancel_requested=c.cancel_requested))
         return len(claimed)
+
+    async def _send_claim(self, limit: int, queue: str | None) -> list[Claimed] | None:
+        """The claim statement itself: its rows, or None when a limited queue's row is
+        busy."""
+        async with self._pool.connection() as conn:
+            if queue is None:
+                claimed: list[Claimed] | None = await db.run(
+                    conn, statements.executions.claim_batch(
+                        self._q, owner=self._owner(), queues=self._unlimited, limit=limit,
+                        lease_s=self.cfg.lease, workflows=self._names,
+                        max_history_bytes=self.cfg.max_history_bytes,
+                        take_suspect=not self._holds_suspect(),
+                        app_version=self.cfg.app_version))
+            else:
+                claimed = await db.run_script(conn, statements.queues.claim_limited(
+                    self._q, queue=queue, owner=self._owner(), limit=limit,
+                    lease_s=self.cfg.lease, workflows=self._names,
+                    max_history_bytes=self.cfg.max_history_bytes,
+                    app_version=self.cfg.app_version, namespace=self._namespace,
+                    home=self._homes[queue], keyed=self._keyed[queue]))
+            failpoint("after_claim_commit")
+        return claimed
 
     def _holds_suspect(self) -> bool:
         # attempt counts this claim, so a suspect arrives with attempt > SUSPECT_AFTER.

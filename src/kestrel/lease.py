@@ -21,13 +21,13 @@ so work stuck in a hung process is recovered by the sweeper (FAULTS L2); a write
 workflow call that gets no connection from the process's pool counts as such a stall
 (FAULTS R3).
 
-One statement extends every lease whose row is free, skipping rows another transaction
-holds; then each skipped row is beaten again on its own, waiting for its lock under the
-worker's lock_timeout. Most are held by the worker's own checkpoint batches for a moment and
-are extended at that beat (FAULTS C2); a row a client's transaction keeps (a ``signal()``
-left open) meets the lock_timeout, is counted (``kestrel_busy_leases_total``) and is neither
-abandoned nor trusted longer, and the other leases of the process keep being extended
-(FAULTS O4).
+A process holds one lease, a row of its own that only the runtime writes (``leases``,
+migration 0026); every execution it claims runs under it. The heartbeat extends that row
+and reads, without locking them, which of its executions are still its own: nothing that
+holds an execution's row (the worker's own checkpoint batches, a client's ``signal()`` in a
+transaction left open) can delay a beat, so no lease lapses because of it (FAULTS C2, C3,
+O4). A lease that ran out is never extended again: the sweeper may be re-queuing its rows.
+The process then drops every execution and goes on under a new name (``owner~1``, …).
 """
 
 from __future__ import annotations
@@ -129,6 +129,16 @@ class Leases:
 
     def __init__(self) -> None:
         self._by_id: dict[uuid.UUID, Lease] = {}
+        # Claims dropped here without a statement that ended them (a lost lease, a run cut
+        # short): the row may still run under this process's lease, which its heartbeat
+        # keeps alive, so nobody else would ever take it. The heartbeat gives them back.
+        self._dropped: list[tuple[uuid.UUID, int]] = []
+        self._dropped_lock = threading.Lock()
+        # A claim whose reply was lost may have committed rows under this process's lease
+        # that nobody here runs: the heartbeat then reads what runs under the lease and the
+        # event loop drops what it does not hold (:meth:`adopt`), once no claim is on its way.
+        self.audit = False
+        self.claiming = 0  # claim statements on their way
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -161,6 +171,36 @@ class Leases:
         """Forget every claim (at the end of a drain)."""
         self._by_id.clear()
 
+    def adopt(self, running: list[tuple[uuid.UUID, int]]) -> int:
+        """After a lost claim reply: of *running* (what runs under this process's lease), drop
+        what is not held here, to be given back; the event loop calls it, so a claim whose
+        rows are being started is not half seen. Returns how many; none while a claim is on
+        its way (its rows are not held yet), when the audit stays asked for."""
+        if self.claiming:
+            return 0
+        self.audit = False
+        orphans = [(eid, epoch) for eid, epoch in running
+                   if not ((h := self._by_id.get(eid)) and h.claimed.epoch == epoch)]
+        for key in orphans:
+            self.drop_key(key)
+        return len(orphans)
+
+    def drop(self, lease: Lease) -> None:
+        """Note that *lease* ends here without a statement that ended its claim: it is to be
+        given back (:meth:`take_dropped`)."""
+        self.drop_key(lease.key)
+
+    def drop_key(self, key: tuple[uuid.UUID, int]) -> None:
+        """:meth:`drop`, by ``(id, epoch)``."""
+        with self._dropped_lock:
+            self._dropped.append(key)
+
+    def take_dropped(self) -> list[tuple[uuid.UUID, int]]:
+        """The claims dropped since the last call (thread-safe: the heartbeat calls it)."""
+        with self._dropped_lock:
+            taken, self._dropped = self._dropped, []
+        return taken
+
 
 class Heartbeat:
     """The heartbeat: one statement extends every held lease, while the process makes
@@ -174,12 +214,19 @@ class Heartbeat:
 
     name = "heartbeat"
 
-    def __init__(self, leases: Leases, *, dsn: str, q: Queries, lease_s: float,
+    def __init__(self, leases: Leases, *, dsn: str, q: Queries, owner: str, lease_s: float,
                  interval: float, prepared: bool, progressing: Callable[[], str | None],
                  lock_timeout: float | None = None, session: bool = True) -> None:
         self._leases = leases
         self._dsn = dsn
         self._q = q
+        self._base = owner
+        self._renamed = 0
+        self.owner = owner  # the name this process's lease goes by now (its claims' owner)
+        # Until when (monotonic) the lease is surely still ours: a beat sent at t that took or
+        # extended it makes it good until t + lease on the database clock. A claim renews
+        # nothing, so what it claims is trusted no longer than this (kestrel.claimer).
+        self.trusted_until = 0.0
         self._lease_s = lease_s
         self._interval = interval
         self._prepared = prepared
@@ -193,7 +240,6 @@ class Heartbeat:
                                         daemon=True)
         self.paused = False  # set while releasing: released rows are not lost leases
         self.stalled: str | None = None
-        self._stubborn: set[uuid.UUID] = set()  # rows that met a lock_timeout at the last beat
 
     async def run(self) -> NoReturn:
         """Beat on the heartbeat thread for as long as this runs; stop the thread when it is
@@ -240,8 +286,9 @@ class Heartbeat:
             raise
 
     def beat(self, conn: psycopg.Connection[Any]) -> None:
-        """Extend every held lease in one statement; hand the ones that are gone to the event
-        loop to abandon. Extends nothing while the process is not progressing."""
+        """Extend the process's lease in one statement, idle or not (an idle process's next
+        claim needs it live); hand the executions that are no longer ours to the event loop
+        to abandon. Extends nothing while the process is not progressing."""
         stalled = self._progressing()
         if stalled is not None:
             if self.stalled is None:
@@ -253,69 +300,73 @@ class Heartbeat:
         if self.stalled is not None:
             log.warning("progress resumed; extending leases again")
             self.stalled = None
-        snapshot = [h for h in self._leases if not h.lost]
-        if not snapshot or self.paused:
+        if self.paused:
             return
+        snapshot = [h for h in self._leases if not h.lost]
         sent = time.monotonic()
-        owned = db.run_sync(conn, statements.executions.heartbeat(
-            self._q, held=[h.key for h in snapshot], lease_s=self._lease_s))
-        gone, busy = [], []
-        for h in snapshot:
-            if h.claimed.id not in owned:
-                gone.append(h)
-                continue
-            cancel = owned[h.claimed.id]
-            if cancel is None:
-                busy.append(h)  # another transaction holds the row: still ours, not extended
-                continue
-            h.trusted_until = sent + self._lease_s
-            if cancel:
-                h.cancel_requested = True
-        if busy:
-            busy = self._wait_out(conn, busy, gone)
-        if busy:
-            metrics.get().busy_leases.inc(len(busy))
-            log.info("%d lease(s) not extended: another transaction holds the row (%s%s); "
-                     "trusted until they run out", len(busy), busy[0].claimed.id,
-                     ", ..." if len(busy) > 1 else "")
+        beat = db.run_script_sync(conn, statements.executions.heartbeat(
+            self._q, owner=self.owner, held=[h.key for h in snapshot], lease_s=self._lease_s))
+        if not beat.renewed:
+            self._rename(conn, len(snapshot))
+            gone = snapshot
+        else:
+            self.trusted_until = sent + self._lease_s
+            gone = []
+            for h in snapshot:
+                if h.claimed.id not in beat.owned:
+                    gone.append(h)
+                    continue
+                h.trusted_until = sent + self._lease_s
+                if beat.owned[h.claimed.id]:
+                    h.cancel_requested = True
         if gone and self._loop is not None:
             self._loop.call_soon_threadsafe(self._abandon, gone)
+        if beat.renewed:
+            if self._leases.audit and self._loop is not None:
+                running = db.run_sync(conn, statements.executions.running_under(
+                    self._q, owner=self.owner))
+                self._loop.call_soon_threadsafe(self._adopt, running)
+            self._give_back(conn)
 
-    def _wait_out(self, conn: psycopg.Connection[Any], busy: list[Lease],
-                  gone: list[Lease]) -> list[Lease]:
-        """Beat each busy row again, one statement each, waiting for its lock under the
-        connection's lock_timeout; return the rows still busy (a lock_timeout met), after
-        adding those found no longer ours to *gone*.
+    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+        """Give back to the queue what this process dropped without ending its claim (a run
+        cut short when its trust ran out during an outage, a lease lost to a write refused
+        past it): the lease the rows run under is alive, so the sweeper would never take
+        them. Fenced by the epoch: a row claimed again since is not touched. A failure
+        keeps them for the next beat."""
+        dropped = self._leases.take_dropped()
+        if not dropped:
+            return
+        try:
+            released = db.run_sync(conn, statements.executions.release_batch(
+                self._q, held=dropped))
+        except psycopg.Error:
+            for eid, epoch in dropped:  # the next beat tries again
+                self._leases.drop_key((eid, epoch))
+            raise
+        if released:
+            log.info("gave back %d execution(s) this process dropped", len(released))
 
-        The worker's own checkpoint batches, completions and parks hold its rows for a
-        moment, many times a second: skipped, they were never extended and leases were lost
-        with nothing wrong (FAULTS C2). A row held for longer (a client's transaction left
-        open, FAULTS O4) costs its own lock_timeout and nobody else's: rows that met one at
-        the last beat go last, and the round ends after half a heartbeat interval."""
-        if self._lock_timeout is None:
-            return busy  # nothing bounds a wait: skipped rows stay busy
-        stop = time.monotonic() + self._interval / 2
-        still: list[Lease] = []
-        for h in sorted(busy, key=lambda h: h.claimed.id in self._stubborn):
-            sent = time.monotonic()
-            if sent >= stop:
-                still.append(h)
-                continue
-            try:
-                owned = db.run_script_sync(conn, statements.executions.heartbeat_wait(
-                    self._q, held=h.key, lease_s=self._lease_s,
-                    timeout_ms=connections.lock_timeout_ms(self._lock_timeout)))
-            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled):
-                still.append(h)  # QueryCanceled: the wait ran on a Citus worker node
-                continue
-            if h.claimed.id not in owned:
-                gone.append(h)
-                continue
-            h.trusted_until = sent + self._lease_s
-            if owned[h.claimed.id]:
-                h.cancel_requested = True
-        self._stubborn = {h.claimed.id for h in still}
-        return still
+    def _adopt(self, running: list[tuple[uuid.UUID, int]]) -> None:
+        if n := self._leases.adopt(running):
+            log.warning("%d execution(s) run under this process's lease that it does not hold "
+                        "(a claim whose reply was lost): giving them back", n)
+
+    def _rename(self, conn: psycopg.Connection[Any], held: int) -> None:
+        """The lease ran out before a beat could extend it (the process froze, stalled or
+        lost the database for a whole lease): it is never extended again, so take a lease
+        under a new name. Claims go on under the old name, and claim nothing, until the new
+        one is taken: rows claimed under a name with no lease are the sweeper's at once."""
+        self._renamed += 1
+        new = f"{self._base}~{self._renamed}"
+        log.warning("this process's lease %s ran out before it could be extended; dropping "
+                    "its %d execution(s) (the sweeper re-queues them) and taking a new lease "
+                    "as %s", self.owner, held, new)
+        sent = time.monotonic()
+        beat = db.run_script_sync(conn, statements.executions.heartbeat(
+            self._q, owner=new, held=[], lease_s=self._lease_s))
+        if beat.renewed:
+            self.owner, self.trusted_until = new, sent + self._lease_s
 
     def _give_up_running_out(self) -> None:
         """Stop the executions whose trust runs out before the next beat could save it.
@@ -353,8 +404,8 @@ class Heartbeat:
 
     def _run(self) -> None:
         backoff = Backoff(base=0.2, cap=self._interval)
-        while not self._stop.wait(self._interval if not backoff.failures
-                                  else backoff.next_delay()):
+        delay = 0.0  # the first beat at once: it takes the lease the claims run under
+        while not self._stop.wait(delay):
             try:
                 self.run_once()
                 OUTAGE.succeeded(pooled=False)
@@ -373,6 +424,7 @@ class Heartbeat:
                     self._conn = None
                 backoff.failures += 1
             self._give_up_running_out()
+            delay = self._interval if not backoff.failures else backoff.next_delay()
         if self._conn is not None:
             self._conn.close()
             self._conn = None

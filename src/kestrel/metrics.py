@@ -110,9 +110,6 @@ class Metrics:
                                      "them for contention (a lock or statement timeout, a "
                                      "deadlock...), by writer and SQLSTATE",
                                      ["kind", "sqlstate"])
-        self.busy_leases = Counter("kestrel_busy_leases_total",
-                                   "Leases a heartbeat did not extend because another "
-                                   "transaction (a client's) held the execution's row")
         self.quarantined = Counter("kestrel_quarantined_total",
                                    "Executions quarantined after max_attempts lost workers")
         self.worker_restarts = Counter("kestrel_worker_restarts_total",

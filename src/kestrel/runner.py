@@ -310,8 +310,11 @@ class Runner:
                 await self._finish(lease, finish, attempt)
         except asyncio.CancelledError:
             if lease.lost or self._stopping.is_set():
-                # lost: the new owner finishes it; stopping: _drain releases it
+                # lost: the new owner finishes it, or, if the row still runs under this
+                # process's lease, the heartbeat gives it back; stopping: _drain releases it
                 tracing.mark(attempt, "lost" if lease.lost else "released")
+                if lease.lost:
+                    self.leases.drop(lease)
                 return
             raise
         finally:
@@ -378,6 +381,7 @@ class Runner:
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, outcome)
+            self.leases.drop(lease)  # given back by the heartbeat if still ours
             return None
         # The last step's checkpoint, if its write waits (the run ended right after it): the
         # completion writes it, unless the execution ends cancelled (which records nothing

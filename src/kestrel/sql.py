@@ -60,9 +60,9 @@ class Queries:
     # sql/queries/executions.sql (kestrel/statements/executions.py)
     claim_batch: str
     set_lock_timeout: str
+    take_lease: str
     heartbeat: str
-    heartbeat_wait: str
-    set_wait_timeouts: str
+    running_under: str
     complete_batch: str
     complete_batch_delegated: str
     release_batch: str
@@ -195,7 +195,7 @@ _INCLUDE = re.compile(r"^[ \t]*-- include: (\w+)[ \t]*$", re.MULTILINE)
 
 def fragments() -> dict[str, str]:
     """Every ``-- name:`` fragment of ``sql/fragments``: a part of statements written once
-    (the claims' change to their rows and their result, the heartbeat's change)."""
+    (the claims' lease, their change to their rows and their result)."""
     found: dict[str, str] = {}
     for path in sorted((sql_dir() / "fragments").glob("*.sql")):
         found.update(parse_named(path.read_text()))
@@ -275,9 +275,10 @@ _IDENT_CHAR = re.compile(r"[A-Za-z0-9_$\x80-\uffff]")
 def _lex(text: str) -> Iterator[tuple[str, int, int]]:
     """Cut SQL *text* as PostgreSQL's lexer does, into ``(kind, start, end)`` pieces that
     cover it in order: ``"comment"`` (a ``--`` comment up to its line's end, the newline
-    not included, or a nested ``/* */`` one), ``";"`` (a semicolon outside any of these) and
-    ``"code"`` (the rest, a ``'...'`` or ``E'...'`` string, a ``"..."`` identifier or a
-    ``$tag$...$tag$`` dollar-quoted body always whole inside one piece)."""
+    not included, or a nested ``/* */`` one), ``";"`` (a semicolon outside any of these),
+    ``"quoted"`` (a ``'...'`` or ``E'...'`` string, a ``"..."`` identifier or a
+    ``$tag$...$tag$`` dollar-quoted body, whole; an ``E`` prefix stays in the code before
+    it) and ``"code"`` (the rest)."""
     start = i = 0
     n = len(text)
     while i < n:
@@ -313,32 +314,34 @@ def _lex(text: str) -> Iterator[tuple[str, int, int]]:
         if c == "'":
             backslash = i > 0 and text[i - 1] in "eE" and (
                 i < 2 or not _IDENT_CHAR.match(text[i - 2]))
-            i += 1
-            while i < n:
-                if backslash and text[i] == "\\":
-                    i += 2
-                elif text[i] == "'":
-                    if text.startswith("''", i):
-                        i += 2
+            j = i + 1
+            while j < n:
+                if backslash and text[j] == "\\":
+                    j += 2
+                elif text[j] == "'":
+                    if text.startswith("''", j):
+                        j += 2
                     else:
                         break
                 else:
-                    i += 1
-            i += 1
-            continue
-        if c == '"':
+                    j += 1
+            end = min(j + 1, n)
+        elif c == '"':
             end = text.find('"', i + 1)
             while end >= 0 and text.startswith('""', end):
                 end = text.find('"', end + 2)
-            i = n if end < 0 else end + 1
+            end = n if end < 0 else end + 1
+        elif c == "$" and not (i > 0 and _IDENT_CHAR.match(text[i - 1])) and (
+                tag := _DOLLAR_TAG.match(text, i)):
+            end = text.find(tag.group(), tag.end())
+            end = n if end < 0 else end + len(tag.group())
+        else:
+            i += 1
             continue
-        if c == "$" and not (i > 0 and _IDENT_CHAR.match(text[i - 1])):
-            tag = _DOLLAR_TAG.match(text, i)
-            if tag:
-                end = text.find(tag.group(), tag.end())
-                i = n if end < 0 else end + len(tag.group())
-                continue
-        i += 1
+        if start < i:
+            yield "code", start, i
+        yield "quoted", i, end
+        start = i = end
     if start < n:
         yield "code", start, min(i, n)
 
@@ -359,7 +362,7 @@ def split_statements(text: str) -> list[str]:
             if code:
                 out.append(text[begin:start].strip())
             begin, code = end, False
-        elif kind == "code" and not code and not text[start:end].isspace():
+        elif kind != "comment" and not code and not text[start:end].isspace():
             code = True
     if code:
         out.append(text[begin:].strip())
@@ -369,25 +372,31 @@ def split_statements(text: str) -> list[str]:
 def strip_comments(text: str) -> str:
     """*text* without its comments (:func:`_lex`), what a statement sends: a line that held
     only a comment goes whole, a comment after code goes with the blanks before it; strings,
-    identifiers and dollar-quoted bodies are kept byte for byte. The statements' comments are
-    for their readers, and a text over psycopg's 4,096-byte cache limit is parsed for its
-    placeholders again at every execution (the claim's 7.5 KB: 56 µs a call against 5)."""
+    identifiers and dollar-quoted bodies are kept byte for byte; so is the code but for the
+    indentation of its lines. The statements' comments and layout are for their readers,
+    and a text over psycopg's 4,096-byte cache limit is parsed for its placeholders again
+    at every execution (the claim's 7.5 KB: 56 µs a call against 5)."""
     out = ""
     after_comment = False
     for kind, start, end in _lex(text):
         if kind == "comment":
             after_comment = True
             continue
-        piece = text[start:end]
+        piece = _INDENT.sub("\n", text[start:end]) if kind == "code" else text[start:end]
         if after_comment and piece.startswith("\n"):
             # The comment ended its line: its blanks go, and the line itself when nothing
             # else was on it.
             out = out.rstrip(" \t")
             if not out or out.endswith("\n"):
                 piece = piece[1:]
+        elif after_comment and kind == "code" and (not out or out.endswith("\n")):
+            piece = piece.lstrip(" \t")  # a comment that began its line: no indentation
         after_comment = False
         out += piece
     return out.strip()
+
+
+_INDENT = re.compile(r"\n[ \t]+")
 
 
 _FUNCTION = re.compile(r"CREATE OR REPLACE FUNCTION __schema__\.(\w+)\(")

@@ -115,7 +115,9 @@ class Worker:
         self.completions = self.runner.completions
         self.claimer = Claimer(cfg, self.runner, pool=self._pool, workflows=sorted(workflows),
                                wakeups=Wakeups(self._stopping, self._work, self._slot_freed),
-                               stalled=self._progressing, namespace=self._namespace)
+                               stalled=self._progressing, namespace=self._namespace,
+                               owner=lambda: self.heartbeat.owner,
+                               trust=lambda: self.heartbeat.trusted_until)
         self.sweeper = Sweeper(self._pool, self._q, cfg, self._work.set)
         self.upkeep = Upkeep(self._pool, self._q, cfg)
         self.scheduler = Scheduler(self._pool, self._q, cfg, self._schedules)
@@ -125,7 +127,8 @@ class Worker:
         self.registration = Registration(self._pool, self._q, cfg, worker_id=self.id,
                                          workflows=sorted(workflows),
                                          collect=collect_queue_stats)
-        self.heartbeat = Heartbeat(self.leases, dsn=dsn, q=self._q, lease_s=cfg.lease,
+        self.heartbeat = Heartbeat(self.leases, dsn=dsn, q=self._q, owner=self.id,
+                                   lease_s=cfg.lease,
                                    interval=cfg.heartbeat, prepared=cfg.prepared_statements,
                                    progressing=self._progressing,
                                    lock_timeout=cfg.statement_lock_timeout,
@@ -260,13 +263,14 @@ class Worker:
             if self._drain_timeout > 0:
                 await asyncio.wait(tasks, timeout=self._drain_timeout)
         remaining = list(self.leases)
-        if not remaining:
-            return
         for h in remaining:
             if h.task is not None:
                 h.task.cancel()
         await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
-        held = [h.key for h in remaining if not h.lost]
+        # And what was dropped without ending its claim (the heartbeat gives those back
+        # while it beats; it stops now): fenced by the epoch, so nothing another process
+        # took since is touched.
+        held = [h.key for h in remaining if not h.lost] + self.leases.take_dropped()
         self.heartbeat.paused = True  # released rows are not lost leases
         if held:
             try:

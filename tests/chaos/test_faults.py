@@ -30,6 +30,7 @@ from tests.helpers import (
     run_worker_until,
     runtime,
     submit_many,
+    take_lease,
     wait_until,
     worker_pids,
 )
@@ -232,8 +233,9 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
     pg_dsn: str, direct_dsn: str, schema: str
 ) -> None:
     """River #1302: a sweeper acting on a stale read. Ours is one statement whose FOR UPDATE
-    SKIP LOCKED re-checks the newest row version, so a row the owner is completing,
-    heartbeating or that another worker re-claimed is left alone."""
+    SKIP LOCKED re-checks the newest row version, so a row the owner is completing, parking
+    or that another worker re-claimed is left alone. (The lease itself is the process's row,
+    migration 0026, and one that ran out is never extended: no beat can race the sweep.)"""
     import asyncio
 
     from kestrel import connections, db, statements
@@ -244,6 +246,8 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
     ids = [client.submit(app.three_steps, n).id for n in range(3)]
 
     async def main() -> None:
+        take_lease(direct_dsn, schema, "w", 1)
+        take_lease(direct_dsn, schema, "w2", 60)
         async with await psycopg.AsyncConnection.connect(direct_dsn, autocommit=True) as c:
             connections.configure_connection(c)
             claimed = await db.run(
@@ -255,13 +259,14 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
             assert {x.id for x in claimed} == set(ids)
             await c.execute(f'UPDATE "{schema}".clock_offset SET offset_by = \'5 seconds\'')
             owner = await psycopg.AsyncConnection.connect(direct_dsn)
-            # The owner is mid-transaction on two rows: completing one, heartbeating one.
-            done, beat, free = claimed
+            # The owner is mid-transaction on two rows: completing one, parking one.
+            done, parked, free = claimed
             await owner.execute(f'DELETE FROM "{schema}".workflow_executions WHERE id = %s',
                                 [done.id])
-            await owner.execute(f'UPDATE "{schema}".workflow_executions SET lease_expires_at '
-                                f'= "{schema}".kestrel_now() + interval \'1 hour\' '
-                                "WHERE id = %s", [beat.id])
+            await owner.execute(f'UPDATE "{schema}".workflow_executions SET status = '
+                                f"'waiting', lease_owner = NULL, wake_at = "
+                                f'"{schema}".kestrel_now() + interval \'1 hour\' '
+                                "WHERE id = %s", [parked.id])
             swept = await db.run(
                 c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5)
             )
@@ -271,7 +276,7 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
             again = await db.run(
                 c, statements.sweeper.reenqueue_expired(qs, limit=10, max_attempts=5)
             )
-            assert again.requeued == 0  # deleted stays gone; the heartbeat made it current
+            assert again.requeued == 0  # deleted stays gone; the parked one waits
             (reclaimed,) = await db.run(
                 c,
                 statements.executions.claim_batch(
@@ -285,7 +290,7 @@ def test_f5_sweeper_never_moves_back_what_its_owner_just_changed(
 
     asyncio.run(main())
     rows = q(pg_dsn, schema, "SELECT status FROM {s}.workflow_executions")
-    assert sorted(r[0] for r in rows) == ["running", "running"]  # the completed one is gone
+    assert sorted(r[0] for r in rows) == ["running", "waiting"]  # the completed one is gone
 
 
 def test_f8_a_step_blocking_the_event_loop_keeps_its_lease(

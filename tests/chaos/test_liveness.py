@@ -115,15 +115,16 @@ def labelled(port: int, name: str, **labels: str) -> float:
 
 class LeaseWatch:
     """Samples ``workflow_executions``: for each claim (id, epoch) its owner, when it was
-    first seen and the latest ``lease_expires_at`` seen, so a test can tell when a process's
-    leases stopped being extended."""
+    first seen and the latest expiry seen of the lease it runs under (its process's row in
+    ``leases``, migration 0026), so a test can tell when a process's leases stopped being
+    extended."""
 
     def __init__(self, dsn: str, schema: str) -> None:
         self._conn = psycopg.connect(dsn, autocommit=True, prepare_threshold=None)
         self._stmt = pgsql.SQL(
-            "SELECT id, lease_epoch, lease_owner, lease_expires_at FROM {}.workflow_executions "
-            "WHERE status = 'running' AND lease_owner IS NOT NULL").format(
-                pgsql.Identifier(schema))
+            "SELECT e.id, e.lease_epoch, e.lease_owner, l.expires_at "
+            "FROM {s}.workflow_executions AS e JOIN {s}.leases AS l ON l.owner = e.lease_owner "
+            "WHERE e.status = 'running'").format(s=pgsql.Identifier(schema))
         self.owner: dict[tuple[uuid.UUID, int], str] = {}
         self.last_expiry: dict[tuple[uuid.UUID, int], datetime] = {}
         self.first_seen: dict[tuple[uuid.UUID, int], float] = {}

@@ -57,11 +57,12 @@ def test_f1_sigkill_mid_step_reruns_only_that_step_under_a_new_epoch_long_before
                            what="a slow step body to start")
         victim = first[0]["pid"]
         time.sleep(0.3)  # let the victim start more of its claimed bodies
-        # The victim's leases as they stand: heartbeats only extend them, so each expires
-        # no earlier than this.
-        leases = dict(q(pg_dsn, schema, "SELECT id, lease_expires_at FROM "
-                        "{s}.workflow_executions WHERE status = 'running' AND "
-                        "lease_owner LIKE %s", [f"%:{victim}:%"]))
+        # The victim's lease as it stands (its process's row, migration 0026), by
+        # execution: heartbeats only extend it, so it expires no earlier than this.
+        leases = dict(q(pg_dsn, schema, "SELECT e.id, l.expires_at FROM "
+                        "{s}.workflow_executions AS e JOIN {s}.leases AS l "
+                        "ON l.owner = e.lease_owner WHERE e.status = 'running' AND "
+                        "e.lease_owner LIKE %s", [f"%:{victim}:%"]))
         kill(victim, signal.SIGKILL)
         killed_db = q1(pg_dsn, schema, "SELECT {s}.kestrel_now()")
         killed_at = time.time()
@@ -235,9 +236,12 @@ def test_f9_a_step_that_crashes_its_process_is_quarantined_and_the_rest_complete
 def test_lost_replies_of_claims_checkpoints_and_completions(
     pg_dsn: str, schema: str, ledger_path: Path, tmp_path: Path
 ) -> None:
-    """A claim whose reply is lost leaves leased rows nobody runs: the sweeper requeues them
-    after the lease. A checkpoint or completion that fails before its commit is retried.
-    Nothing is lost, nothing recorded twice, no recorded step reruns."""
+    """A claim whose reply is lost leaves rows nobody runs under the process's lease, which
+    its heartbeat keeps alive (migration 0026): the heartbeat then looks at what runs under
+    the lease and gives back what the process does not hold, its attempt not counted. A
+    checkpoint or completion that fails before its commit is retried. Nothing is lost,
+    nothing recorded twice, no recorded step reruns. (Before the give-back, those rows stayed
+    running under a live lease for ever.)"""
     n = 60
     submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", n)
     log = tmp_path / "rt.log"
@@ -248,6 +252,8 @@ def test_lost_replies_of_claims_checkpoints_and_completions(
     for name, times in (("after_claim_commit", 1), ("before_checkpoint_commit", 2),
                         ("before_complete", 2)):
         assert text.count(f"failpoint {name} fired") == times
-    stranded = q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history WHERE attempts = 2")
-    assert stranded >= 1  # the lost claim's rows, claimed again after the sweep
+    assert "(a claim whose reply was lost): giving them back" in text
+    stranded = q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_history "
+                  "WHERE lease_epoch = 2 AND attempts = 1")
+    assert stranded >= 1  # the lost claim's rows, claimed again, charged once
     assert audit(pg_dsn, schema, n, ledger_path) == 0

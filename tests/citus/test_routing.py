@@ -22,6 +22,7 @@ from kestrel.sql import queries
 from kestrel.types import Finish, RecordedStep, Status, StepWrite
 from tests.citus.conftest import sharding_dsn
 from tests.citus.test_tenants import node_of
+from tests.helpers import take_lease
 
 _SERVER = re.compile(r"on server \S+@[\d.]+:(\d+)")
 _TXN = re.compile(r"^(BEGIN|COMMIT|ROLLBACK|PREPARE|SELECT assign_distributed_transaction_id"
@@ -67,19 +68,19 @@ def conn(citus_dsn: str) -> Iterator[psycopg.Connection[Any]]:
 EXPECTED = {
     "submit": (1, 0),       # a function run on the coordinator: its INSERT routed
     "claim_batch": (1, 0),  # routed whole
-    "heartbeat": (1, 0),
+    "heartbeat": (2, 0),    # the process's lease taken, then its executions read
     "save_steps": (1, 0),   # the Citus form: save_steps() delegated to the tenant's node
     "save_steps as a statement": (5, 2),  # the form plain PostgreSQL gets, for comparison
     "complete_batch": (1, 0),  # the Citus form: finish_batch() delegated to the tenant's node
     "notify_done": (0, 0),  # reads no table: raised on the coordinator, where clients listen
     "complete_batch as a statement": (13, 4),  # the form plain PostgreSQL gets (with a tail)
     "reenqueue_expired": (1, 0),  # the Citus form: sweep_expired() delegated
-    "reenqueue_expired as a statement": (9, 3),
+    "reenqueue_expired as a statement": (13, 3),
     "expire_deadlines": (1, 0),  # the Citus form: fail_late() delegated
     "expire_deadlines as a statement": (9, 4),
-    "recover_dead_worker": (4, 0),  # one transaction; its pass in the Citus form, each
+    "recover_dead_worker": (6, 0),  # one transaction; its pass in the Citus form, each
     # statement of sweep_expired() routed (in a transaction Citus delegates no call)
-    "recover_dead_worker with the statement": (11, 3),
+    "recover_dead_worker with the statement": (15, 3),
 }
 
 
@@ -134,7 +135,7 @@ def _each_hot_statement_on_one_node(citus_dsn: str, tenant: str,
         q, owner="routing", queues=["default"], limit=4, lease_s=30))
     seen.take()
     assert run("heartbeat", statements.executions.heartbeat(
-        q, held=[(c.id, c.epoch)], lease_s=30)) == {c.id: False}
+        q, owner="routing", held=[(c.id, c.epoch)], lease_s=30)).owned == {c.id: False}
     now = time.monotonic()
     assert db.run_sync(conn, statements.migrate.distributed_schema(q)) is True
     seen.take()
@@ -172,6 +173,7 @@ def _each_hot_statement_on_one_node(citus_dsn: str, tenant: str,
         db.run_sync(conn, statements.client.submit(q, statements.client.submit_params(
             workflow="three_steps", args="[3]", queue="default", priority=0,
             idempotency_key=None)))
+        take_lease(citus_dsn, tenant, f"dead:{name}")
         db.run_sync(conn, statements.executions.claim_batch(
             q, owner=f"dead:{name}", queues=["default"], limit=1, lease_s=30))
         seen.take()

@@ -11,10 +11,12 @@ import pytest
 from kestrel import connections, db, statements
 from kestrel.sql import queries
 from kestrel.types import SweepResult
-from tests.helpers import q, q1, submit_many
+from tests.helpers import q, q1, submit_many, take_lease
 
 
 def _claim(dsn: str, schema: str, owner: str, limit: int) -> list[object]:
+    take_lease(dsn, schema, owner, 3600)
+
     async def main() -> list[object]:
         async with await psycopg.AsyncConnection.connect(dsn, autocommit=True,
                                                          prepare_threshold=None) as c:
@@ -59,8 +61,9 @@ def test_only_the_dead_incarnations_rows_are_released_and_a_crash_counts_as_an_a
     assert _recover(pg_dsn, schema, "host:42:dead", delegated=form) == SweepResult(
         requeued=2, quarantined=1, examined=3)
     rows = dict((r[0], r[1:]) for r in q(
-        pg_dsn, schema, "SELECT id, status, lease_owner, attempts, "
-        "lease_expires_at > now() + interval '50 minutes' FROM {s}.workflow_executions"))
+        pg_dsn, schema, "SELECT e.id, e.status, e.lease_owner, e.attempts, "
+        "l.expires_at > now() + interval '50 minutes' FROM {s}.workflow_executions AS e "
+        "LEFT JOIN {s}.leases AS l ON l.owner = e.lease_owner"))
     for eid in dead[1:]:
         assert rows[eid] == ("queued", None, 1, None)  # the crash is an attempt
     for eid in alive:

@@ -24,7 +24,7 @@ from kestrel.client import SyncClient
 from kestrel.sql import queries
 from kestrel.types import Finish, Status, StepWrite
 from tests.apps import ledger_app as app
-from tests.helpers import q, q1
+from tests.helpers import q, q1, take_lease
 
 
 @pytest.fixture(params=[False, True], ids=["statement", "citus-form"])
@@ -33,7 +33,8 @@ def form(request: pytest.FixtureRequest) -> bool:
 
 
 def claim_all(pg_dsn: str, schema: str, n: int) -> dict[uuid.UUID, int]:
-    """Claim the *n* queued executions as worker "w"; their epochs."""
+    """Claim the *n* queued executions as worker "w", under its lease; their epochs."""
+    take_lease(pg_dsn, schema, "w")
 
     async def main() -> dict[uuid.UUID, int]:
         async with await psycopg.AsyncConnection.connect(pg_dsn, autocommit=True) as conn:

@@ -275,7 +275,8 @@ def test_heartbeats_checkpoints_and_completions_never_deadlock(pg_dsn: str, sche
                     pairs = list(held.items())
                 rng.shuffle(pairs)
                 try:
-                    db.run_sync(conn, statements.executions.heartbeat(qs, held=pairs, lease_s=300))
+                    db.run_script_sync(conn, statements.executions.heartbeat(
+                        qs, owner="x3", held=pairs, lease_s=300))
                 except psycopg.errors.DeadlockDetected as exc:
                     deadlocks.append(f"heartbeat: {exc}")
                 rounds["heartbeat"] += 1

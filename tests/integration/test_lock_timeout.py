@@ -105,29 +105,24 @@ def test_the_lock_timeout_setting_is_bounded_by_the_lease() -> None:
         Config(lease=4.0, heartbeat=1.0, lock_timeout=3)
 
 
-LOCAL_WAITS = ("SELECT count(*) FROM pg_locks WHERE NOT granted "
-               "AND locktype IN ('transactionid', 'tuple')")
-
-
-def test_the_heartbeat_waits_out_a_short_lock_and_never_trusts_a_row_it_did_not_extend(
+def test_no_lock_on_the_rows_a_worker_holds_delays_its_heartbeat(
     pg_dsn: str, direct_dsn: str, schema: str
 ) -> None:
-    """FAULTS C2/O4 at the level of one beat. A row locked for a moment (as the worker's own
-    checkpoint batch does) is skipped by the first statement, then waited for and extended
-    at the same beat. A row a client keeps past the lock_timeout is counted busy, and the
-    worker's trust in it is not moved: only the rows a beat extended are trusted longer."""
-    beat_against_locks(pg_dsn, direct_dsn, schema, session=not VIA_PGBOUNCER,
-                       waits=LOCAL_WAITS)
+    """FAULTS C2/C3/O4 at the level of one beat. Of three claimed rows, one is held FOR SHARE
+    (as the worker's own checkpoint batch holds it), one by a client's open UPDATE, one is
+    free. The beat ends while both locks are still held, extends the process's lease and
+    trusts all three for a whole lease longer: the lease is the process's own row (migration
+    0026), which no lock on an execution stands in front of. Before, the beat skipped each
+    held row, waited a lock_timeout on it, and did not extend the client's at all."""
+    beat_against_locks(pg_dsn, direct_dsn, schema, session=not VIA_PGBOUNCER)
 
 
-def beat_against_locks(pg_dsn: str, direct_dsn: str, schema: str, *, session: bool,
-                       waits: str) -> None:
-    """One beat over three claimed rows: one locked for a moment, one kept by a client, one
-    free (see the test above). *waits* counts lock waits (the heartbeat's, queued)."""
+def beat_against_locks(pg_dsn: str, direct_dsn: str, schema: str, *, session: bool) -> None:
+    """One beat over three claimed rows: one held FOR SHARE, one kept by a client's UPDATE,
+    one free (see the test above). The beat must end while both are held."""
     import threading
     import time
 
-    from kestrel import metrics
     from kestrel.lease import Heartbeat, Lease, Leases
 
     submit_many(pg_dsn, schema, "three_steps", "jsonb_build_array(i)", 3)
@@ -140,11 +135,11 @@ def beat_against_locks(pg_dsn: str, direct_dsn: str, schema: str, *, session: bo
     leases = Leases()
     for c in claimed:
         leases.add(Lease(c, trusted_until=0.0, claimed_at=0.0))
-    hb = Heartbeat(leases, dsn=pg_dsn, q=qs, lease_s=30, interval=2.0, prepared=False,
-                   progressing=lambda: None, lock_timeout=0.3, session=session)
+    hb = Heartbeat(leases, dsn=pg_dsn, q=qs, owner="t", lease_s=30, interval=2.0,
+                   prepared=False, progressing=lambda: None, lock_timeout=0.3,
+                   session=session)
     by_id = {h.claimed.id: h for h in leases}
     short, kept, free = (by_id[c.id] for c in claimed)
-    busy_before = metrics.get().busy_leases._value.get()
     table = f'"{schema}".workflow_executions'
     with psycopg.connect(direct_dsn) as client, psycopg.connect(direct_dsn) as batch:
         client.execute(f"UPDATE {table} SET priority = 1 WHERE id = %s", [kept.claimed.id])
@@ -152,17 +147,14 @@ def beat_against_locks(pg_dsn: str, direct_dsn: str, schema: str, *, session: bo
         beat = threading.Thread(target=hb.run_once)
         started = time.monotonic()
         beat.start()
-        # The heartbeat is queued on the short lock (its second statement): let it go.
-        while not q1(direct_dsn, schema, waits):
-            assert beat.is_alive() and time.monotonic() - started < 10
-            time.sleep(0.01)
+        beat.join(timeout=30)
+        assert not beat.is_alive(), "the beat waited on a lock an execution's row held"
         batch.rollback()
-        beat.join()
         client.rollback()
     if hb._conn is not None:
         hb._conn.close()
-    assert short.trusted_until >= started + 30  # waited for, extended at this beat
-    assert free.trusted_until >= started + 30
-    assert kept.trusted_until == 0.0  # not extended: not trusted a moment longer
-    assert metrics.get().busy_leases._value.get() == busy_before + 1
+    for h in (short, kept, free):
+        assert h.trusted_until >= started + 30, h.claimed.id  # extended at this beat
     assert not any(h.lost for h in leases)
+    assert q1(direct_dsn, schema, "SELECT expires_at > {s}.kestrel_now() + interval '25 s' "
+              "FROM {s}.leases WHERE owner = 't'")

@@ -41,7 +41,7 @@ from kestrel.sql import Queries, migrations, named_statements, queries
 from kestrel.worker import Worker
 from kestrel.workflow import registry
 from tests.apps import ledger_app as app
-from tests.helpers import config, finished_count, q, q1
+from tests.helpers import config, finished_count, q, q1, take_lease
 
 # A finished execution's signals left with it (archive_finished): read both tables.
 ALL_SIGNALS = ("(SELECT id, payload, consumed_step FROM {s}.signals UNION ALL "
@@ -190,14 +190,16 @@ def three_steps_end_once(env: Env, **cfg: Any) -> Worker:
 
 
 def claim(env: Env) -> None:
-    # The claim committed and its rows are running under this worker's name; the claimer
-    # never heard of them. They come back when their lease ends (one attempt charged).
+    # The claim committed and its rows are running under this worker's lease; the claimer
+    # never heard of them. The heartbeat finds them under the lease and gives them back,
+    # their attempt not counted (before migration 0026: when their own lease ended, one
+    # attempt charged).
     h = env.client.submit(app.three_steps, 4)
     env.work(env.finished())
     status, result, attempts = env.history(h.id)
     assert (status, result) == ("completed", app.model(4))
     assert env.bodies(h.id) == [0, 1, 2]
-    assert attempts == 2
+    assert attempts == 1
 
 
 def claim_limited(env: Env) -> None:
@@ -209,7 +211,7 @@ def claim_limited(env: Env) -> None:
 
 def claim_keyed(env: Env) -> None:
     # A keyed queue's claim (lock, the running by key, the claim and its turn: one
-    # transaction), its COMMIT's reply lost: the rows come back when their lease ends.
+    # transaction), its COMMIT's reply lost: the heartbeat gives the rows back.
     hs = [env.client.submit(app.three_steps, n, queue="deploys", concurrency_key=f"k{n % 2}")
           for n in range(3)]
     env.work(env.finished(len(hs)), queues=("deploys",))
@@ -227,10 +229,11 @@ def heartbeat(env: Env) -> None:
     assert env.bodies(h.id) == [0, 1, 2]
 
 
-def heartbeat_wait(env: Env) -> None:
+def heartbeat_held(env: Env) -> None:
     # A transaction holds the running row FOR SHARE for 0.3 s at a time (as the worker's own
-    # checkpoint batches do for a moment): the beat skips it, then waits for it and extends
-    # it; that reply is lost, the thread reconnects and beats again. Nothing lapses.
+    # checkpoint batches do for a moment): the beat reads it without waiting and extends the
+    # process's lease; that reply is lost, the thread reconnects and beats again. Nothing
+    # lapses.
     h = env.client.submit(app.slow_middle, 2, 2.0)
     stop = threading.Event()
 
@@ -540,9 +543,28 @@ def sweep_expired(env: Env) -> None:
     assert env.history(h.id) == ("completed", app.model(9), 2)
 
 
+def sweep_dead_owner(env: Env) -> None:
+    # A claim whose process's lease has run out (migration 0026): the row has no lease of
+    # its own, its owner's row in `leases` has passed.
+    h = env.client.submit(app.three_steps, 8)
+    q(env.dsn, env.schema, "INSERT INTO {s}.leases (owner, expires_at, renewed_at) VALUES "
+      "('gone', {s}.kestrel_now() - interval '1 second', {s}.kestrel_now() - interval "
+      "'31 seconds')")
+    q(env.dsn, env.schema, "UPDATE {s}.workflow_executions SET status = 'running', "
+      "lease_epoch = lease_epoch + 1, attempts = 1, lease_owner = 'gone', "
+      "lease_expires_at = NULL RETURNING id")
+    env.work(env.finished())
+    assert env.history(h.id) == ("completed", app.model(8), 2)
+
+
 def sweep_expired_delegated(env: Env) -> None:
     with citus_form(env):
         sweep_expired(env)
+
+
+def sweep_dead_owner_delegated(env: Env) -> None:
+    with citus_form(env):
+        sweep_dead_owner(env)
 
 
 def deadline_delegated(env: Env) -> None:
@@ -830,6 +852,7 @@ def dead_worker(env: Env) -> None:
     # the leases were released all the same, and a second try finds nothing more to do.
     h = env.client.submit(app.three_steps, 4)
     dead = "host:1:dead0000"
+    take_lease(env.dsn, env.schema, dead, 3600)  # as its first heartbeat did
 
     async def claim(pool: Any) -> None:
         async with pool.connection() as conn:
@@ -908,10 +931,9 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "record_namespace_starts": Lost((claim_in_namespace,)),
     "running_by_key": Lost((claim_keyed,)),
     "claim_keyed": Lost((claim_keyed,)),
-    "heartbeat": Lost((heartbeat,)),
-    "heartbeat_wait": Lost((heartbeat_wait,)),
-    "set_wait_timeouts": Read("transaction-local settings before the heartbeat's wait on one "
-                              "row; writes nothing"),
+    "take_lease": Lost((heartbeat, heartbeat_held)),
+    "running_under": Read("reads what runs under the process's lease, after a lost claim"),
+    "heartbeat": Lost((heartbeat, heartbeat_held)),
     "save_new_steps_batch": Lost((checkpoint,)),
     "save_steps_batch": Lost((checkpoint_resent,)),
     "save_new_steps_delegated": Lost((checkpoint_delegated,)),
@@ -933,8 +955,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "submit": Lost((start_child, client_submit, scheduled_tick)),
     "signal": Lost((client_signal, workflow_signal)),
     # The worker's services.
-    "reenqueue_expired": Lost((sweep_expired,)),
-    "reenqueue_expired_delegated": Lost((sweep_expired_delegated,)),
+    "reenqueue_expired": Lost((sweep_expired, sweep_dead_owner)),
+    "reenqueue_expired_delegated": Lost((sweep_expired_delegated, sweep_dead_owner_delegated)),
     "expire_deadlines": Lost((deadline,)),
     "expire_deadlines_delegated": Lost((deadline_delegated,)),
     "maintenance_lock": Lost((upkeep,)),

@@ -141,12 +141,12 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
             (saved,) = await db.run(conn, statements.steps.save_steps(qs, [write]))
             assert not saved.owned and not saved.inserted
             assert (
-                await db.run(
+                await db.run_script(
                     conn,
-                    statements.executions.heartbeat(qs, held=[(h.id, zombie.epoch)], lease_s=30),
+                    statements.executions.heartbeat(qs, owner="zombie",
+                                                    held=[(h.id, zombie.epoch)], lease_s=30),
                 )
-                == {}
-            )
+            ).owned == {}
             done = await db.run(
                 conn,
                 statements.executions.complete_batch(
@@ -161,9 +161,10 @@ def test_zombie_writes_with_a_stale_epoch_change_nothing(pg_dsn: str, schema: st
                 == set()
             )
             # The owner of the current epoch is unaffected.
-            assert await db.run(
-                conn, statements.executions.heartbeat(qs, held=[(h.id, fresh.epoch)], lease_s=30)
-            ) == {h.id: False}
+            assert (await db.run_script(
+                conn, statements.executions.heartbeat(qs, owner="healthy",
+                                                      held=[(h.id, fresh.epoch)], lease_s=30)
+            )).owned == {h.id: False}
 
     asyncio.run(main())
     assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.workflow_steps") == 0

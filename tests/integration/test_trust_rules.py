@@ -41,7 +41,7 @@ from kestrel.worker import Worker
 from kestrel.workflow import registry
 from tests.apps import ledger_app as app
 from tests.conftest import VIA_PGBOUNCER
-from tests.helpers import config, q, q1
+from tests.helpers import config, q, q1, take_lease
 
 # -- workflows only these tests run ----------------------------------------------------------
 
@@ -134,8 +134,8 @@ def test_no_step_body_starts_once_the_lease_is_untrusted(
             (lease,) = list(worker.leases)
             await worker.heartbeat.stop()  # no beat extends the lease or cancels the run now
             await asyncio.to_thread(
-                q, pg_dsn, schema, "UPDATE {s}.workflow_executions SET lease_expires_at = "
-                "{s}.kestrel_now() + interval '1 hour' WHERE id = %s", [eid])
+                q, pg_dsn, schema, "UPDATE {s}.leases SET expires_at = "
+                "{s}.kestrel_now() + interval '1 hour' WHERE owner = %s", [worker.id])
             await until(lambda: not lease.trusted(), "the lease's trust to run out", task=task)
             state = lease.state  # held, neither lost nor re-claimed: only its trust ran out
             gate.set()
@@ -152,9 +152,12 @@ def test_no_step_body_starts_once_the_lease_is_untrusted(
     bodies = [(e["name"], e["step_id"], e["attempt"]) for e in app.read_ledger(ledger_path)]
     assert bodies == [("trust_gate", 0, 1)], f"a body started on an untrusted lease: {bodies}"
     assert worker.stats.lost == 1  # the run was dropped as LeaseLost
-    row = q(pg_dsn, schema, "SELECT status, lease_epoch, lease_owner "
+    row = q(pg_dsn, schema, "SELECT status, lease_epoch, lease_owner, attempts "
             "FROM {s}.workflow_executions WHERE id = %s", [eid])
-    assert row == [("running", 1, worker.id)]  # still this claim's: nobody took it over
+    # Nobody took it over; dropped here under a lease still alive, it was given back by its
+    # own process as it stopped (the heartbeat, stopped above, would have at its next beat),
+    # its attempt not counted.
+    assert row == [("queued", 1, None, 0)]
 
 
 # -- 2. at most one suspect at a time --------------------------------------------------------
@@ -305,19 +308,19 @@ def test_a_limited_claim_skips_rows_a_client_holds(pg_dsn: str, direct_dsn: str,
 @pytest.mark.parametrize("delegated", [False, True], ids=["statement", "sweep_expired"])
 def test_the_sweeper_requeues_a_lease_only_once_it_ran_out(pg_dsn: str, schema: str,
                                                            delegated: bool) -> None:
-    """A row claimed with a 30 s lease; the sweep runs with the database clock set, in the
-    sweep's own transaction (where the clock stands still), to 1 s and to 1 ms before the
-    lease runs out: nothing is re-queued and the row runs on under its epoch. 1 ms after,
-    it is re-queued. Catches the sweep re-queueing early (`lease_expires_at <
+    """A row claimed under a process's 30 s lease (migration 0026); the sweep runs with the
+    database clock set, in the sweep's own transaction (where the clock stands still), to 1 s
+    and to 1 ms before the lease runs out: nothing is re-queued and the row runs on under its
+    epoch. 1 ms after, it is re-queued. Catches the sweep re-queueing early (`expires_at <
     kestrel_now() + interval '5 seconds'`, or by a millisecond), in the statement and in
     its Citus form (sweep_expired())."""
     qs = queries(schema)
     (eid,) = submit(pg_dsn, schema, 1)
+    take_lease(pg_dsn, schema, "t", 30)
     with claim_conn(pg_dsn) as conn:
         (claimed,) = db.run_sync(conn, statements.executions.claim_batch(
             qs, owner="t", queues=["default"], limit=1, lease_s=30))
-    assert claimed.db_now is not None
-    runs_out = claimed.db_now + timedelta(seconds=30)
+    runs_out = q1(pg_dsn, schema, "SELECT expires_at FROM {s}.leases WHERE owner = 't'")
     clock = pgsql.SQL("UPDATE {}.clock_offset SET offset_by = %s - now()").format(
         pgsql.Identifier(schema))
 

@@ -216,6 +216,7 @@ class Lease:
     attempt: int
     recorded: dict[int, Any]
     pos: int
+    owner: str = ""  # the simulated process's lease it runs under (migration 0026)
     cancel: bool = False
     broken: Exception | None = None
     seq: int | None = None  # at the wait: None = look for a signal, else park with it
@@ -232,6 +233,7 @@ class InterleavingMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.conns: list[Conn] = []
+        self.lapses = 0  # how many times every lease ran out (each process renamed since)
         self.tasks: list[asyncio.Task[Any]] = []
         self.services: list[asyncio.Task[Any]] = []
 
@@ -452,7 +454,7 @@ class InterleavingMachine(RuleBasedStateMachine):
                 # P2: the arguments cannot be decoded unchanged; the claim must say so.
                 known("P2-bigint", f"claimed with args {c.args}")
                 broken = UndecodableInput("(known bug P2-bigint: failed by the test)")
-            self.leases.append(Lease(ex, c.epoch, c.attempt, recorded, pos,
+            self.leases.append(Lease(ex, c.epoch, c.attempt, recorded, pos, owner=owner,
                                      cancel=c.cancel_requested, broken=broken))
 
     async def advance(self, L: Lease, conn: Conn | None) -> None:
@@ -913,7 +915,9 @@ class InterleavingMachine(RuleBasedStateMachine):
         conn = self.free_worker()
         if conn is None or len(self.live_leases()) >= MAX_LEASES:
             return
-        self.spawn(self.claim(conn, conn.name, limit))
+        # Each time the leases ran out, every simulated process goes on under a new name,
+        # as kestrel.lease.Heartbeat does: a lease that ran out is never extended again.
+        self.spawn(self.claim(conn, f"{conn.name}~{self.lapses}", limit))
         self.settled()
 
     def launch(self, L: Lease) -> bool:
@@ -1010,6 +1014,7 @@ class InterleavingMachine(RuleBasedStateMachine):
                      " + make_interval(secs => %s)", [LEASE + 1])
             for L in self.live_leases():
                 L.expired = True
+            self.lapses += 1
             self.sweep()
             return
         idle = [L for L in self.live_leases() if not L.busy()]
@@ -1023,9 +1028,14 @@ class InterleavingMachine(RuleBasedStateMachine):
             return
 
         async def beat() -> None:
+            owned: dict[uuid.UUID, bool] = {}
             try:
-                owned = await conn.run(lambda c: db.run(c, statements.executions.heartbeat(
-                    self.q, held=[(L.ex.id, L.epoch) for L in idle], lease_s=LEASE)))
+                for owner in sorted({L.owner for L in idle}):
+                    mine = [(L.ex.id, L.epoch) for L in idle if L.owner == owner]
+                    beat = await conn.run(lambda c, o=owner, m=mine: db.run_script(
+                        c, statements.executions.heartbeat(self.q, owner=o, held=m,
+                                                           lease_s=LEASE)))
+                    owned.update(beat.owned)
             except psycopg.errors.DeadlockDetected:
                 return  # against a user's transaction: the next beat tries again
             for L in idle:

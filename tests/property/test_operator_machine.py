@@ -263,6 +263,7 @@ class Sim:
     gates: list[asyncio.Future[bool]] = field(default_factory=list)
     inflight: int = 0
     lease: Lease | None = None
+    owner: str = ""  # the name of its process's lease (migration 0026): app, then app~, …
     reports: list[tuple[uuid.UUID, int, str]] = field(default_factory=list)
     moved: asyncio.Event = field(default_factory=asyncio.Event)  # the machine's (settle)
 
@@ -587,8 +588,17 @@ class OperatorMachine(RuleBasedStateMachine):
     async def claim(self, sim: Sim) -> bool:
         sim.inflight += 1
         try:
+            # Its process's lease, as its heartbeat keeps it (claims renew nothing): a lease
+            # that ran out (the clock moved past it) is taken again under a new name.
+            sim.owner = sim.owner or sim.app
+            beat = statements.executions.heartbeat
+            if not (await db.run_script(sim.conn, beat(
+                    self.q, owner=sim.owner, held=[], lease_s=LEASE))).renewed:
+                sim.owner += "~"
+                await db.run_script(sim.conn, beat(self.q, owner=sim.owner, held=[],
+                                                   lease_s=LEASE))
             got = await db.run(sim.conn, statements.executions.claim_batch(
-                self.q, owner=sim.app, queues=["default"], limit=1, lease_s=LEASE,
+                self.q, owner=sim.owner, queues=["default"], limit=1, lease_s=LEASE,
                 workflows=sorted(APPS[sim.version]), app_version=sim.version))
         finally:
             sim.inflight -= 1

@@ -130,6 +130,9 @@ class ProtocolMachine(RuleBasedStateMachine):
                 key = (w.eid, k)
                 self.lost_attempts[key] = self.lost_attempts.get(key, 0) + 1
         w.eid, w.pending, w.recorded = None, None, {}
+        # As a worker process whose lease ran out does (kestrel.lease.Heartbeat): a new name,
+        # whose lease its next claim makes (a lease that ran out is never extended again).
+        w.name += "~"
 
     # -- rules ----------------------------------------------------------------------------
 
@@ -235,11 +238,12 @@ class ProtocolMachine(RuleBasedStateMachine):
         if w.eid is None:
             return
         owned = self.run(
-            db.run(
+            db.run_script(
                 self.conn,
-                statements.executions.heartbeat(self.q, held=[(w.eid, w.epoch)], lease_s=LEASE),
+                statements.executions.heartbeat(self.q, owner=w.name, held=[(w.eid, w.epoch)],
+                                                lease_s=LEASE),
             )
-        )
+        ).owned
         if w.eid not in owned:
             self.lose(w)
 
@@ -332,8 +336,12 @@ class ProtocolMachine(RuleBasedStateMachine):
     def one_live_owner(self) -> None:
         if not hasattr(self, "conn"):
             return
-        rows = self.sql("SELECT id, lease_epoch FROM {s}.workflow_executions "
-                        "WHERE status = 'running' AND lease_expires_at > {s}.kestrel_now()")
+        # Live: under a lease of its own not yet passed, or (migration 0026) under its
+        # process's lease, not yet run out.
+        rows = self.sql("SELECT e.id, e.lease_epoch FROM {s}.workflow_executions AS e "
+                        "LEFT JOIN {s}.leases AS l ON l.owner = e.lease_owner "
+                        "WHERE e.status = 'running' AND (e.lease_expires_at > {s}.kestrel_now() "
+                        "OR (e.lease_expires_at IS NULL AND l.expires_at > {s}.kestrel_now()))")
         for eid, epoch in rows:
             assert self.max_epoch[eid] == epoch
 

@@ -175,12 +175,13 @@ def test_strip_comments_drops_comments_and_keeps_every_quoted_byte() -> None:
     FROM t /* inline */ WHERE a = '
     -- a line inside a string
     '"""
+    # The code's indentation goes too; a quoted byte never does.
     assert sql.strip_comments(text) == """SELECT 'a -- not a comment', "b /* not */ c",
-           E'it\\'s -- still text', 'x''--y',
-           $q$ -- kept
+E'it\\'s -- still text', 'x''--y',
+$q$ -- kept
     /* kept too */ $q$,
-       1
-    FROM t  WHERE a = '
+1
+FROM t  WHERE a = '
     -- a line inside a string
     '"""
     # Stripping is idempotent, and the statements split as before.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from kestrel import codec
 from kestrel.codec import MAX_HISTORY_BYTES
 from kestrel.errors import HistoryTooLarge, UndecodableInput
 from kestrel.sql import Queries
-from kestrel.statements.stmt import Script, Stmt, checkpoint_fields, json_rows, nothing, wrapped
+from kestrel.statements.stmt import Script, Stmt, checkpoint_fields, json_rows, wrapped
 from kestrel.types import Claimed, Finish, RecordedStep
 
 SUSPECT_AFTER = 2
@@ -110,25 +111,40 @@ def claim_batch(
     return Stmt(q.claim_batch, params, claims, by_name=True)
 
 
-def heartbeat(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]],
-              lease_s: float) -> Stmt[dict[uuid.UUID, bool | None]]:
-    """Extend the leases in *held*: the ids still owned, each with its cancel flag, or None
-    when another transaction holds the row (busy: still ours, not extended this time)."""
-    return Stmt(q.heartbeat, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held],
-                              "lease_s": lease_s},
-                lambda rows: {r[0]: bool(r[1]) if r[2] else None for r in rows})
+@dataclass(frozen=True)
+class Beat:
+    """What a heartbeat learned: whether the process's lease was extended (False: it ran out
+    before this beat and is not revived), and which of the executions it holds are still its
+    own, each with its cancel flag."""
+
+    renewed: bool
+    owned: dict[uuid.UUID, bool]
 
 
-def heartbeat_wait(q: Queries, *, held: tuple[uuid.UUID, int], lease_s: float,
-                   timeout_ms: int) -> Script[dict[uuid.UUID, bool]]:
-    """Extend the lease *held*, waiting at most *timeout_ms* for its row (lock_timeout, and
-    statement_timeout for a wait on a Citus worker node): ``{id: cancel flag}`` if it is
-    still ours, else empty (no longer ours). One transaction."""
-    yield Stmt(q.set_wait_timeouts, {"timeout": f"{timeout_ms}ms"}, nothing)
-    owned: dict[uuid.UUID, bool] = yield Stmt(
-        q.heartbeat_wait, {"ids": [held[0]], "epochs": [held[1]], "lease_s": lease_s},
-        lambda rows: {r[0]: bool(r[1]) for r in rows})
-    return owned
+def heartbeat(q: Queries, *, owner: str, held: Sequence[tuple[uuid.UUID, int]],
+              lease_s: float) -> Script[Beat]:
+    """Take or extend *owner*'s lease for *lease_s* (never revived once run out), then say
+    which executions of *held* (``(id, epoch)``) are still its own. One transaction."""
+    renewed = yield Stmt(q.take_lease, {"owner": owner, "lease_s": lease_s},
+                         lambda rows: bool(rows))
+    if not renewed:
+        return Beat(False, {})
+    owned: dict[uuid.UUID, bool] = (yield held_by(q, owner=owner, held=held)) if held else {}
+    return Beat(True, owned)
+
+
+def held_by(q: Queries, *, owner: str,
+            held: Sequence[tuple[uuid.UUID, int]]) -> Stmt[dict[uuid.UUID, bool]]:
+    """Which executions of *held* (``(id, epoch)``) still run under *owner*'s lease, each
+    with its cancel flag (the heartbeat's second statement; it locks nothing)."""
+    return Stmt(q.heartbeat, {"owner": owner, "ids": [h[0] for h in held],
+                              "epochs": [h[1] for h in held]},
+                lambda rows: {r[0]: bool(r[1]) for r in rows})
+
+
+def running_under(q: Queries, *, owner: str) -> Stmt[list[tuple[uuid.UUID, int]]]:
+    """``(id, epoch)`` of every execution running under *owner*'s lease."""
+    return Stmt(q.running_under, {"owner": owner}, lambda rows: [(r[0], r[1]) for r in rows])
 
 
 def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
