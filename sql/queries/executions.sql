@@ -158,6 +158,40 @@ SELECT id, lease_epoch
   FROM __schema__.workflow_executions
  WHERE status = 'running' AND lease_owner = %(owner)s AND lease_expires_at IS NULL;
 
+-- name: end_leases
+-- End the lease of executions this process dropped without a statement that ended their
+-- claim (a run cut short when its trust ran out, a completion refused or overtaken, rows a
+-- claim with a lost reply committed): they run under its lease, which its heartbeat keeps
+-- alive, so the sweeper would never take them. Each gets a lease of its own that has
+-- already passed, and the sweeper's next round re-queues it, its attempt counted, or
+-- quarantines it, as if its process had died. Fenced by the epoch. A row another
+-- transaction holds is skipped, not waited for (the heartbeat sends this): it is not
+-- returned, and the worker sends it again at the next beat while it is still running
+-- under that epoch (returned with ended = false). No row: not ours any more.
+WITH held(id, epoch) AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(epochs)s::integer[])
+), mine AS MATERIALIZED (
+    SELECT e.id
+      FROM __schema__.workflow_executions AS e
+      JOIN held AS h ON h.id = e.id AND h.epoch = e.lease_epoch
+     WHERE e.id = ANY (%(ids)s::uuid[])
+       AND e.status = 'running'
+), locked AS (
+    SELECT e.id
+      FROM __schema__.workflow_executions AS e
+     WHERE e.id = ANY (ARRAY(SELECT id FROM mine))
+     ORDER BY e.id
+       FOR NO KEY UPDATE OF e SKIP LOCKED
+), ended AS (
+    UPDATE __schema__.workflow_executions AS e
+       SET lease_expires_at = '-infinity'
+      FROM locked, held AS h
+     WHERE e.id = locked.id AND h.id = e.id AND e.lease_epoch = h.epoch
+       AND e.status = 'running'
+    RETURNING e.id
+)
+SELECT m.id, m.id IN (SELECT id FROM ended) FROM mine AS m;
+
 -- name: complete_batch
 -- Finish many executions at once: delete the hot rows still owned under the given epoch and
 -- append them to history in the same statement, so each execution is always in exactly one

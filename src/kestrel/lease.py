@@ -79,6 +79,9 @@ class Lease:
     deadline_due: bool = False
     task: asyncio.Task[None] | None = None
     deadline_timer: asyncio.TimerHandle | None = None
+    # A statement ended the claim (completed, failed, parked, given back, released): what
+    # ends here without one is dropped, and its lease ended (Leases.drop).
+    ended: bool = False
 
     @property
     def key(self) -> tuple[uuid.UUID, int]:
@@ -329,28 +332,32 @@ class Heartbeat:
             self._give_back(conn)
 
     def _give_back(self, conn: psycopg.Connection[Any]) -> None:
-        """Give back to the queue what this process dropped without ending its claim (a run
-        cut short when its trust ran out during an outage, a lease lost to a write refused
-        past it): the lease the rows run under is alive, so the sweeper would never take
-        them. Fenced by the epoch: a row claimed again since is not touched. A failure
-        keeps them for the next beat."""
+        """End the lease of what this process dropped without ending its claim (a run cut
+        short, a completion refused or overtaken, rows of a claim whose reply was lost): the
+        lease they run under is alive, so the sweeper would never take them. Their own lease,
+        already passed, hands them to the sweeper's next round (attempt counted, quarantine
+        as ever). A row another transaction holds is tried again at the next beat; one no
+        longer ours is forgotten."""
         dropped = self._leases.take_dropped()
         if not dropped:
             return
         try:
-            released = db.run_sync(conn, statements.executions.release_batch(
-                self._q, held=dropped))
+            ended = db.run_sync(conn, statements.executions.end_leases(self._q, held=dropped))
         except psycopg.Error:
-            for eid, epoch in dropped:  # the next beat tries again
-                self._leases.drop_key((eid, epoch))
+            for key in dropped:  # the next beat tries again
+                self._leases.drop_key(key)
             raise
-        if released:
-            log.info("gave back %d execution(s) this process dropped", len(released))
+        for key in dropped:
+            if ended.get(key[0]) is False:
+                self._leases.drop_key(key)  # held by another transaction: next beat
+        if n := sum(ended.values()):
+            log.info("ended the lease of %d execution(s) this process dropped; the sweeper "
+                     "re-queues them", n)
 
     def _adopt(self, running: list[tuple[uuid.UUID, int]]) -> None:
         if n := self._leases.adopt(running):
             log.warning("%d execution(s) run under this process's lease that it does not hold "
-                        "(a claim whose reply was lost): giving them back", n)
+                        "(a claim whose reply was lost): ending their lease", n)
 
     def _rename(self, conn: psycopg.Connection[Any], held: int) -> None:
         """The lease ran out before a beat could extend it (the process froze, stalled or

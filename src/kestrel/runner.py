@@ -197,6 +197,7 @@ class Runner:
         finally:
             if outcome != "parked":
                 lease.unfinish()
+        lease.ended = outcome == "parked"
         if outcome == "signalled" and lease.deadline_due:
             # The deadline passed while the park was on its way, and the park did not end the
             # claim (a signal had arrived): the workflow would go on past its deadline. It
@@ -313,8 +314,6 @@ class Runner:
                 # lost: the new owner finishes it, or, if the row still runs under this
                 # process's lease, the heartbeat gives it back; stopping: _drain releases it
                 tracing.mark(attempt, "lost" if lease.lost else "released")
-                if lease.lost:
-                    self.leases.drop(lease)
                 return
             raise
         finally:
@@ -322,6 +321,11 @@ class Runner:
                 attempt.end()
             if lease.deadline_timer is not None:
                 lease.deadline_timer.cancel()
+            if not lease.ended:
+                # Ends here without a statement that ended its claim: the row may still run
+                # under this process's lease, which the sweeper never takes; the heartbeat
+                # ends its lease (Heartbeat._give_back).
+                self.leases.drop(lease)
             self.leases.remove(lease)
             self._slot_freed.set()
 
@@ -381,7 +385,6 @@ class Runner:
             self.stats.lost += 1
             metrics.get().leases_lost.inc()
             log.info("dropping %s: %s", c.id, outcome)
-            self.leases.drop(lease)  # given back by the heartbeat if still ours
             return None
         # The last step's checkpoint, if its write waits (the run ended right after it): the
         # completion writes it, unless the execution ends cancelled (which records nothing
@@ -430,6 +433,7 @@ class Runner:
         if given == "cancelled":
             lease.unfinish()  # the completion that cancels it marks it finishing again
             return True
+        lease.ended = True
         count, wake_at = given
         log.warning("giving %s (%s) back (give-back %d; app version %s skips it; others from "
                     "%s): %s", c.id, c.workflow, count, self.cfg.app_version,
@@ -466,6 +470,7 @@ class Runner:
                 f"{type(exc).__name__}: {exc}"))
             done = await self.completions.writer.submit(finish)
         tracing.mark(attempt, finish.status.value if done else "fenced")
+        lease.ended = bool(done)
         if done:
             if finish.status is Status.COMPLETED:
                 self.stats.completed += 1

@@ -63,6 +63,7 @@ class Queries:
     take_lease: str
     heartbeat: str
     running_under: str
+    end_leases: str
     complete_batch: str
     complete_batch_delegated: str
     release_batch: str

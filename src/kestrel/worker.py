@@ -267,11 +267,19 @@ class Worker:
             if h.task is not None:
                 h.task.cancel()
         await asyncio.gather(*(h.task for h in remaining if h.task), return_exceptions=True)
-        # And what was dropped without ending its claim (the heartbeat gives those back
-        # while it beats; it stops now): fenced by the epoch, so nothing another process
-        # took since is touched.
-        held = [h.key for h in remaining if not h.lost] + self.leases.take_dropped()
+        held = [h.key for h in remaining if not h.lost]
+        # What was dropped without ending its claim (lost leases, attempts cut short): the
+        # heartbeat ends their lease while it beats; it stops now, so that is done here.
+        dropped = [k for k in self.leases.take_dropped() if k not in set(held)]
         self.heartbeat.paused = True  # released rows are not lost leases
+        if dropped:
+            try:
+                async with self._pool.connection(timeout=5) as conn:
+                    await db.run(conn, statements.executions.end_leases(self._q, held=dropped))
+            except Exception as exc:  # they stay under the lease, which runs out now
+                log.warning("could not end the lease of %d dropped executions (%s); the "
+                            "sweeper takes them once this process's lease runs out",
+                            len(dropped), exc)
         if held:
             try:
                 async with self._pool.connection(timeout=5) as conn:

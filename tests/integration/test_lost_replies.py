@@ -191,15 +191,14 @@ def three_steps_end_once(env: Env, **cfg: Any) -> Worker:
 
 def claim(env: Env) -> None:
     # The claim committed and its rows are running under this worker's lease; the claimer
-    # never heard of them. The heartbeat finds them under the lease and gives them back,
-    # their attempt not counted (before migration 0026: when their own lease ended, one
-    # attempt charged).
+    # never heard of them. The heartbeat finds them under the lease and ends their lease;
+    # the sweeper re-queues them (one attempt charged, as when a worker dies).
     h = env.client.submit(app.three_steps, 4)
     env.work(env.finished())
     status, result, attempts = env.history(h.id)
     assert (status, result) == ("completed", app.model(4))
     assert env.bodies(h.id) == [0, 1, 2]
-    assert attempts == 1
+    assert attempts == 2
 
 
 def claim_limited(env: Env) -> None:
@@ -211,7 +210,7 @@ def claim_limited(env: Env) -> None:
 
 def claim_keyed(env: Env) -> None:
     # A keyed queue's claim (lock, the running by key, the claim and its turn: one
-    # transaction), its COMMIT's reply lost: the heartbeat gives the rows back.
+    # transaction), its COMMIT's reply lost: the heartbeat ends the rows' lease.
     hs = [env.client.submit(app.three_steps, n, queue="deploys", concurrency_key=f"k{n % 2}")
           for n in range(3)]
     env.work(env.finished(len(hs)), queues=("deploys",))
@@ -541,6 +540,19 @@ def sweep_expired(env: Env) -> None:
       "lease_expires_at = {s}.kestrel_now() - interval '1 second' RETURNING id")
     env.work(env.finished())
     assert env.history(h.id) == ("completed", app.model(9), 2)
+
+
+def dropped_attempt(env: Env) -> None:
+    # An older claim records the last step's position meanwhile (tests/integration/test_tail):
+    # the completion finishes nothing and the attempt is dropped, its row still under the
+    # process's live lease. The heartbeat ends that row's lease (end_leases: its reply lost,
+    # it is sent again at the next beat, ending nothing twice); the sweeper re-queues it and
+    # the next claim replays the recorded value.
+    from tests.integration.test_tail import clash
+
+    h = env.client.submit(clash, env.dsn, env.schema, 0.0)
+    env.work(env.finished())
+    assert env.history(h.id) == ("completed", "ended on recorded", 2)
 
 
 def sweep_dead_owner(env: Env) -> None:
@@ -933,6 +945,7 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "claim_keyed": Lost((claim_keyed,)),
     "take_lease": Lost((heartbeat, heartbeat_held)),
     "running_under": Read("reads what runs under the process's lease, after a lost claim"),
+    "end_leases": Lost((dropped_attempt,)),
     "heartbeat": Lost((heartbeat, heartbeat_held)),
     "save_new_steps_batch": Lost((checkpoint,)),
     "save_steps_batch": Lost((checkpoint_resent,)),

@@ -152,12 +152,12 @@ def test_no_step_body_starts_once_the_lease_is_untrusted(
     bodies = [(e["name"], e["step_id"], e["attempt"]) for e in app.read_ledger(ledger_path)]
     assert bodies == [("trust_gate", 0, 1)], f"a body started on an untrusted lease: {bodies}"
     assert worker.stats.lost == 1  # the run was dropped as LeaseLost
-    row = q(pg_dsn, schema, "SELECT status, lease_epoch, lease_owner, attempts "
-            "FROM {s}.workflow_executions WHERE id = %s", [eid])
-    # Nobody took it over; dropped here under a lease still alive, it was given back by its
-    # own process as it stopped (the heartbeat, stopped above, would have at its next beat),
-    # its attempt not counted.
-    assert row == [("queued", 1, None, 0)]
+    row = q(pg_dsn, schema, "SELECT status, lease_epoch, lease_owner, "
+            "lease_expires_at = '-infinity' FROM {s}.workflow_executions WHERE id = %s", [eid])
+    # Nobody took it over. Dropped here under a lease still alive, its own lease was ended
+    # by its process as it stopped (the heartbeat, stopped above, would have at its next
+    # beat), for the sweeper to re-queue.
+    assert row == [("running", 1, worker.id, True)]
 
 
 # -- 2. at most one suspect at a time --------------------------------------------------------

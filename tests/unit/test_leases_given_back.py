@@ -1,6 +1,7 @@
 """What a process gives back (kestrel.lease.Leases): the rows that run under its lease,
 which its heartbeat keeps alive, but that nothing in the process runs any more. The sweeper
-never takes those (migration 0026), so the heartbeat must; these rules say which, and when.
+never takes those (migration 0026), so the heartbeat ends their lease for it to; these rules
+say which, and when.
 The end-to-end checks are D10 (a lock past the lease) and the lost claim reply in
 tests/chaos/test_process_faults.py, both of which hung for ever without them."""
 

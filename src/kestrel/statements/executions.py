@@ -147,6 +147,15 @@ def running_under(q: Queries, *, owner: str) -> Stmt[list[tuple[uuid.UUID, int]]
     return Stmt(q.running_under, {"owner": owner}, lambda rows: [(r[0], r[1]) for r in rows])
 
 
+def end_leases(q: Queries, *, held: Sequence[tuple[uuid.UUID, int]]
+               ) -> Stmt[dict[uuid.UUID, bool]]:
+    """End the lease of the executions *held* (``(id, epoch)``) for the sweeper to take:
+    ``{id: ended}`` for those still running under that epoch (False: another transaction
+    holds the row; send it again later); the others are not ours any more."""
+    return Stmt(q.end_leases, {"ids": [h[0] for h in held], "epochs": [h[1] for h in held]},
+                lambda rows: {r[0]: bool(r[1]) for r in rows})
+
+
 def park(q: Queries, *, id: uuid.UUID, epoch: int, step_id: int, waiting_for: str,
          seconds: float | None, seen_seq: int | None) -> Stmt[str]:
     """Park the execution at a wait. Returns ``parked`` (now, or by an earlier try whose
