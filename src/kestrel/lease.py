@@ -134,7 +134,7 @@ class Leases:
         self._by_id: dict[uuid.UUID, Lease] = {}
         # Claims dropped here without a statement that ended them (a lost lease, a run cut
         # short): the row may still run under this process's lease, which its heartbeat
-        # keeps alive, so nobody else would ever take it. The heartbeat gives them back.
+        # keeps alive, so nobody else would ever take it. The heartbeat ends their lease.
         self._dropped: list[tuple[uuid.UUID, int]] = []
         self._dropped_lock = threading.Lock()
         # A claim whose reply was lost may have committed rows under this process's lease
@@ -176,9 +176,9 @@ class Leases:
 
     def adopt(self, running: list[tuple[uuid.UUID, int]]) -> int:
         """After a lost claim reply: of *running* (what runs under this process's lease), drop
-        what is not held here, to be given back; the event loop calls it, so a claim whose
-        rows are being started is not half seen. Returns how many; none while a claim is on
-        its way (its rows are not held yet), when the audit stays asked for."""
+        what is not held here, for its lease to be ended. The event loop calls it, so a
+        claim whose rows are being started is not half seen. Returns how many; none while a
+        claim is on its way (its rows are not held yet), when the audit stays asked for."""
         if self.claiming:
             return 0
         self.audit = False
@@ -190,7 +190,7 @@ class Leases:
 
     def drop(self, lease: Lease) -> None:
         """Note that *lease* ends here without a statement that ended its claim: it is to be
-        given back (:meth:`take_dropped`)."""
+        handed to the heartbeat (:meth:`take_dropped`), which ends its lease."""
         self.drop_key(lease.key)
 
     def drop_key(self, key: tuple[uuid.UUID, int]) -> None:
@@ -329,9 +329,9 @@ class Heartbeat:
                 running = db.run_sync(conn, statements.executions.running_under(
                     self._q, owner=self.owner))
                 self._loop.call_soon_threadsafe(self._adopt, running)
-            self._give_back(conn)
+            self._end_dropped(conn)
 
-    def _give_back(self, conn: psycopg.Connection[Any]) -> None:
+    def _end_dropped(self, conn: psycopg.Connection[Any]) -> None:
         """End the lease of what this process dropped without ending its claim (a run cut
         short, a completion refused or overtaken, rows of a claim whose reply was lost): the
         lease they run under is alive, so the sweeper would never take them. Their own lease,

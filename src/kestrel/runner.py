@@ -324,7 +324,7 @@ class Runner:
             if not lease.ended:
                 # Ends here without a statement that ended its claim: the row may still run
                 # under this process's lease, which the sweeper never takes; the heartbeat
-                # ends its lease (Heartbeat._give_back).
+                # ends its lease (Heartbeat._end_dropped).
                 self.leases.drop(lease)
             self.leases.remove(lease)
             self._slot_freed.set()
