@@ -14,9 +14,9 @@
 set -uo pipefail
 bin=${BIN:-.venv/bin}
 root=${TMPDIR:-/tmp}/kestrel-tests-$$
-direct=("$bin/pytest" -q --benchmark-disable --ignore=tests/citus --basetemp="$root/direct"
+direct=("$bin/pytest" -q --durations=25 --benchmark-disable --ignore=tests/citus --basetemp="$root/direct"
         tests bench/micro)
-bouncer=("$bin/pytest" -q --basetemp="$root/pgbouncer" tests/integration)
+bouncer=("$bin/pytest" -q --durations=25 --basetemp="$root/pgbouncer" tests/integration)
 mkdir -p "$root"
 trap 'rm -rf "$root"' EXIT
 

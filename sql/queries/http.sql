@@ -2,6 +2,13 @@
 -- from the token rows: every change to an execution goes through the SQL functions that the
 -- clients and the CLI call (submit, signal, cancel, retry, fork).
 
+-- name: set_statement_timeout
+-- The HTTP door's budget (--http-statement-timeout): the time a request has left, sent in front
+-- of each of its statements in one pipeline (one round trip, one Sync, one implicit
+-- transaction), or first in its transaction; the setting ends with it, so nothing is left on
+-- a pooled connection (connections.BudgetConnection). The server ends what waits longer.
+SELECT set_config('statement_timeout', %(timeout)s, true);
+
 -- name: create_token
 -- Sent again with the same id and hash after a lost reply (the CLI resends), it returns the
 -- stored row's time instead of failing: the no-op update only matches our own row.

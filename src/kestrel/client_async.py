@@ -75,6 +75,9 @@ class Client(ClientBase):
     ``close()`` or use it as a context manager.
     """
 
+    _connection_class: type[psycopg.AsyncConnection[Any]] = psycopg.AsyncConnection
+    """The class of the pool's connections (the HTTP door's carry its statement budget)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pool: AsyncConnectionPool[Any] | None = None
@@ -94,7 +97,8 @@ class Client(ClientBase):
         async with self._lock:
             if self._pool is None:
                 pool = AsyncConnectionPool(
-                    self.dsn, min_size=1, max_size=self._pool_size, open=False,
+                    self.dsn, connection_class=self._connection_class,
+                    min_size=1, max_size=self._pool_size, open=False,
                     kwargs=self._conn_kwargs, configure=connections.configure_connection_async,
                     name=f"kestrel-client-{self.schema}")
                 await pool.open()

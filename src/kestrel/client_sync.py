@@ -74,6 +74,9 @@ class SyncClient(ClientBase):
     ``close()`` or use it as a context manager.
     """
 
+    _connection_class: type[psycopg.Connection[Any]] = psycopg.Connection
+    """The class of the pool's connections (the HTTP door's carry its statement budget)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pool: ConnectionPool[Any] | None = None
@@ -93,7 +96,8 @@ class SyncClient(ClientBase):
         with self._lock:
             if self._pool is None:
                 pool = ConnectionPool(
-                    self.dsn, min_size=1, max_size=self._pool_size, open=False,
+                    self.dsn, connection_class=self._connection_class,
+                    min_size=1, max_size=self._pool_size, open=False,
                     kwargs=self._conn_kwargs, configure=connections.configure_connection,
                     name=f"kestrel-client-{self.schema}")
                 pool.open()

@@ -150,9 +150,10 @@ KNOBS: tuple[Knob, ...] = (
          "once its headers are in; then 408 and the connection is closed (a body trickled a "
          "byte at a time holds nothing longer).", "SECONDS"),
     Knob("http_statement_timeout", float, "Seconds a request of the HTTP API and web UI may "
-         "wait on the database (a pool connection, a lock, a slow statement); then the "
-         "statement is cancelled, its connection goes back to the pool, and the request is "
-         "answered 503 with Retry-After.", "SECONDS"),
+         "wait on the database (a pool connection, a lock, a slow statement); then PostgreSQL "
+         "ends the statement (a transaction-local statement_timeout, no cancel request), "
+         "its connection goes back to the pool, and the request is answered 503 with "
+         "Retry-After.", "SECONDS"),
     Knob("http_max_connections", int, "Most open connections the HTTP API keeps. At the "
          "limit a new one first displaces the oldest connection that is idle or still "
          "sending its headers; only when every connection carries a request is it refused "

@@ -7,14 +7,19 @@ connect timeout, keepalives), the orjson decoding of jsonb, the prepare threshol
 a transaction-mode pooler), and a worker's lock_timeout (:func:`worker_connection`: a startup
 option on a session of its own, else the :class:`LockTimeoutConnection` classes).
 
-Statements are :mod:`kestrel.db`'s; the only thing sent here is the transaction-local
-``set_lock_timeout`` the lock_timeout classes put in front of each statement (its text is in
-``sql/queries``). :mod:`kestrel.db` re-exports the failure predicates.
+Statements are :mod:`kestrel.db`'s; the only things sent here are the transaction-local
+settings a :class:`SettingConnection` puts in front of each statement (a worker's
+``set_lock_timeout``, the HTTP door's ``set_statement_timeout``: :func:`budget`; their text is
+in ``sql/queries``). :mod:`kestrel.db` re-exports the failure predicates.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import os
+import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any, ClassVar
@@ -144,36 +149,52 @@ def lock_timeout_ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-class LockTimeoutConnection(psycopg.AsyncConnection[Any]):
-    """A pooled connection whose every statement carries lock_timeout without session state,
-    for a transaction-mode pooler (PgBouncer passes no startup ``options`` and shares server
-    sessions): a statement outside a transaction is sent in one pipeline after
-    ``set_lock_timeout`` (a transaction-local set_config), one round trip and one Sync, so
-    both run in one implicit transaction; a transaction sets it first thing. Subclassed per
-    value by :func:`_timeout_classes`."""
+class SettingConnection(psycopg.AsyncConnection[Any]):
+    """An async connection that puts one transaction-local setting (:meth:`setting`: a
+    ``set_config(…, true)`` statement and its parameters, or None for none) in front of each
+    statement, without session state, for a transaction-mode pooler (PgBouncer passes no
+    startup ``options`` and shares server sessions): a statement outside a transaction is
+    sent in one pipeline after it, one round trip and one Sync, so both run in one implicit
+    transaction; a transaction sends it first thing."""
 
-    lock_timeout: ClassVar[str] = ""
-    set_query: ClassVar[str] = ""
+    def setting(self) -> tuple[str, dict[str, str]] | None:
+        """The setting statement and its parameters; None: nothing to send."""
+        raise NotImplementedError
 
     async def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                       binary: bool = False) -> psycopg.AsyncCursor[Any]:
-        """Execute *query* with lock_timeout set for it (see the class)."""
-        if self.info.transaction_status is not TransactionStatus.IDLE:
+        """Execute *query* with the setting set for it (see the class)."""
+        setting = (self.setting() if self.info.transaction_status is TransactionStatus.IDLE
+                   else None)
+        if setting is None:
             return await super().execute(query, params, prepare=prepare, binary=binary)
         async with self.pipeline():
-            await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            await super().execute(*setting)
             cur = await super().execute(query, params, prepare=prepare, binary=binary)
         return cur
 
     @asynccontextmanager
     async def transaction(self, savepoint_name: str | None = None,
                           force_rollback: bool = False) -> AsyncIterator[Any]:
-        """A transaction whose first statement sets lock_timeout for all of it."""
+        """A transaction whose first statement sends the setting for all of it."""
         outermost = self.info.transaction_status is TransactionStatus.IDLE
         async with super().transaction(savepoint_name, force_rollback) as tx:
-            if outermost:
-                await super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
+            setting = self.setting() if outermost else None
+            if setting is not None:
+                await super().execute(*setting)
             yield tx
+
+
+class LockTimeoutConnection(SettingConnection):
+    """A pooled connection whose every statement carries lock_timeout (``set_lock_timeout``,
+    see :class:`SettingConnection`). Subclassed per value by :func:`_timeout_classes`."""
+
+    lock_timeout: ClassVar[str] = ""
+    set_query: ClassVar[str] = ""
+
+    def setting(self) -> tuple[str, dict[str, str]]:
+        """``set_lock_timeout`` with this class's value."""
+        return self.set_query, {"lock_timeout": self.lock_timeout}
 
 
 class SyncLockTimeoutConnection(psycopg.Connection[Any]):
@@ -201,6 +222,81 @@ class SyncLockTimeoutConnection(psycopg.Connection[Any]):
             if outermost:
                 super().execute(self.set_query, {"lock_timeout": self.lock_timeout})
             yield tx
+
+
+class BudgetConnection(SettingConnection):
+    """An async connection whose statements carry ``statement_timeout`` (see
+    :class:`SettingConnection`) while :attr:`deadline` (a ``time.monotonic()`` instant, set by
+    :func:`budget`) is set: the time left until it. PostgreSQL itself then ends a statement
+    that waits past the deadline (57014): nothing depends on a cancel request reaching the
+    server. The HTTP door's pools are of this class."""
+
+    deadline: float | None = None
+
+    def setting(self) -> tuple[str, dict[str, str]] | None:
+        """``set_statement_timeout`` to the time left, or None without a deadline."""
+        if self.deadline is None:
+            return None
+        left_ms = max(1, int((self.deadline - time.monotonic()) * 1000))
+        return named_statements()["set_statement_timeout"], {"timeout": f"{left_ms}ms"}
+
+
+class Overrun(Exception):
+    """What ran under :func:`budget` outlived its deadline: the server ended a statement
+    (statement_timeout), or the connection was cut past the grace."""
+
+
+@asynccontextmanager
+async def budget(conn: psycopg.AsyncConnection[Any], deadline: float,
+                 grace: float) -> AsyncIterator[None]:
+    """Bound what runs on *conn* (a :class:`BudgetConnection`) by *deadline*: each statement
+    on the server by statement_timeout, and everything the server cannot bound (a wait in a
+    pooler's queue, a link gone quiet) by closing the connection's socket *grace* seconds
+    after it, which fails the statement on its way with a broken link (the pool then drops
+    the connection). Either raises :class:`Overrun`; so does any failure once the socket is
+    cut. No cancel request is sent: through a transaction-mode pooler one may wait without
+    bound for a server connection of its own, and may reach another client's statement."""
+    cut: list[bool] = []
+    timer = asyncio.get_running_loop().call_later(
+        max(0.0, deadline + grace - time.monotonic()), _sever, conn, cut)
+    if isinstance(conn, BudgetConnection):
+        conn.deadline = deadline
+    try:
+        yield
+    except Exception as exc:
+        if cut or _timed_out(exc):
+            raise Overrun(f"past its deadline: {exc}") from None
+        raise
+    finally:
+        timer.cancel()
+        if isinstance(conn, BudgetConnection):
+            conn.deadline = None
+
+
+def _timed_out(exc: BaseException | None) -> bool:
+    """Whether *exc*, or what it was raised from, is a statement the server ended."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _sever(conn: psycopg.AsyncConnection[Any], cut: list[bool]) -> None:
+    """Shut the socket of *conn* down in both directions (a duplicate of its descriptor, so
+    the event loop's registration of the original stays valid): whatever waits on it sees
+    the link end."""
+    cut.append(True)
+    try:
+        fd = conn.pgconn.socket
+    except psycopg.OperationalError:
+        return  # already closed
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 @functools.cache

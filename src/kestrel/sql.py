@@ -77,6 +77,7 @@ class Queries:
     list_partitions: str
     take_uncounted_finishes: str
     # sql/queries/http.sql (kestrel/statements/http.py)
+    set_statement_timeout: str
     create_token: str
     list_tokens: str
     revoke_token: str

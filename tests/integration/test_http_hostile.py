@@ -490,3 +490,42 @@ def test_a_table_lock_gets_503_with_retry_after_and_holds_no_pool_connection(
     finally:
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))
+
+
+def test_a_wait_in_pgbouncers_queue_is_cut_at_the_budget_and_answered_503(
+        direct_dsn: str, tmp_path: Path) -> None:
+    """A statement queued in PgBouncer for a server connection never reaches the server, so
+    no statement_timeout can end it. The door used to cancel it with a cancel request, which
+    PgBouncer 1.18 forwards on a server connection of its own and may hold without bound
+    while psycopg waits for it (the cause of the table-lock test's 30 s hangs mid-suite,
+    where earlier tests hold server connections). Now past the budget and its grace the
+    door closes that connection's socket and answers 503; the pool replaces the connection
+    and the next request, once a server connection is free, is answered."""
+    from kestrel.migrate import migrate
+    from tests.pgbouncer import PgBouncer
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    migrate(direct_dsn, schema)
+    token = make_token(direct_dsn, schema, "queued", "read")
+    bouncer = PgBouncer(direct_dsn, pool_size=1)
+    env = {"KESTREL_HTTP_STATEMENT_TIMEOUT": "1", "KESTREL_POOL_SIZE": "2"}
+    try:
+        with serve_process(bouncer.dsn, schema, port=free_port(), log=tmp_path / "serve.log",
+                           env=env) as api:
+            api.token = token
+            assert api.get(f"{API}/executions").status == 200
+            hog = psycopg.connect(bouncer.dsn)
+            hog.execute("SELECT 1")  # idle in transaction: PgBouncer's one server connection
+            try:
+                # The HTTP client gives up after 30 s: a door that waits for PgBouncer fails.
+                reply = api.get(f"{API}/executions")
+                assert reply.status == 503, reply
+                assert "did not answer within 1 s" in reply.json()["error"]
+            finally:
+                hog.close()
+            wait_until(lambda: api.get(f"{API}/executions").status == 200, timeout=30,
+                       what="an answer once PgBouncer's server connection is free")
+    finally:
+        bouncer.stop()
+        with psycopg.connect(direct_dsn, autocommit=True) as conn:
+            conn.execute(pgsql.SQL("DROP SCHEMA {} CASCADE").format(pgsql.Identifier(schema)))

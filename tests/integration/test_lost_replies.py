@@ -967,6 +967,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "give_back": Lost((give_back,)),
     "set_lock_timeout": Read("a transaction-local setting sent before a statement behind "
                              "PgBouncer; writes nothing"),
+    "set_statement_timeout": Read("the HTTP door's transaction-local budget, sent before "
+                                  "each of its statements; writes nothing"),
     "submit": Lost((start_child, client_submit, scheduled_tick)),
     "signal": Lost((client_signal, workflow_signal)),
     # The worker's services.

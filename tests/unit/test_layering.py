@@ -346,9 +346,10 @@ def test_no_import_cycles() -> None:
 # -- statements: one module of kestrel/statements per file of sql/queries --------------------
 
 STATEMENTS = SRC / "statements"
-RAW_TEXT = {"set_lock_timeout"}
+RAW_TEXT = {"set_lock_timeout", "set_statement_timeout"}
 """Statements the connection layer sends as raw text ahead of another statement (the
-pipelined lock_timeout of a connection behind a pooler), so they have no builder."""
+pipelined lock_timeout of a connection behind a pooler, the HTTP door's statement_timeout),
+so they have no builder."""
 
 
 def query_files() -> dict[str, str]:

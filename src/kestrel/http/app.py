@@ -21,9 +21,9 @@ what a log line names).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
+from psycopg_pool import PoolTimeout
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Mount, Route
 
-from kestrel import buckets, codec, db, ids, metrics, statements, tracing
+from kestrel import buckets, codec, connections, db, ids, metrics, statements, tracing
 from kestrel._client_common import Debounce, count_submitted
 from kestrel.client_async import Client
 from kestrel.config import Config
@@ -228,17 +229,26 @@ POOL: ContextVar[str] = ContextVar("kestrel_http_pool", default="api")
 """The pool a request's statements borrow from, set by its route (:attr:`Endpoint.pool`)."""
 
 
+SEVER_GRACE_S = 1.0
+"""Seconds past a request's budget after which what the server could not end (a wait in
+PgBouncer's queue, a link gone quiet) is cut by closing its connection."""
+
+
 class HttpClient(Client):
     """The kestrel client with two more calls, :meth:`read` (the door's own reads) and
     :meth:`submit_created` (which tells a new execution from an idempotent replay), and a
     second pool of ``hook_pool_size`` connections for the webhooks' statements (those run
     while :data:`POOL` is ``hooks``): a burst of deliveries cannot take the API's and the
-    web UI's connections, nor they the hooks'."""
+    web UI's connections, nor they the hooks'. Every connection of both carries the
+    request's budget (:meth:`_borrow`)."""
+
+    _connection_class = connections.BudgetConnection
 
     def __init__(self, *args: Any, hook_pool_size: int = 2, statement_timeout: float = 5.0,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._hooks = Client(*args, **{**kwargs, "pool_size": hook_pool_size})
+        self._hooks._connection_class = connections.BudgetConnection
         self._statement_timeout = statement_timeout
 
     async def read(self, stmt: statements.Stmt[Any]) -> Any:
@@ -291,19 +301,30 @@ class HttpClient(Client):
     async def _borrow(self, timeout: float | None = None,
                       ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
         """A connection of the request's pool, for at most ``statement_timeout`` seconds,
-        the wait for it included: past them the statement running is cancelled on the
-        server (psycopg does so when its task is cancelled), the connection goes back to
-        the pool idle, and the request is refused 503 with Retry-After. A table lock held
-        elsewhere cannot hold the door's connections for as long as it lasts (issue 41 row
-        5); no setting is left on a pooled connection (PgBouncer-safe)."""
+        the wait for it included (issue 41 row 5: a table lock held elsewhere hung every
+        request, each holding a pool connection). Past them the request is refused 503 with
+        Retry-After and its connection goes back to the pool idle.
+
+        The server keeps the budget, not this process: what the request runs is one
+        transaction whose ``SET LOCAL statement_timeout`` is the budget left once a
+        connection is borrowed, so PostgreSQL itself ends a statement that waits on a lock
+        and nothing is left on the connection (PgBouncer-safe). No cancel request is ever
+        sent: through PgBouncer 1.18 a cancel is forwarded on a server connection of its
+        own, may wait for one without bound (psycopg's cancel blocks until it is), and can
+        reach another client's statement once the server connection has moved on. What
+        the server cannot bound (a wait in PgBouncer's queue, a link gone quiet) is cut
+        :data:`SEVER_GRACE_S` later by closing the connection's socket."""
         borrow = self._hooks._borrow if POOL.get() == "hooks" else super()._borrow
+        budget = self._statement_timeout
+        deadline = time.monotonic() + budget
         try:
-            async with asyncio.timeout(self._statement_timeout), borrow(timeout) as conn:
+            async with borrow(min(budget, timeout or budget)) as conn, \
+                    connections.budget(conn, deadline, SEVER_GRACE_S):
                 yield conn
-        except TimeoutError:
+        except (PoolTimeout, connections.Overrun):
             metrics.get().http_refused.labels("statement_timeout").inc()
             raise Refusal(503, f"the database did not answer within "
-                               f"{self._statement_timeout:g} s (a lock or a slow statement); "
+                               f"{budget:g} s (a lock or a slow statement); "
                                "try again", {"Retry-After": "1"}) from None
 
     async def close(self) -> None:
