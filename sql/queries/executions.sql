@@ -33,9 +33,20 @@
 -- after the rows it takes (a LATERAL per queue; `queue = ANY(...) ORDER BY …` cannot use the
 -- index order and sorted the whole backlog), so a claim costs the same with ten or a million
 -- executions queued. Across several queues the best of each queue's first %(limit)s win.
-WITH suspect AS (
-    SELECT s.id
+--
+-- Limited queues: a queue with a row in queue_limits (declared by any worker, in any
+-- process of any version) is claimed only under that row's lock (statements.queues), also by
+-- a process that does not declare it: this claim leaves it out (`served`, one primary-key
+-- probe per queue asked for), so a limit holds from the moment its row commits, and the
+-- process picks the queue up through the limited claim at its next look at the limits
+-- (FAULTS C4).
+WITH served AS (
+    SELECT q.queue
       FROM unnest(%(queues)s::text[]) AS q(queue)
+     WHERE NOT EXISTS (SELECT FROM __schema__.queue_limits AS l WHERE l.queue = q.queue)
+), suspect AS (
+    SELECT s.id
+      FROM served AS q
      CROSS JOIN LATERAL (
             SELECT e.id
               FROM __schema__.workflow_executions AS e
@@ -55,7 +66,7 @@ WITH suspect AS (
       FROM __schema__.workflow_executions
      WHERE status = 'waiting'
        AND wake_at <= __schema__.kestrel_now()
-       AND queue = ANY(%(queues)s::text[])
+       AND queue = ANY(ARRAY(SELECT queue FROM served))
        AND (%(any_workflow)s OR workflow = ANY(%(workflows)s::text[]))
        AND (given_back_by IS NULL OR %(app_version)s::text IS NULL
             OR %(app_version)s::text <> ALL (given_back_by))
@@ -64,7 +75,7 @@ WITH suspect AS (
        FOR UPDATE SKIP LOCKED
 ), healthy AS (
     SELECT h.id
-      FROM unnest(%(queues)s::text[]) AS q(queue)
+      FROM served AS q
      CROSS JOIN LATERAL (
             SELECT e.id, e.priority, e.created_at
               FROM __schema__.workflow_executions AS e

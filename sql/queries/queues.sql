@@ -10,6 +10,23 @@ VALUES (%(queue)s, %(concurrency)s, %(rate)s, make_interval(secs => %(period_s)s
        per_key = excluded.per_key,
        updated_at = excluded.updated_at;  -- the clock of the row offered (docs/citus.md)
 
+-- name: limits_of
+-- The limits of the queues a process serves (%(queues)s) that have them, declared by
+-- whichever worker: what its claims honour, also for a queue it does not declare (FAULTS C4).
+-- Read each time the process looks at the limits (claimer.Claimer), in its own bucket, where
+-- every declaring worker writes them.
+SELECT queue, concurrency, rate, extract(epoch FROM period)::float8 AS period_s, per_key
+  FROM __schema__.queue_limits
+ WHERE queue = ANY(%(queues)s::text[])
+ ORDER BY queue;
+
+-- name: remove_queue_limit
+-- An operator removes a queue's limits (`kestrel-runtime remove-limits`): its row goes, with
+-- its recent starts and its keys' turn, and workers claim the queue as unlimited from their
+-- next look at the limits. Sent again after a lost reply it removes nothing more. Returns
+-- the queue when there was a row.
+DELETE FROM __schema__.queue_limits WHERE queue = %(queue)s RETURNING queue;
+
 -- name: lock_queue_limit
 -- First statement of a limited claim's transaction: take the queue's row, or skip the queue
 -- for now if another process is claiming from it at this moment.

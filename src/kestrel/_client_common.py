@@ -113,6 +113,17 @@ class ClientBase:
                               idempotency_key=params["idempotency_key"],
                               dedup_key=params["dedup_key"] or params["debounce_key"])
 
+    @staticmethod
+    def _queue_name(queue: object) -> str:
+        """*queue*, checked as the SQL functions check a queue's name.
+
+        Raises:
+            ConfigError: not 1-128 of A-Z a-z 0-9 ``_ . : -``."""
+        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
+            raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "
+                              "_ . : -")
+        return queue
+
     def _submit_params(self, wf: WorkflowFn | str, args: tuple[Any, ...], queue: str,
                        priority: int, key: str | None, timeout: float | None,
                        delay: float | None = None, start_at: datetime | None = None,
@@ -122,9 +133,7 @@ class ClientBase:
                        tags: dict[str, str] | None = None) -> dict[str, Any]:
         # The rules of the SQL function (sql/functions), checked here before a round trip.
         name = codec.check_text(workflow_name(wf), what="workflow name")
-        if not isinstance(queue, str) or not QUEUE_NAME.fullmatch(queue):
-            raise ConfigError(f"invalid queue name {_shown(queue)}: 1-128 of A-Z a-z 0-9 "
-                              "_ . : -")
+        self._queue_name(queue)
         if (isinstance(priority, bool) or not isinstance(priority, int)
                 or not -(2**31) <= priority < 2**31):
             raise ConfigError(f"priority must be an integer in [-2^31, 2^31 - 1], got "

@@ -10,6 +10,7 @@ wake-up (LISTEN, the sweeper) or the poll interval, whichever comes first.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import random
@@ -94,16 +95,14 @@ class Claimer:
         self._slot_freed = wakeups.slot_freed
         self._stalled = stalled
         specs = cfg.queue_specs()
-        # Queues with limits are claimed one at a time under their row lock; the rest, in
-        # one claim statement that never touches the limits table.
-        self.limited: list[QueueSpec] = [specs[q] for q in cfg.queues
-                                         if q in specs and specs[q].limited]
-        self._unlimited = [q for q in cfg.queues if not (q in specs and specs[q].limited)]
+        # The limits this process declares (its code's kestrel.queue, --queue-limits): its
+        # start writes them (Worker._register), and they are the limits it claims under
+        # until it first looks at the database's (:meth:`look_at_limits`).
+        self.declared: list[QueueSpec] = [specs[q] for q in cfg.queues
+                                          if q in specs and specs[q].limited]
         self._limited_retry: dict[str, float] = {}
-        # Each limited queue's home bucket in a namespace, where its limits are held.
-        ns = self._namespace
-        self._homes = {spec.name: ns[buckets.home(spec.name, len(ns))] for spec in self.limited}
-        self._keyed = {spec.name: spec.per_key is not None for spec in self.limited}
+        self._limits_seen_at = -math.inf
+        self._use_limits({spec.name: spec for spec in self.declared})
         self.slots = Slots(cfg.concurrency or None, work=runner.committed)
         metrics.get().concurrency_limit.set(self.slots.limit)
 
@@ -154,9 +153,38 @@ class Claimer:
                 self.slots.short()
                 await self._wait_for_work()
 
+    def _use_limits(self, found: dict[str, QueueSpec]) -> None:
+        """Claim the served queues in *found* (their limits, by queue) one at a time under
+        their row lock, and the rest in one claim statement. A process's ``per_process``
+        is its own: kept from its declaration."""
+        mine = {spec.name: spec for spec in self.declared}
+        self.limited = [dataclasses.replace(found[q], per_process=mine[q].per_process)
+                        if q in mine else found[q] for q in self.cfg.queues if q in found]
+        self._unlimited = [q for q in self.cfg.queues if q not in found]
+        # Each limited queue's home bucket in a namespace, where its limits are held.
+        ns = self._namespace
+        self._homes = {spec.name: ns[buckets.home(spec.name, len(ns))] for spec in self.limited}
+        self._keyed = {spec.name: spec.per_key is not None for spec in self.limited}
+
+    async def look_at_limits(self) -> None:
+        """Claim under the limits in the database: a queue's row in ``queue_limits``, written
+        by whichever worker declared it, is the limit, also for a process that does not
+        declare it (a rolling deploy, another service serving the queue); a queue whose row
+        an operator removed (``kestrel-runtime remove-limits``) is claimed unlimited. The
+        claim of the unlimited queues leaves out a queue with a row in the meantime
+        (claim_batch), so a limit holds from the moment it is written (FAULTS C4)."""
+        async with self._pool.connection() as conn:
+            found = await db.run(conn, statements.queues.limits_of(self._q,
+                                                                   queues=self.cfg.queues))
+        self._use_limits({name: QueueSpec(name=name, **limits)
+                          for name, limits in found.items()})
+        self._limits_seen_at = time.monotonic()
+
     async def run_once(self, free: int | None = None) -> ClaimRound:
         """Claim into *free* slots (by default, every slot not taken), from the unlimited
-        queues and each limited one."""
+        queues and each limited one, after a look at the limits once a heartbeat interval."""
+        if time.monotonic() - self._limits_seen_at >= self.cfg.heartbeat:
+            await self.look_at_limits()
         if free is None:
             free = self.slots.limit - len(self.leases)
         more = False

@@ -71,8 +71,7 @@ class SyncClient(ClientBase):
     Short calls borrow from a small connection pool (``pool_size``, opened on first use;
     0 = a connection per call); waits for results and events use a connection of their own,
     since LISTEN is session state that must not go back to a pool. Close it with
-    ``close()`` or use it as a context manager.
-    """
+    ``close()`` or use it as a context manager."""
 
     _connection_class: type[psycopg.Connection[Any]] = psycopg.Connection
     """The class of the pool's connections (the HTTP door's carry its statement budget)."""
@@ -125,8 +124,8 @@ class SyncClient(ClientBase):
         with self._borrow() as own:
             return db.run_sync(own, stmt)
 
-    def _namespace(
-            self, conn: psycopg.Connection[Any] | None = None) -> list[Queries]:
+    def _namespace(self, conn: psycopg.Connection[Any] | None = None,
+                         ) -> list[Queries]:
         """The namespace's schemas by bucket, read on the first call (:mod:`kestrel.buckets`)
         on *conn* or a connection of the pool."""
         if self._qs is None:
@@ -151,9 +150,8 @@ class SyncClient(ClientBase):
         bucket = self._for_submit(qs, params)
         return qs[bucket], bucket
 
-    def _of(
-            self, execution_id: uuid.UUID, conn: psycopg.Connection[Any] | None = None,
-    ) -> Queries:
+    def _of(self, execution_id: uuid.UUID,
+                  conn: psycopg.Connection[Any] | None = None) -> Queries:
         """The schema holding *execution_id* (the namespace read on *conn* if not known yet)."""
         return self._by_id(self._namespace(conn), execution_id)
 
@@ -341,6 +339,14 @@ class SyncClient(ClientBase):
             codec.check_text(patch, what="patch id")
         return buckets.merge_patches(self._every(
             lambda q: statements.versions.patch_summary(q, patch=patch)))
+
+    def remove_queue_limits(self, queue: str) -> bool:
+        """Remove *queue*'s limits in every bucket (``kestrel-runtime remove-limits``): workers
+        claim it unlimited from their next look at the limits (a heartbeat interval), and one
+        whose code declares them declares them again when it starts. Whether it had any."""
+        name = self._queue_name(queue)
+        return any(self._every(
+            lambda q: statements.queues.remove_queue_limit(q, queue=name)))
 
     def list(self, *, status: str | None = None, workflow: str | None = None,
                    since: datetime | None = None, limit: int = 50,

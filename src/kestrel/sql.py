@@ -124,6 +124,8 @@ class Queries:
     notify_done: str
     # sql/queries/queues.sql (kestrel/statements/queues.py)
     upsert_queue_limit: str
+    limits_of: str
+    remove_queue_limit: str
     lock_queue_limit: str
     claim_limited: str
     lock_namespace_limit: str

@@ -30,7 +30,7 @@ from typing import NoReturn
 
 import psycopg
 
-from kestrel import buckets, connections, db, statements
+from kestrel import connections, db, statements
 from kestrel.claimer import Claimer, Wakeups
 from kestrel.config import Config, incarnation_id
 from kestrel.definitions import WorkflowFn
@@ -160,14 +160,14 @@ class Worker:
 
     async def _register(self) -> None:
         """Write this process's queue limits and schedules (idempotent upserts). In a
-        namespace of buckets, a queue's limits go to its home bucket too, where every claim
-        of the queue takes them (:func:`kestrel.buckets.home`); this bucket's row says them
-        to `show` and the HTTP door."""
+        namespace of buckets, a queue's limits go to every bucket: its home bucket holds
+        them for every claim of the queue (:func:`kestrel.buckets.home`), and each bucket's
+        row tells the processes claiming there that the queue is limited, whether or not
+        they declare it (FAULTS C4; `show` and the HTTP door read it too)."""
         ns = self._namespace
         async with self._pool.connection() as conn:
-            for spec in self.claimer.limited:
-                home = ns[buckets.home(spec.name, len(ns))]
-                for q in dict.fromkeys((self._q, home)):
+            for spec in self.claimer.declared:
+                for q in ns:
                     await db.run(conn, statements.queues.upsert_queue_limit(
                         q, queue=spec.name, concurrency=spec.concurrency, rate=spec.rate,
                         period_s=spec.period, per_key=spec.per_key))

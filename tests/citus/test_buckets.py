@@ -33,6 +33,7 @@ from tests.helpers import (
 from tests.integration.test_buckets import (
     core_flows,
     limit_across_the_namespace,
+    limit_undeclared_across_the_namespace,
     operator_actions_and_cron,
 )
 
@@ -200,6 +201,14 @@ def test_a_limit_holds_across_a_namespace_spread_over_the_nodes(
     transaction across nodes): never more than the limit across the namespace
     (tests/integration/test_buckets.py, limit_across_the_namespace)."""
     limit_across_the_namespace(citus_dsn, three_buckets, tmp_path)
+
+
+def test_a_limit_binds_processes_that_do_not_declare_it_on_every_node(
+        citus_dsn: str, three_buckets: str, tmp_path: Path) -> None:
+    """FAULTS C4: a declaration is written to every bucket, on whichever node, and each
+    bucket's claim of unlimited queues leaves a limited queue out
+    (tests/integration/test_buckets.py, limit_undeclared_across_the_namespace)."""
+    limit_undeclared_across_the_namespace(citus_dsn, three_buckets, tmp_path)
 
 
 def test_operator_actions_cron_and_partitions_on_a_namespace(

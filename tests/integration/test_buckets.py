@@ -302,6 +302,54 @@ def limit_across_the_namespace(pg_dsn: str, namespace: str, tmp_path: Path) -> N
     assert max(seen) == 2, f"running at once across the namespace: max {max(seen)}"
 
 
+def test_a_limit_binds_the_processes_that_do_not_declare_it_in_every_bucket(
+        pg_dsn: str, namespace: str, tmp_path: Path) -> None:
+    limit_undeclared_across_the_namespace(pg_dsn, namespace, tmp_path)
+
+
+def limit_undeclared_across_the_namespace(pg_dsn: str, namespace: str, tmp_path: Path) -> None:
+    """FAULTS C4, limits declared during the run, in a namespace: a runtime serving `lim`
+    without a limit (and not looking at the limits again for 20 s) runs beside one that
+    declares 2 at once. The declaration is written to every bucket, and every bucket's claim
+    of unlimited queues leaves a queue with limits out: never more than 2 across the
+    namespace. Before, the first runtime claimed them all at once. (The Citus tier runs it
+    too.)"""
+    names = buckets.schemas(namespace, N)
+    count = "SELECT " + " + ".join(
+        f"(SELECT count(*) FROM \"{n}\".workflow_executions WHERE queue = 'lim' "
+        "AND status = 'running')" for n in names)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
+            while not stop.is_set():
+                seen.append(int(conn.execute(count).fetchone()[0]))  # type: ignore[index]
+                stop.wait(0.01)
+
+    free = ["--queues", "default,lim", "--queue-limits", "lim", "--heartbeat", "20",
+            "--lease", "60"]
+    two = ["--queues", "default,lim", "--queue-limits", "lim:concurrency=2"]
+    client = SyncClient(pg_dsn, schema=namespace, pool_size=2)
+    sampler = threading.Thread(target=sample)
+    with runtime(pg_dsn, namespace, procs=N, args=free, log=tmp_path / "free.log"):
+        for i in range(N):  # the first runtime claims, and has looked at the limits
+            client.submit("quick", i).result(timeout=60)
+        with runtime(pg_dsn, namespace, procs=N, args=two, log=tmp_path / "two.log"):
+            wait_until(lambda: sum(q1(pg_dsn, n, "SELECT count(*) FROM {s}.queue_limits "
+                                      "WHERE concurrency = 2") for n in names) == N,
+                       timeout=60, what="the limit in every bucket")
+            sampler.start()
+            try:
+                done = [client.submit("busy", 0.3, queue="lim") for _ in range(9)]
+                for h in done:
+                    h.result(timeout=120)
+            finally:
+                stop.set()
+                sampler.join()
+    assert max(seen) == 2, f"running at once across the namespace: max {max(seen)}"
+
+
 def test_one_key_one_execution_whatever_the_clients_know_of_limits(
         pg_dsn: str, namespace: str) -> None:
     """FAULTS C4 (issue 38 row 4): a key's bucket is a function of the key alone. Before, a

@@ -348,3 +348,29 @@ def test_a_metrics_port_in_use_is_one_line_naming_the_setting(pg_dsn: str,
     line = one_line(out.stderr, "run")
     assert f"--metrics-port={port}" in line and f"127.0.0.1:{port}" in line, line
     assert "choose a free port" in line
+
+
+@pytest.mark.parametrize("queue", ["'); DELETE FROM queue_limits; --", "deploys\x00", "q\ud800",
+                                   "x" * 10_000, "", "%", "deploys "])
+def test_remove_limits_refuses_a_bad_queue_name_in_one_line_and_removes_nothing(
+        run: Cli, pg_dsn: str, schema: str, queue: str) -> None:
+    q1(pg_dsn, schema, "INSERT INTO {s}.queue_limits (queue, concurrency) VALUES "
+       "('deploys', 1) RETURNING 1")
+    code, out, err = run(pg_dsn, schema, "remove-limits", queue)
+    line = one_line(err, "remove-limits")
+    assert code == 1 and out == "", (code, out)
+    assert "invalid queue name" in line and len(line) < 2000, line
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.queue_limits") == 1
+
+
+def test_remove_limits_says_whether_the_queue_had_any(
+        run: Cli, pg_dsn: str, schema: str) -> None:
+    q1(pg_dsn, schema, "INSERT INTO {s}.queue_limits (queue, concurrency) VALUES "
+       "('deploys', 1) RETURNING 1")
+    assert run(pg_dsn, schema, "remove-limits", "nightly", "--json")[:2] == (
+        0, '{\n  "queue": "nightly",\n  "removed": false\n}\n')
+    code, out, _ = run(pg_dsn, schema, "remove-limits", "deploys")
+    assert code == 0 and "limits removed" in out, out
+    assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.queue_limits") == 0
+    code, out, _ = run(pg_dsn, schema, "remove-limits", "deploys")
+    assert code == 0 and "had no limits" in out, out

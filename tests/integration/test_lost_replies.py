@@ -677,6 +677,18 @@ def token_revoke(env: Env) -> None:
               "WHERE revoked_at IS NULL") == 0
 
 
+def limits_removed(env: Env) -> None:
+    # An operator's remove-limits commits and loses its reply: sent again, it finds nothing
+    # more to remove (and says so), and the limits are gone once.
+    with psycopg.connect(env.dsn, autocommit=True) as conn:
+        db.run_sync(conn, statements.queues.upsert_queue_limit(
+            queries(env.schema), queue="deploys", concurrency=2, rate=None, period_s=None))
+    with pytest.raises(psycopg.OperationalError):
+        env.client.remove_queue_limits("deploys")
+    assert env.client.remove_queue_limits("deploys") is False
+    assert q1(env.dsn, env.schema, "SELECT count(*) FROM {s}.queue_limits") == 0
+
+
 def hook_submit(env: Env) -> None:
     # A webhook's submit commits and loses its reply; the sender delivers again (same
     # delivery, same key) and gets the same execution.
@@ -997,6 +1009,8 @@ SWEEP: dict[str, Lost | Read | KitOnly] = {
     "fork": Lost((client_fork,)),
     "create_token": Lost((token_create,)),
     "revoke_token": Lost((token_revoke,)),
+    "remove_queue_limit": Lost((limits_removed,)),
+    "limits_of": Read("the limits a worker claims under, looked at once a heartbeat interval"),
     "get_event": Read("reads an event"),
     "get_execution": Read("reads an execution"),
     "list_steps": Read("reads checkpoints"),

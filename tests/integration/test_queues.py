@@ -174,3 +174,82 @@ def test_unknown_queue_and_bad_limits_stop_startup() -> None:
     Config(queues=("x",), queue_limits="x:concurrency=2").check_queues()
     with pytest.raises(ConfigError, match="--queue-limits"):
         Config(queue_limits="x:concurrency=two")
+
+
+def _peak_running(pg_dsn: str, schema: str, queue: str) -> tuple[list[int], threading.Event,
+                                                                    threading.Thread]:
+    """A sampler of how many executions of *queue* run, every 10 ms until its event is set."""
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        stmt = pgsql.SQL("SELECT count(*) FROM {}.workflow_executions WHERE queue = %s "
+                         "AND status = 'running'").format(pgsql.Identifier(schema))
+        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
+            while not stop.is_set():
+                samples.append(conn.execute(stmt, (queue,)).fetchone()[0])  # type: ignore[index]
+                time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    return samples, stop, sampler
+
+
+def test_a_limit_declared_mid_run_holds_for_a_process_that_does_not_declare_it(
+        pg_dsn: str, schema: str, tmp_path: Path) -> None:
+    """FAULTS C4, limits declared during the run (issue 38 row 7's family): a process whose
+    configuration has no limit on `deploys` (a rolling deploy that dropped it, another
+    service serving the queue) claimed it unlimited while another process's declaration of
+    one at a time stood in queue_limits: 8 ran at once. Now the limit in the database binds
+    every claim from the moment its row commits: the first process, which started before it
+    and does not look at the limits again for 20 s, claims none of the queue's rows
+    meanwhile, and the declaring one runs them one at a time."""
+    unlimited = ["--queues", "default,deploys", "--queue-limits", "deploys",
+                 "--heartbeat", "20", "--lease", "60"]
+    limited = ["--queues", "default,deploys", "--queue-limits", "deploys:concurrency=1"]
+    samples, stop, sampler = _peak_running(pg_dsn, schema, "deploys")
+    try:
+        with runtime(pg_dsn, schema, procs=1, args=unlimited, log=tmp_path / "free.log"):
+            # The unlimited process has made its first claim (and its look at the limits).
+            client = SyncClient(pg_dsn, schema=schema, pool_size=0)
+            client.result(client.submit(app.quick, 0).id, timeout=60)
+            with runtime(pg_dsn, schema, procs=1, args=limited, log=tmp_path / "one.log"):
+                wait_until(lambda: q1(pg_dsn, schema, "SELECT count(*) FROM {s}.queue_limits "
+                                      "WHERE queue = 'deploys'") == 1, timeout=60,
+                           what="the declared limit")
+                q(pg_dsn, schema, "SELECT {s}.submit('busy', '[0.3]', 'deploys') "
+                  "FROM generate_series(1, 8)")
+                wait_until(lambda: finished_count(pg_dsn, schema) == 9, timeout=60,
+                           what="8 executions of deploys")
+    finally:
+        stop.set()
+        sampler.join()
+    assert max(samples) == 1, max(samples)  # reached, never exceeded
+
+
+def test_removed_limits_free_the_queue_for_every_worker(
+        pg_dsn: str, schema: str, tmp_path: Path) -> None:
+    """FAULTS C4, limits removed during the run: `kestrel-runtime remove-limits` takes the
+    queue's row away, and the workers, which held it one at a time, claim it unlimited from
+    their next look at the limits. Before, nothing removed a limit, and a worker that
+    declared one and met no row would never claim the queue again."""
+    from kestrel.cli import main
+
+    args = ["--queues", "default,deploys", "--queue-limits", "deploys:concurrency=1",
+            "--concurrency", "8", "--heartbeat", "1", "--lease", "6"]
+    q(pg_dsn, schema, "SELECT {s}.submit('busy', '[1.0]', 'deploys') FROM generate_series(1, 8)")
+    samples, stop, sampler = _peak_running(pg_dsn, schema, "deploys")
+    try:
+        with runtime(pg_dsn, schema, procs=1, args=args, log=tmp_path / "rt.log"):
+            wait_until(lambda: finished_count(pg_dsn, schema) >= 1, timeout=60,
+                       what="a first execution under the limit")
+            assert max(samples) == 1
+            assert main(["remove-limits", "deploys", "--dsn", pg_dsn, "--schema", schema,
+                         "--log-level", "error"]) == 0
+            assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.queue_limits") == 0
+            wait_until(lambda: finished_count(pg_dsn, schema) == 8, timeout=60,
+                       what="the rest, unlimited")
+    finally:
+        stop.set()
+        sampler.join()
+    assert max(samples) > 1, max(samples)

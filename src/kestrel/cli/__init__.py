@@ -51,7 +51,7 @@ __all__ = ["COMMANDS", "CONNECTION", "EXIT_DIVERGED", "EXIT_NOT_FINISHED", "HIST
 TABLE: tuple[Command, ...] = (
     runtime.RUN, runtime.MIGRATE,
     executions.SUBMIT, executions.LIST,
-    versions.UNCLAIMABLE, versions.PATCHES,
+    versions.UNCLAIMABLE, versions.PATCHES, versions.REMOVE_LIMITS,
     executions.SHOW, executions.CANCEL, executions.RETRY, executions.FORK, executions.SIGNAL,
     executions.STATS,
     runtime.DSN, runtime.PARTITIONS,

@@ -1,5 +1,6 @@
-"""The commands of versions and rolling deploys (issue 18): ``unclaimable`` and
-``patches``, each its options beside its handler."""
+"""The commands of versions and rolling deploys (issue 18): ``unclaimable``, ``patches`` and
+``remove-limits`` (a queue's limits outlive the code that declared them), each its options
+beside its handler."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def patches_options(pt: argparse.ArgumentParser) -> None:
     """``patches``'s arguments."""
     pt.add_argument("patch", nargs="?", help="Only this patch id.")
     json_flag(pt)
+
+
+def remove_limits_options(rl: argparse.ArgumentParser) -> None:
+    """``remove-limits``'s arguments."""
+    rl.add_argument("queue", help="The queue whose limits go.")
+    json_flag(rl)
 
 
 def cmd_unclaimable(cfg: Config, ns: argparse.Namespace) -> int:
@@ -76,6 +83,19 @@ def cmd_patches(cfg: Config, ns: argparse.Namespace) -> int:
     return emit(ns, data, table)
 
 
+def cmd_remove_limits(cfg: Config, ns: argparse.Namespace) -> int:
+    """``kestrel-runtime remove-limits QUEUE``: the queue's row in ``queue_limits`` goes (in
+    every bucket); the workers claim it unlimited from their next look at the limits."""
+    client, _server = common.client(cfg)
+    had = client.remove_queue_limits(ns.queue)
+
+    def table() -> None:
+        print(f"queue {ns.queue}: " + ("limits removed; workers claim it unlimited within a "
+                                       "heartbeat interval" if had else "had no limits"))
+
+    return emit(ns, {"queue": ns.queue, "removed": had}, table)
+
+
 UNCLAIMABLE = Command(
     "unclaimable", "Live executions no live worker can claim (no worker registers their "
                    "workflow and queue, or every one that does runs an app version that gave "
@@ -85,3 +105,10 @@ PATCHES = Command(
     "patches", "Patches recorded by executions (ctx.patched), by workflow: how many took the "
                "new path, and how many live ones may still need the old.", cmd_patches,
     patches_options)
+REMOVE_LIMITS = Command(
+    "remove-limits", "Remove a queue's limits, wherever they were declared: every worker "
+                     "claims it unlimited (per_process included) from its next look at the "
+                     "limits (a heartbeat interval). A worker whose code or --queue-limits "
+                     "still declares them declares them again when it starts: remove them "
+                     "there first.", cmd_remove_limits, remove_limits_options,
+    examples=("kestrel-runtime remove-limits deploys",))

@@ -24,6 +24,27 @@ def upsert_queue_limit(q: Queries, *, queue: str, concurrency: int | None, rate:
                                        "per_key": per_key}, nothing)
 
 
+Limits = dict[str, dict[str, Any]]
+"""Queue limits by queue: ``concurrency``, ``rate``, ``period`` (seconds) and ``per_key``, each
+None for no limit of that kind (what :class:`kestrel.queues.QueueSpec` takes)."""
+
+
+def limits_of(q: Queries, *, queues: Sequence[str]) -> Stmt[Limits]:
+    """The limits in force for those of *queues* that have them (a row in ``queue_limits``,
+    written by whichever worker declared them); ``per_process`` is a process's own and never
+    stored."""
+    def decode(rows: Sequence[Any]) -> Limits:
+        return {r[0]: {"concurrency": r[1], "rate": r[2], "period": r[3], "per_key": r[4]}
+                for r in rows}
+
+    return Stmt(q.limits_of, {"queues": list(queues)}, decode)
+
+
+def remove_queue_limit(q: Queries, *, queue: str) -> Stmt[bool]:
+    """Remove *queue*'s limits (its row); whether it had a row."""
+    return Stmt(q.remove_queue_limit, {"queue": queue}, lambda rows: bool(rows))
+
+
 MAX_KEYS_WALKED = 1000
 """The most concurrency keys one claim of a keyed queue walks each way round its turn."""
 
