@@ -39,19 +39,7 @@ def test_global_concurrency_limit_holds_across_processes(
 ) -> None:
     q(pg_dsn, schema, "SELECT {s}.submit('busy', '[0.3]', 'ai-model') "
       "FROM generate_series(1, 40)")
-    samples: list[int] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        stmt = pgsql.SQL("SELECT count(*) FROM {}.workflow_executions WHERE queue = "
-                         "'ai-model' AND status = 'running'").format(pgsql.Identifier(schema))
-        with psycopg.connect(pg_dsn, autocommit=True, prepare_threshold=None) as conn:
-            while not stop.is_set():
-                samples.append(conn.execute(stmt).fetchone()[0])  # type: ignore[index]
-                time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
+    samples, stop, sampler = _peak_running(pg_dsn, schema, "ai-model")
     try:
         with runtime(pg_dsn, schema, procs=4, args=QUEUES, log=tmp_path / "rt.log"):
             wait_until(lambda: finished_count(pg_dsn, schema) == 40, timeout=60,
