@@ -126,5 +126,11 @@ def serve_process(dsn: str, schema: str, *, port: int, log: Path,
     try:
         wait_until(lambda: _up(api), timeout=60, what="kestrel-runtime serve")
         yield api
+    except BaseException:
+        # What the server said is in the failure's report (captured output), not lost with
+        # the test's temporary folder.
+        print(f"--- the last lines of {log}:", *log.read_text(errors="replace")
+              .splitlines()[-40:], sep="\n")
+        raise
     finally:
         stop_runtime(proc)
