@@ -162,7 +162,7 @@ def no_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_server")
-@pytest.mark.parametrize("command", [["list"], ["show", str(uuid.uuid4())], ["stats"],
+@pytest.mark.parametrize("command", [["list"], ["show", str(uuid.UUID(int=0x5eed))], ["stats"],
                                      ["dsn"], ["token", "list"], ["partitions"],
                                      ["export-histories", "--out", "-"],
                                      ["replay", "--app", "tests.apps.replay_v1"]])

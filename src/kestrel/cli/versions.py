@@ -5,6 +5,7 @@ beside its handler."""
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 from kestrel.cli import common
 from kestrel.cli.common import Command, emit, json_flag, short
@@ -106,9 +107,11 @@ PATCHES = Command(
                "new path, and how many live ones may still need the old.", cmd_patches,
     patches_options)
 REMOVE_LIMITS = Command(
-    "remove-limits", "Remove a queue's limits, wherever they were declared: every worker "
-                     "claims it unlimited (per_process included) from its next look at the "
-                     "limits (a heartbeat interval). A worker whose code or --queue-limits "
-                     "still declares them declares them again when it starts: remove them "
-                     "there first.", cmd_remove_limits, remove_limits_options,
-    examples=("kestrel-runtime remove-limits deploys",))
+    "remove-limits", "Remove a queue's limits; every worker then claims it unlimited.",
+    cmd_remove_limits, remove_limits_options,
+    examples=("kestrel-runtime remove-limits deploys",),
+    description=textwrap.fill(
+        "Remove a queue's limits, wherever they were declared: every worker claims it "
+        "unlimited (per_process included) from its next look at the limits (a heartbeat "
+        "interval). A worker whose code or --queue-limits still declares them declares them "
+        "again when it starts: remove them there first.", width=88))
