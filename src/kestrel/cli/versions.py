@@ -98,16 +98,18 @@ def cmd_remove_limits(cfg: Config, ns: argparse.Namespace) -> int:
 
 
 UNCLAIMABLE = Command(
-    "unclaimable", "Live executions no live worker can claim (no worker registers their "
-                   "workflow and queue, or every one that does runs an app version that gave "
-                   "them back): they wait, unfailed; and the live workers with their app "
-                   "versions.", cmd_unclaimable, unclaimable_options)
+    "unclaimable", "Live executions no live worker can claim; the live workers and their app "
+                   "versions.", cmd_unclaimable, unclaimable_options,
+    description=textwrap.fill(
+        "Live executions no live worker can claim (no worker registers their workflow and "
+        "queue, or every one that does runs an app version that gave them back): they wait, "
+        "unfailed; and the live workers with their app versions.", width=88))
 PATCHES = Command(
     "patches", "Patches recorded by executions (ctx.patched), by workflow: how many took the "
                "new path, and how many live ones may still need the old.", cmd_patches,
     patches_options)
 REMOVE_LIMITS = Command(
-    "remove-limits", "Remove a queue's limits; every worker then claims it unlimited.",
+    "remove-limits", "Remove a queue's limits, wherever they were declared.",
     cmd_remove_limits, remove_limits_options,
     examples=("kestrel-runtime remove-limits deploys",),
     description=textwrap.fill(
