@@ -20,7 +20,7 @@ venv: $(STAMP) ## create .venv and install kestrel with its dev tools
 run: $(STAMP) ## the main job: the runtime on an embedded PostgreSQL with the demo workload
 	$(BIN)/kestrel-runtime demo
 
-test: $(STAMP) ## the whole suite (starts its own PostgreSQL), then tests/integration through PgBouncer (TEST_PARALLEL=1: both at once)
+test: $(STAMP) ## the whole suite (starts its own PostgreSQL) and tests/integration through PgBouncer, at once, each on TEST_WORKERS (2) pytest-xdist workers
 	BIN=$(BIN) bash tools/test_passes.sh
 
 CITUS_SRC ?= ../shared/citus

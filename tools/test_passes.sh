@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# `make test`: the whole suite directly (tests, bench/micro), then tests/integration again
-# through a real PgBouncer (KESTREL_TEST_VIA=pgbouncer). Each pass starts its own PostgreSQL
-# and PgBouncer in a --basetemp of its own.
+# `make test`: the whole suite directly (tests, bench/micro) and tests/integration again
+# through a real PgBouncer (KESTREL_TEST_VIA=pgbouncer), the two passes at once, each spread
+# over TEST_WORKERS pytest-xdist workers (default 2; files stay whole on one worker). Each
+# worker of each pass starts its own PostgreSQL and PgBouncer in a --basetemp of its own.
 #
-# TEST_PARALLEL=1 runs the two passes at once (about 30 minutes instead of 45 on 2 cores:
-# most of the suite waits on processes, timers and the database). It is not the default
-# yet: on 2 cores two of its tests failed in each of two such runs, and both causes are
-# fixed since (a 6 × 16 MiB hook-budget race; the demo's Ctrl-C, ignored in the pass run in
-# the background: a background job of a non-interactive shell starts with SIGINT ignored).
-# With KESTREL_TEST_DSN (your server, shared by both) the passes always run one after the
-# other: some tests read server-wide views (pg_stat_activity) that the other pass's tests
-# on the same server would confuse.
+# On 2 cores: about 25 minutes, against 65 for the passes one after the other on one
+# worker each (most of the suite waits on processes, timers and the database). Measured in
+# BENCHMARKS.md ("The test suite's wall time").
+#
+# TEST_PARALLEL=0 runs the passes one after the other; TEST_WORKERS=1 runs each pass in one
+# process. With KESTREL_TEST_DSN (your server, shared by everything) both are forced: some
+# tests read server-wide views (pg_stat_activity) that tests running beside them on the same
+# server would confuse.
 set -uo pipefail
 bin=${BIN:-.venv/bin}
 root=${TMPDIR:-/tmp}/kestrel-tests-$$
-direct=("$bin/pytest" -q --durations=25 --benchmark-disable --ignore=tests/citus --basetemp="$root/direct"
-        tests bench/micro)
-bouncer=("$bin/pytest" -q --durations=25 --basetemp="$root/pgbouncer" tests/integration)
+workers=${TEST_WORKERS:-2}
+parallel=${TEST_PARALLEL:-1}
+if [ -n "${KESTREL_TEST_DSN:-}" ]; then
+    workers=1
+    parallel=0
+fi
+spread=()
+if [ "$workers" -gt 1 ]; then
+    spread=(-n "$workers" --dist loadfile)
+fi
+direct=("$bin/pytest" -q --durations=25 "${spread[@]}" --benchmark-disable --ignore=tests/citus
+        --basetemp="$root/direct" tests bench/micro)
+bouncer=("$bin/pytest" -q --durations=25 "${spread[@]}" --basetemp="$root/pgbouncer"
+         tests/integration)
 mkdir -p "$root"
 trap 'rm -rf "$root"' EXIT
 
-if [ -n "${KESTREL_TEST_DSN:-}" ] || [ "${TEST_PARALLEL:-0}" != 1 ]; then
+if [ "$parallel" != 1 ]; then
     "${direct[@]}"
     first_rc=$?
     echo "== tests/integration through PgBouncer"
