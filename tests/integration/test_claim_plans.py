@@ -15,7 +15,7 @@ from psycopg import sql as pgsql
 from kestrel import statements
 from kestrel.sql import queries
 from kestrel.types import Finish, Status, StepWrite
-from tests.helpers import plan_of, q
+from tests.helpers import plan_of, q, q1, wait_until
 
 BACKLOG = 20_000
 
@@ -243,32 +243,45 @@ RUNNING = 4_000  # what --procs 16 at 256 a process holds running
 
 
 @pytest.fixture
-def running_unseen(pg_dsn: str, schema: str) -> tuple[str, list[uuid.UUID]]:
+def running_unseen(direct_dsn: str, schema: str) -> tuple[str, list[uuid.UUID]]:
     """RUNNING executions running, most of them children, where the statistics last saw
     a few running and no child: what the planner knows mid-run, when autovacuum analyzed
-    the table between bursts. The 64 ids of a batch, none of them a child."""
-    q(pg_dsn, schema, """
-        INSERT INTO {s}.workflow_executions (id, workflow, queue, args, status, lease_epoch,
-                                             lease_owner)
-        SELECT gen_random_uuid(), 'wf', 'default', '[]',
-               CASE WHEN i <= 20 THEN 'running' ELSE 'queued' END, 1,
-               CASE WHEN i <= 20 THEN 't' END
-          FROM generate_series(1, %s) AS i""", [RUNNING * 2])
-    q(pg_dsn, schema, "ANALYZE {s}.workflow_executions")
-    q(pg_dsn, schema, """
-        UPDATE {s}.workflow_executions SET status = 'running', lease_owner = 't'
-         WHERE id IN (SELECT id FROM {s}.workflow_executions WHERE status = 'queued'
-                       LIMIT %s)""", [RUNNING - 20])
-    with psycopg.connect(pg_dsn) as conn:
-        ids = [r[0] for r in conn.execute(pgsql.SQL(
-            "SELECT id FROM {}.workflow_executions WHERE status = 'running' LIMIT 64"
-        ).format(pgsql.Identifier(schema))).fetchall()]
-    # and the other running executions are children of one queued, also unseen
-    q(pg_dsn, schema, """
-        UPDATE {s}.workflow_executions
-           SET parent_id = (SELECT id FROM {s}.workflow_executions WHERE status = 'queued'
-                             LIMIT 1)
-         WHERE status = 'running' AND NOT id = ANY (%s)""", [ids])
+    the table between bursts. The 64 ids of a batch, none of them a child.
+
+    Made on one direct connection whose server process has exited, its counts flushed,
+    before the test starts: the test counts the index entries read after it, and a fixture's
+    process flushing its own later (5,563 of running_queue_idx, once in CI under load) would
+    be taken for the statements under test's."""
+    with psycopg.connect(direct_dsn, autocommit=True) as conn:
+        pid = conn.info.backend_pid
+
+        def run(sql: str, *params: Any) -> list[Any]:
+            cur = conn.execute(pgsql.SQL(sql).format(s=pgsql.Identifier(schema)), params)
+            return cur.fetchall() if cur.description else []
+
+        run("""
+            INSERT INTO {s}.workflow_executions (id, workflow, queue, args, status,
+                                                 lease_epoch, lease_owner)
+            SELECT gen_random_uuid(), 'wf', 'default', '[]',
+                   CASE WHEN i <= 20 THEN 'running' ELSE 'queued' END, 1,
+                   CASE WHEN i <= 20 THEN 't' END
+              FROM generate_series(1, %s) AS i""", RUNNING * 2)
+        run("ANALYZE {s}.workflow_executions")
+        run("""
+            UPDATE {s}.workflow_executions SET status = 'running', lease_owner = 't'
+             WHERE id IN (SELECT id FROM {s}.workflow_executions WHERE status = 'queued'
+                           LIMIT %s)""", RUNNING - 20)
+        ids = [r[0] for r in run("SELECT id FROM {s}.workflow_executions "
+                                 "WHERE status = 'running' LIMIT 64")]
+        # and the other running executions are children of one queued, also unseen
+        run("""
+            UPDATE {s}.workflow_executions
+               SET parent_id = (SELECT id FROM {s}.workflow_executions WHERE status = 'queued'
+                                 LIMIT 1)
+             WHERE status = 'running' AND NOT id = ANY (%s)""", ids)
+    wait_until(lambda: q1(direct_dsn, schema, "SELECT count(*) FROM pg_stat_activity "
+                          "WHERE pid = %s", [pid]) == 0, timeout=30,
+               what="the fixture's server process to exit (flushing its counts)")
     return schema, ids
 
 
