@@ -4,8 +4,8 @@
 # over TEST_WORKERS pytest-xdist workers (default 2; files stay whole on one worker). Each
 # worker of each pass starts its own PostgreSQL and PgBouncer in a --basetemp of its own.
 #
-# On 2 cores: about 25 minutes, against 65 for the passes one after the other on one
-# worker each (most of the suite waits on processes, timers and the database). Measured in
+# On 2 cores: about 18 minutes, against about 65 for the passes one after the other in one
+# process each (most of the suite waits on processes, timers and the database). Measured in
 # BENCHMARKS.md ("The test suite's wall time").
 #
 # TEST_PARALLEL=0 runs the passes one after the other; TEST_WORKERS=1 runs each pass in one
