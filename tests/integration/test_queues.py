@@ -225,7 +225,7 @@ def test_removed_limits_free_the_queue_for_every_worker(
 
     args = ["--queues", "default,deploys", "--queue-limits", "deploys:concurrency=1",
             "--concurrency", "8", "--heartbeat", "1", "--lease", "6"]
-    q(pg_dsn, schema, "SELECT {s}.submit('busy', '[1.0]', 'deploys') FROM generate_series(1, 8)")
+    q(pg_dsn, schema, "SELECT {s}.submit('busy', '[1.0]', 'deploys') FROM generate_series(1, 12)")
     samples, stop, sampler = _peak_running(pg_dsn, schema, "deploys")
     try:
         with runtime(pg_dsn, schema, procs=1, args=args, log=tmp_path / "rt.log"):
@@ -235,7 +235,7 @@ def test_removed_limits_free_the_queue_for_every_worker(
             assert main(["remove-limits", "deploys", "--dsn", pg_dsn, "--schema", schema,
                          "--log-level", "error"]) == 0
             assert q1(pg_dsn, schema, "SELECT count(*) FROM {s}.queue_limits") == 0
-            wait_until(lambda: finished_count(pg_dsn, schema) == 8, timeout=60,
+            wait_until(lambda: finished_count(pg_dsn, schema) == 12, timeout=60,
                        what="the rest, unlimited")
     finally:
         stop.set()
