@@ -238,7 +238,13 @@ class BudgetConnection(SettingConnection):
         if self.deadline is None:
             return None
         left_ms = max(1, int((self.deadline - time.monotonic()) * 1000))
-        return named_statements()["set_statement_timeout"], {"timeout": f"{left_ms}ms"}
+        return _statement_timeout_query(), {"timeout": f"{left_ms}ms"}
+
+
+@functools.cache
+def _statement_timeout_query() -> str:
+    """``set_statement_timeout``'s text, read once (reading every statement's costs 8 ms)."""
+    return named_statements()["set_statement_timeout"]
 
 
 class Overrun(Exception):
